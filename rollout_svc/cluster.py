@@ -1,0 +1,194 @@
+"""A local cluster on one machine: a Redis (private if none answers), N worker processes, optionally the API."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import urlparse
+
+import redis
+
+from rollout_svc.config import Settings
+
+log = logging.getLogger("rollout_svc.cluster")
+
+
+def redis_answers(url: str, timeout_s: float = 0.5) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s).ping())
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return False
+
+
+class PrivateRedis:
+    """A throwaway Redis listening where `url` points: `redis-server` from PATH, else fakeredis (with a warning)."""
+
+    def __init__(self, url: str, log_dir: Path | None = None) -> None:
+        parsed = urlparse(url)
+        self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 6379
+        self.url, self.log_dir = url, log_dir
+        self.process: subprocess.Popen[bytes] | None = None
+        self._fake: Any = None
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        binary = shutil.which("redis-server")
+        if binary:
+            args = [binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no"]
+            self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        else:
+            self._start_fake()
+        deadline = time.monotonic() + timeout_s
+        while not redis_answers(self.url):
+            if time.monotonic() > deadline or (self.process and self.process.poll() is not None):
+                raise RuntimeError(f"could not start a Redis at {self.url}; is port {self.port} free?")
+            time.sleep(0.05)
+
+    def _start_fake(self) -> None:
+        try:
+            from fakeredis import TcpFakeServer
+        except ImportError as exc:
+            raise RuntimeError(
+                "no redis-server on PATH and fakeredis is not installed: install Redis >= 6.2 "
+                "(apt install redis-server) or `pip install 'fakeredis[lua]'` to try things out"
+            ) from exc
+        log.warning("no redis-server on PATH: using fakeredis, which is for trying things out, not for real runs")
+        self._fake = TcpFakeServer((self.host, self.port), server_type="redis", server_version=(7, 0))
+        self._fake.daemon_threads = True
+        threading.Thread(target=self._fake.serve_forever, name="fakeredis", daemon=True).start()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._fake is not None:
+            self._fake.shutdown()
+            self._fake.server_close()
+
+
+def cpu_sets(count: int) -> list[str]:
+    """Split this process's CPUs evenly among `count` engines, as VLLM_CPU_OMP_THREADS_BIND values ("0-1")."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cpus) // count)
+    sets = []
+    for i in range(count):
+        chunk = cpus[(i * per) % len(cpus) :][:per]
+        sets.append(f"{chunk[0]}-{chunk[-1]}" if len(chunk) > 1 else str(chunk[0]))
+    return sets
+
+
+class LocalCluster:
+    """Redis + N workers (+ the API) as child processes of this one; `stop()` leaves none behind.
+
+    Each child runs in its own process group, so stopping it also stops what it started (vLLM's
+    engine-core process). Worker logs go to `log_dir/worker-<i>.log` when `log_dir` is given.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        workers: int,
+        engine: str = "vllm",
+        worker_args: list[str] | None = None,
+        api_port: int | None = None,
+        api_host: str = "127.0.0.1",
+        log_dir: Path | None = None,
+    ) -> None:
+        self.settings, self.worker_count, self.engine = settings, workers, engine
+        self.worker_args, self.api_port, self.api_host = worker_args or [], api_port, api_host
+        self.log_dir = log_dir
+        self.redis: PrivateRedis | None = None
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self._logs: list[IO[bytes]] = []
+
+    def start(self) -> None:
+        """Start Redis if none answers, then the workers and the API. Returns at once (see `wait_ready`)."""
+        if not redis_answers(self.settings.redis_url):
+            self.redis = PrivateRedis(self.settings.redis_url)
+            self.redis.start()
+            log.info("started a private Redis at %s", self.settings.redis_url)
+        env = {
+            **os.environ,
+            "ROLLOUT_REDIS_URL": self.settings.redis_url,
+            "ROLLOUT_KEY_PREFIX": self.settings.key_prefix,
+        }
+        binds = cpu_sets(self.worker_count)
+        for i in range(self.worker_count):
+            worker_env = dict(env)
+            if self.engine == "vllm" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                worker_env["VLLM_CPU_OMP_THREADS_BIND"] = binds[i]
+            args = [sys.executable, "-m", "workers", "--engine", self.engine, *self.worker_args]
+            self._spawn(args, worker_env, f"worker-{i}")
+        if self.api_port is not None:
+            args = [sys.executable, "-m", "rollout_svc", "serve", "--host", self.api_host, "--port", str(self.api_port)]
+            self._spawn(args, env, "api")
+
+    def _spawn(self, args: list[str], env: dict[str, str], name: str) -> None:
+        out: IO[bytes] | None = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+            self._logs.append(out)
+        self.processes.append(
+            subprocess.Popen(
+                args, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True
+            )
+        )
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until every worker heartbeats. Raises `RuntimeError` if one exits or time runs out."""
+        keys = self.settings.keys
+        client = redis.Redis.from_url(self.settings.redis_url)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                members: Any = client.smembers(keys.workers)
+                live = sum(bool(client.exists(keys.worker(w.decode()))) for w in members)
+                if live >= self.worker_count:
+                    return
+                exited = [p.args for p in self.processes if p.poll() is not None]
+                if exited:
+                    raise RuntimeError(f"a cluster process exited during start-up: {exited[0]!r}; see its log")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"only {live} of {self.worker_count} workers up after {timeout_s:g} s")
+                time.sleep(0.2)
+        finally:
+            client.close()
+
+    def failed(self) -> list[subprocess.Popen[bytes]]:
+        return [p for p in self.processes if p.poll() is not None]
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM every child (workers drain and requeue), wait, then SIGKILL their process groups."""
+        for process in self.processes:
+            _signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %g s; killing it", process.args, timeout_s)
+        for process in self.processes:
+            _signal_group(process, signal.SIGKILL)  # whatever a child left behind (engine-core processes)
+            process.wait()
+        for out in self._logs:
+            out.close()
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)

@@ -1,0 +1,78 @@
+"""The few errors of rollout-svc, each saying whether retrying can help."""
+
+from __future__ import annotations
+
+
+class RolloutError(Exception):
+    """Base of every rollout-svc error.
+
+    `recoverable` tells the caller whether the same call may succeed later (a full queue, a timeout)
+    or will fail again until something is changed (bad input, a wrong model, a protocol mismatch).
+    """
+
+    recoverable: bool = False
+
+
+class InvalidRequestError(RolloutError, ValueError):
+    """The request is malformed (bad sampling params, empty prompt, prompt longer than the context).
+
+    Fix the input; sending it again unchanged fails again.
+    """
+
+    recoverable = False
+
+
+class ProtocolError(RolloutError):
+    """A message could not be decoded: not msgpack, unknown type, or another schema version."""
+
+    recoverable = False
+
+
+class QueueFullError(RolloutError):
+    """Admission was refused: the requests stream already holds `max_queued_requests` entries.
+
+    Back off and retry, or add workers. Maps to HTTP 429.
+    """
+
+    recoverable = True
+
+    def __init__(self, stream: str, queued: int, limit: int) -> None:
+        self.stream, self.queued, self.limit = stream, queued, limit
+        super().__init__(
+            f"{stream} holds {queued} queued requests (limit {limit}); retry later, add workers, "
+            "or raise ROLLOUT_MAX_QUEUED_REQUESTS"
+        )
+
+
+class RequestTimeoutError(RolloutError, TimeoutError):
+    """Some requests got no result within their timeout.
+
+    `request_ids` names them; `completed` maps request id -> result for those that did finish,
+    so a caller loses nothing that was generated.
+    """
+
+    recoverable = True
+
+    def __init__(self, request_ids: list[str], timeout_s: float, completed: dict | None = None) -> None:
+        self.request_ids, self.timeout_s = request_ids, timeout_s
+        self.completed = completed or {}
+        shown = ", ".join(request_ids[:5]) + (" ..." if len(request_ids) > 5 else "")
+        super().__init__(
+            f"{len(request_ids)} request(s) got no result within {timeout_s:g} s ({shown}); "
+            "check that workers are running with `rollout-svc status`, or raise timeout_s"
+        )
+
+
+class GenerationError(RolloutError):
+    """A worker answered a request with an error result (raised only when the caller asks for it)."""
+
+    def __init__(self, request_id: str, code: str, message: str, recoverable: bool) -> None:
+        self.request_id, self.code = request_id, code
+        self.recoverable = recoverable
+        super().__init__(f"request {request_id} failed ({code}): {message}")
+
+
+class EngineDeadError(RolloutError):
+    """The engine inside a worker died; the worker process must exit so its requests are reclaimed."""
+
+    recoverable = False

@@ -1,0 +1,250 @@
+"""Every message that crosses a process boundary, and its msgpack encoding (never pickle).
+
+Wire format of one message (the value of the single field `m` of a stream entry):
+
+    msgpack({"v": SCHEMA_VERSION, "t": "<type name>", "b": <the model's fields>})
+
+A reader refuses another schema version with `ProtocolError` rather than guessing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Annotated, Any, Literal
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rollout_svc.errors import InvalidRequestError, ProtocolError
+
+SCHEMA_VERSION = 1
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+ErrorCode = Literal[
+    "invalid_request",  # bad input: fix it, retrying will not help
+    "deadline_exceeded",  # the request's deadline passed before it finished
+    "max_deliveries",  # delivered max_deliveries times without a result (it may crash workers)
+    "undecodable",  # the entry could not be decoded
+    "engine_error",  # the engine failed on this request
+]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplingParams(_Message):
+    """Sampling parameters, with vLLM's field names and meanings (`vllm.SamplingParams`).
+
+    `n` is not a field: use `RolloutClient.sample(prompts, n)`, which sends n requests of one group.
+    Raises `pydantic.ValidationError` (through the client: `InvalidRequestError`) on bad values.
+    """
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1: no top-k")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    max_tokens: int = Field(16, ge=1)
+    min_tokens: int = Field(0, ge=0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if not all(math.isfinite(x) for x in (self.temperature, self.repetition_penalty)):
+            raise ValueError("temperature and repetition_penalty must be finite")
+        return self
+
+
+class ChatMessage(_Message):
+    """One turn of a conversation, as in OpenAI's chat API."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)  # tool calls, names: passed to the template
+    role: str
+    content: str
+
+
+class RolloutRequest(_Message):
+    """One generation: a prompt (token ids, or chat messages the worker templates) and sampling params.
+
+    `deadline` and `submitted_at` are unix seconds (wall clock: producer and worker hosts must keep
+    time with NTP). `reply_to` is the results stream of the producer.
+    """
+
+    request_id: str = Field(min_length=1)
+    session_id: str | None = None
+    group_id: str | None = None
+    prompt_token_ids: list[TokenId] | None = None
+    messages: list[ChatMessage] | None = None
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    reply_to: str
+    deadline: float | None = None
+    submitted_at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> RolloutRequest:
+        if (self.prompt_token_ids is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt_token_ids and messages")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages is empty")
+        return self
+
+
+class TokenizeRequest(_Message):
+    """Turn text (or chat messages, templated with a generation prompt) into token ids on a worker."""
+
+    request_id: str = Field(min_length=1)
+    text: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    reply_to: str
+    deadline: float | None = None
+    submitted_at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.text is None) == (self.messages is None):
+            raise ValueError("give exactly one of text and messages")
+        return self
+
+
+class DetokenizeRequest(_Message):
+    """Turn token ids into text on a worker."""
+
+    request_id: str = Field(min_length=1)
+    token_ids: list[TokenId]
+    skip_special_tokens: bool = True
+    reply_to: str
+    deadline: float | None = None
+    submitted_at: float = Field(default_factory=time.time)
+
+
+class Trajectory(_Message):
+    """The result of one rollout request.
+
+    Shapes: `completion_token_ids` and `logprobs` have one entry per generated token; `logprobs[i]` is
+    the natural-log probability of `completion_token_ids[i]` under the sampling distribution.
+    Times are seconds: `queue_time_s` from submission to the worker taking it, `generation_time_s`
+    inside the engine. `finish_reason == "error"` marks a request that failed; `error` says why.
+    """
+
+    request_id: str
+    session_id: str | None = None
+    group_id: str | None = None
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    finish_reason: FinishReason
+    text: str = ""
+    weight_version: int = 0
+    worker_id: str = ""
+    queue_time_s: float = 0.0
+    generation_time_s: float = 0.0
+    error: str | None = None
+    error_code: ErrorCode | None = None
+
+
+class ErrorResult(_Message):
+    """A worker's answer to a request it could not serve. `recoverable`: may a retry succeed?"""
+
+    request_id: str
+    code: ErrorCode
+    message: str
+    recoverable: bool = False
+    worker_id: str = ""
+
+
+class TokenizeResult(_Message):
+    """The answer to a TokenizeRequest (`token_ids`) or a DetokenizeRequest (`text`)."""
+
+    request_id: str
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    worker_id: str = ""
+
+
+Request = RolloutRequest | TokenizeRequest | DetokenizeRequest
+Result = Trajectory | ErrorResult | TokenizeResult
+_TYPES: dict[str, type[_Message]] = {
+    cls.__name__: cls
+    for cls in (RolloutRequest, TokenizeRequest, DetokenizeRequest, Trajectory, ErrorResult, TokenizeResult)
+}
+
+
+def encode(message: _Message) -> bytes:
+    """Pack a message into its msgpack envelope."""
+    return msgpack.packb({"v": SCHEMA_VERSION, "t": type(message).__name__, "b": message.model_dump()})
+
+
+def decode(data: bytes) -> Any:
+    """Unpack an envelope into its message. Raises `ProtocolError` if it is not one we understand."""
+    try:
+        envelope = msgpack.unpackb(data)
+        version, type_name, body = envelope["v"], envelope["t"], envelope["b"]
+    except Exception as exc:
+        raise ProtocolError(f"not a rollout-svc message ({type(exc).__name__}: {exc})") from exc
+    if version != SCHEMA_VERSION:
+        raise ProtocolError(
+            f"message has schema version {version!r}, this build speaks {SCHEMA_VERSION}: "
+            "run the same rollout-svc version on producers and workers"
+        )
+    cls = _TYPES.get(type_name) if isinstance(type_name, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {type_name!r}")
+    try:
+        return cls.model_validate(body)
+    except ValidationError as exc:
+        raise ProtocolError(f"invalid {type_name}: {exc}") from exc
+
+
+def reply_address(data: bytes) -> tuple[str, str] | None:
+    """Best effort (request_id, reply_to) of an entry that failed to decode, so its producer can be told."""
+    try:
+        body = msgpack.unpackb(data)["b"]
+        request_id, reply_to = body["request_id"], body["reply_to"]
+    except Exception:
+        return None
+    if isinstance(request_id, str) and isinstance(reply_to, str):
+        return request_id, reply_to
+    return None
+
+
+def as_sampling_params(value: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+    """Validate user sampling params. Raises `InvalidRequestError` naming every bad field."""
+    if isinstance(value, SamplingParams):
+        return value
+    try:
+        return SamplingParams.model_validate(value or {})
+    except ValidationError as exc:
+        raise InvalidRequestError(f"invalid sampling params: {exc}") from exc
+
+
+class WorkerStatus(BaseModel):
+    """A worker's heartbeat, as stored in the hash `rollout:worker:{worker_id}` (times: unix seconds)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    worker_id: str
+    state: Literal["starting", "serving", "draining"] = "serving"
+    engine: str = ""
+    model: str = ""
+    capacity: int = 0
+    in_flight: int = 0
+    served: int = 0
+    weight_version: int = 0
+    host: str = ""
+    pid: int = 0
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0

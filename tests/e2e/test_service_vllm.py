@@ -1,0 +1,92 @@
+"""The service end to end on the real model: RolloutClient -> Redis Streams -> a vLLM worker -> back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rollout_svc import RolloutClient, dataset
+from rollout_svc.config import Settings
+from rollout_svc.model import prepare_model
+from tests.support import ROOT, WorkerProcs
+
+pytestmark = pytest.mark.vllm
+
+MiB = 2**20
+# float32, one request at a time, the same settings both ways: bf16 and batching change the numerics.
+ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8"]
+ENGINE_ARGS += ["--kv-cache-memory-bytes", str(256 * MiB)]
+GREEDY = {"temperature": 0.0, "max_tokens": 32}
+
+
+def cpu_env() -> dict[str, str]:
+    cpus = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}-{cpus[-1]}")}
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return prepare_model(Settings().cache_dir)
+
+
+@pytest.fixture(scope="module")
+def vllm_service(redis_url: str, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    """One float32 vLLM worker for the module, under a key prefix of its own (other tests flush the db)."""
+    settings = Settings(redis_url=redis_url, key_prefix="e2e", heartbeat_ttl_s=30, request_timeout_s=300)
+    procs = WorkerProcs(settings, tmp_path_factory.mktemp("vllm-worker"))
+    procs.start("vllm-0", "--engine", "vllm", "--model", str(model_dir), *ENGINE_ARGS, env=cpu_env())
+    try:
+        procs.wait_live("vllm-0", timeout_s=300)
+        yield settings
+    finally:
+        procs.stop_all()
+
+
+def direct_vllm(model_dir: Path, prompts: list[list[int]], tmp_path: Path) -> list[dict]:
+    """vLLM called directly (no queue), with the worker's engine settings, one prompt at a time."""
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    args = [sys.executable, "-m", "workers.direct", "--model", str(model_dir), *ENGINE_ARGS, "--sequential"]
+    args += ["--prompts-file", str(tmp_path / "prompts.json"), "--out", str(tmp_path / "out.json")]
+    args += ["--temperature", "0", "--max-tokens", str(GREEDY["max_tokens"])]
+    subprocess.run(args, check=True, cwd=ROOT, env={**os.environ, **cpu_env()}, timeout=300, capture_output=True)
+    return json.loads((tmp_path / "out.json").read_text())["outputs"]
+
+
+async def test_greedy_generate_is_token_identical_to_direct_vllm(vllm_service, model_dir, tmp_path):
+    conversations = dataset.first_turns(6, max_chars=600)
+    async with RolloutClient(vllm_service) as client:
+        prompts = await client.apply_chat_template(conversations)
+        trajectories = [(await client.generate([p], GREEDY))[0] for p in prompts]  # one at a time
+    direct = direct_vllm(model_dir, prompts, tmp_path)
+    for prompt, trajectory, reference in zip(prompts, trajectories, direct, strict=True):
+        assert trajectory.prompt_token_ids == prompt
+        assert trajectory.completion_token_ids == reference["completion_token_ids"]
+        assert trajectory.logprobs == pytest.approx(reference["logprobs"], abs=1e-4)
+        assert trajectory.finish_reason in ("stop", "length") and trajectory.worker_id == "vllm-0"
+        assert trajectory.text.strip() and trajectory.weight_version == 0
+        assert trajectory.generation_time_s > 0 and trajectory.queue_time_s >= 0
+
+
+async def test_chat_tokens_and_errors_on_the_real_model(vllm_service):
+    async with RolloutClient(vllm_service) as client:
+        [ids] = await client.tokenize(["The capital of France is"], add_special_tokens=False)
+        assert await client.detokenize([ids]) == ["The capital of France is"]
+        conversation = [{"role": "user", "content": "What is the capital of France? One word."}]
+        [trajectory] = await client.chat([conversation], GREEDY)
+        [template_ids] = await client.apply_chat_template([conversation])
+        assert trajectory.prompt_token_ids == template_ids
+        assert "Paris" in trajectory.text
+        # A prompt longer than the 2048-token context fails alone; its neighbours are served.
+        batch = await client.generate([ids, ids * 600, ids], {"temperature": 0.0, "max_tokens": 4})
+        assert [t.finish_reason for t in batch] == ["length", "error", "length"]
+        assert batch[1].error_code == "invalid_request"
+        assert batch[0].completion_token_ids == batch[2].completion_token_ids
+        # Sampled logprobs are real log-probabilities.
+        [sampled] = await client.generate([ids], {"temperature": 1.0, "max_tokens": 16, "seed": 1})
+        assert len(sampled.logprobs) == len(sampled.completion_token_ids) and all(lp <= 0 for lp in sampled.logprobs)

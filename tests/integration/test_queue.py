@@ -1,0 +1,291 @@
+"""The data plane against a real redis-server and real worker processes (echo engine: these are queue tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import pickle
+import time
+from collections import Counter
+
+import msgpack
+import pytest
+import redis
+
+from rollout_svc import InvalidRequestError, QueueFullError, RequestTimeoutError, RolloutClient, SyncRolloutClient
+from rollout_svc.config import Settings
+from rollout_svc.keys import PAYLOAD_FIELD, WORKERS_GROUP
+from rollout_svc.protocol import RolloutRequest, SamplingParams, encode
+from rollout_svc.streams import RequestStreams, Requeue
+
+
+async def test_batch_comes_back_in_input_order_across_two_workers(settings, echo_workers):
+    # Small capacity and a per-token delay, so neither worker can swallow the whole batch.
+    echo_workers(2, "--max-num-seqs", "16", "--echo-token-delay-s", "0.002")
+    prompts = [[i + 1, (i * 7) % 250 + 1, 3] for i in range(200)]
+    async with RolloutClient(settings) as client:
+        trajectories = await client.generate(prompts, {"max_tokens": 8})
+    assert [t.prompt_token_ids for t in trajectories] == prompts
+    assert [t.completion_token_ids for t in trajectories] == prompts  # echo: the completion is the prompt
+    assert len({t.request_id for t in trajectories}) == 200
+    served = Counter(t.worker_id for t in trajectories)
+    assert set(served) == {"echo-0", "echo-1"}, served
+    assert all(t.finish_reason == "stop" and t.logprobs == [0.0] * 3 for t in trajectories)
+
+
+async def test_sessions_are_sticky_and_balanced(settings, echo_workers):
+    worker_ids = echo_workers(3)
+    sessions = [f"session-{i}" for i in range(10)]
+    async with RolloutClient(settings) as client:
+        served_by: dict[str, set[str]] = {s: set() for s in sessions}
+        for turn in range(3):
+            trajectories = await client.generate([[turn + 1, 2]] * len(sessions), {"max_tokens": 4}, sessions)
+            for session_id, t in zip(sessions, trajectories, strict=True):
+                assert t.session_id == session_id
+                served_by[session_id].add(t.worker_id)
+    assert all(len(ws) == 1 for ws in served_by.values()), served_by
+    per_worker = Counter(next(iter(ws)) for ws in served_by.values())
+    assert max(per_worker.values()) <= math.ceil(len(sessions) / len(worker_ids)) + 1, per_worker
+
+
+async def test_finish_session_lets_it_be_placed_anew(settings, echo_workers):
+    echo_workers(2)
+    async with RolloutClient(settings) as client:
+
+        async def turn(session_id: str) -> str:
+            [t] = await client.generate([[1, 2]], {"max_tokens": 2}, [session_id])
+            return t.worker_id
+
+        first = await turn("s")
+        other = await turn("b")  # least loaded: the other worker
+        assert other != first
+        third = await turn("c")  # a tie: lowest id
+        assert await client.finish_session("s") is True
+        assert await client.session_worker("s") is None
+        # Fill the worker "s" left so that the least-loaded worker is now the other one.
+        fillers = [await turn("fill")]
+        load = Counter([other, third, *fillers])
+        again = await turn("s")
+        assert again == min(load, key=lambda w: (load[w], w)), (first, load, again)
+        assert again != first
+        assert await client.session_worker("s") == again
+
+
+async def test_kill_9_a_worker_mid_batch_loses_nothing_and_duplicates_nothing(settings, workers, echo_workers):
+    echo_workers(2, "--max-num-seqs", "32", "--echo-token-delay-s", "0.01")
+    prompts = [[i + 1] * 20 for i in range(200)]  # 20 tokens x 10 ms: 0.2 s each, 32 at a time per worker
+    async with RolloutClient(settings) as client:
+        task = asyncio.create_task(client.generate(prompts, {"max_tokens": 20}, timeout_s=60))
+        await asyncio.sleep(0.5)
+        workers.kill("echo-0")  # SIGKILL: no drain, no deregistration
+        trajectories = await task
+        duplicates = client._connection.duplicates
+    assert [t.prompt_token_ids for t in trajectories] == prompts
+    assert all(t.finish_reason == "stop" for t in trajectories)
+    assert len({t.request_id for t in trajectories}) == 200
+    served = Counter(t.worker_id for t in trajectories)
+    assert served["echo-1"] > 100 and served["echo-0"] > 0, served  # echo-1 took over echo-0's requests
+    assert duplicates >= 0  # a requeued request may answer twice; the caller still saw each once
+    rds = redis.Redis.from_url(settings.redis_url)
+    assert rds.xlen(settings.keys.requests) == 0
+    assert rds.xlen(settings.keys.dead) == 0
+    assert not rds.sismember(settings.keys.workers, "echo-0")  # reaped
+
+
+async def test_a_live_worker_keeps_its_long_generation(settings, echo_workers, rds):
+    # 40 tokens x 0.1 s = 4 s: twice the heartbeat TTL. Only dead workers' requests are reclaimed.
+    echo_workers(2, "--echo-token-delay-s", "0.1")
+    async with RolloutClient(settings) as client:
+        task = asyncio.create_task(client.generate([[7] * 40], {"max_tokens": 40}))
+        await asyncio.sleep(3.0)
+        pending = rds.xpending_range(settings.keys.requests, WORKERS_GROUP, "-", "+", 10)
+        assert len(pending) == 1 and pending[0]["times_delivered"] == 1
+        [trajectory] = await task
+        assert trajectory.worker_id == pending[0]["consumer"].decode()
+        assert trajectory.generation_time_s >= 3.9
+        served = await served_counts(client, total=1)
+    assert sorted(served.values()) == [0, 1], served  # generated once, by one worker
+
+
+async def served_counts(client: RolloutClient, total: int, timeout_s: float = 5) -> dict[str, int]:
+    """Per-worker `served` from the heartbeats, once they add up to `total` (heartbeats lag by an interval)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        served = {w.worker_id: w.served for w in await client.workers()}
+        if sum(served.values()) >= total or time.monotonic() > deadline:
+            return served
+        await asyncio.sleep(0.05)
+
+
+async def test_undecodable_entry_goes_to_dead_letters_and_worker_keeps_serving(settings, echo_workers, rds):
+    echo_workers(1)
+    keys = settings.keys
+    rds.xadd(keys.requests, {PAYLOAD_FIELD: b"\xc1 not msgpack"})
+    rds.xadd(keys.requests, {b"other": b"no payload field"})
+    async with RolloutClient(settings) as client:
+        # A request from another schema version: dead-lettered, and its producer is told.
+        connection = await client._connect()
+        stale = {"v": 999, "t": "RolloutRequest", "b": {"request_id": "old-1", "reply_to": connection.results}}
+        pending = connection.expect(["old-1"])
+        rds.xadd(keys.requests, {PAYLOAD_FIELD: msgpack.packb(stale)})
+        await asyncio.wait_for(pending.done, 10)
+        [error] = pending.results
+        assert error.code == "undecodable" and "schema version" in error.message
+        [trajectory] = await client.generate([[1, 2, 3]], {"max_tokens": 3})
+    assert trajectory.completion_token_ids == [1, 2, 3]
+    dead = rds.xrange(keys.dead)
+    assert len(dead) == 3
+    assert {fields[b"reason"] for _, fields in dead} == {b"undecodable"}
+    assert dead[0][1][b"payload"] == b"\xc1 not msgpack"
+    assert rds.xlen(keys.requests) == 0
+
+
+async def test_prompt_longer_than_context_fails_alone(settings, echo_workers):
+    echo_workers(1, "--max-model-len", "2048")
+    async with RolloutClient(settings) as client:
+        trajectories = await client.generate([[1, 2], [5] * 3000, [3, 4]], {"max_tokens": 4})
+    assert [t.finish_reason for t in trajectories] == ["stop", "error", "stop"]
+    assert trajectories[1].error_code == "invalid_request"
+    assert "3000 tokens" in trajectories[1].error
+    assert trajectories[2].completion_token_ids == [3, 4]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"temperature": -1.0}, {"top_p": 0.0}, {"max_tokens": 0}, {"n": 4}, {"min_tokens": 9, "max_tokens": 4}],
+)
+async def test_invalid_sampling_params_are_refused_before_sending(settings, rds, params):
+    async with RolloutClient(settings) as client:
+        with pytest.raises(InvalidRequestError, match="sampling params"):
+            await client.generate([[1, 2, 3]], params)
+    assert rds.xlen(settings.keys.requests) == 0
+
+
+async def test_bad_prompts_are_refused_before_sending(settings, rds):
+    async with RolloutClient(settings) as client:
+        for prompts in ([[]], [[1, -2]], [["a"]]):
+            with pytest.raises(InvalidRequestError, match="request 0 is invalid"):
+                await client.generate(prompts)
+        with pytest.raises(InvalidRequestError, match="session_ids has 1 entries for 2 prompts"):
+            await client.generate([[1], [2]], session_ids=["s"])
+    assert rds.xlen(settings.keys.requests) == 0
+
+
+async def test_request_past_its_deadline_is_not_generated(settings, echo_workers, rds):
+    async with RolloutClient(settings) as client:
+        with pytest.raises(RequestTimeoutError, match="rollout-svc status") as info:
+            await client.generate([[1, 2, 3]], timeout_s=0.3)  # no worker yet
+        assert len(info.value.request_ids) == 1 and info.value.completed == {}
+        echo_workers(1)
+        deadline = time.monotonic() + 10
+        while rds.xlen(settings.keys.requests) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert rds.xlen(settings.keys.requests) == 0  # taken and acked ...
+        [trajectory] = await client.generate([[4]])  # a request that is generated, to sync with the counter
+        served = await served_counts(client, total=1)
+    assert served == {trajectory.worker_id: 1}  # ... but never generated
+
+
+async def test_entry_over_max_deliveries_becomes_dead_letter_with_error_result(settings, echo_workers, rds):
+    echo_workers(1)
+    async with RolloutClient(settings) as client:
+        connection = await client._connect()
+        request = RolloutRequest(request_id="poison", prompt_token_ids=[1], reply_to=connection.results)
+        pending = connection.expect(["poison"])
+        streams = RequestStreams(connection.redis, settings.keys, settings.session_ttl_s)
+        await streams.requeue([Requeue(encode(request), None, settings.max_deliveries)], [])
+        await asyncio.wait_for(pending.done, 10)
+        [error] = pending.results
+    assert error.code == "max_deliveries"
+    [(_, fields)] = rds.xrange(settings.keys.dead)
+    assert fields[b"reason"] == b"max_deliveries" and int(fields[b"deliveries"]) == settings.max_deliveries + 1
+
+
+async def test_admission_is_bounded(settings, rds):
+    bounded = settings.model_copy(update={"max_queued_requests": 10})
+    async with RolloutClient(bounded) as client:
+        with pytest.raises(QueueFullError, match="limit 10") as info:
+            await client.generate([[1]] * 11, timeout_s=1)
+        assert info.value.recoverable
+        assert rds.xlen(settings.keys.requests) == 0  # all or nothing
+        with pytest.raises(RequestTimeoutError):
+            await client.generate([[1]] * 10, timeout_s=0.2)  # admitted: no worker to serve it
+    assert rds.xlen(settings.keys.requests) == 10
+
+
+async def test_tokenize_chat_and_sample(settings, echo_workers):
+    echo_workers(2)
+    async with RolloutClient(settings) as client:
+        ids = await client.tokenize(["hello", "wörld"])
+        assert ids == [list(b"hello"), list("wörld".encode())]
+        assert await client.detokenize(ids) == ["hello", "wörld"]
+        conversation = [{"role": "user", "content": "hi"}]
+        [template_ids] = await client.apply_chat_template([conversation])
+        [trajectory] = await client.chat([conversation], {"max_tokens": 100})
+        assert trajectory.prompt_token_ids == template_ids
+        assert "hi" in trajectory.text
+        groups = await client.sample([[1, 2], [3, 4]], n=3, sampling_params={"seed": 5})
+        assert [len(g) for g in groups] == [3, 3]
+        assert [t.prompt_token_ids for t in groups[1]] == [[3, 4]] * 3
+        assert len({t.group_id for t in groups[0]}) == 1 and groups[0][0].group_id != groups[1][0].group_id
+        assert await client.world_size() == 2
+
+
+def test_client_pickles_and_has_a_sync_wrapper(settings, echo_workers):
+    echo_workers(1)
+    client = pickle.loads(pickle.dumps(SyncRolloutClient(settings)))
+    try:
+        [trajectory] = client.generate([[4, 5, 6]], SamplingParams(max_tokens=2))
+        assert trajectory.completion_token_ids == [4, 5]
+        assert client.world_size() == 1
+    finally:
+        client.close()
+    assert pickle.loads(pickle.dumps(RolloutClient(settings))).settings == settings
+
+
+async def test_sigterm_requeues_unfinished_requests_to_the_other_worker(settings, workers, echo_workers):
+    echo_workers(1, "--echo-token-delay-s", "0.05", "--drain-timeout-s", "0")
+    async with RolloutClient(settings) as client:
+        task = asyncio.create_task(client.generate([[9] * 20] * 4, {"max_tokens": 20}))  # 1 s each
+        await asyncio.sleep(0.3)
+        workers.kill("echo-0", sig=15)  # SIGTERM, no drain time: its 4 requests go back to the queue
+        workers.procs["echo-0"].wait(timeout=10)
+        echo_workers(1, "--echo-token-delay-s", "0.05")
+        trajectories = await task
+    assert {t.worker_id for t in trajectories} == {"echo-1"}
+    assert "requeued 4 requests" in workers.log("echo-0")
+
+
+def test_results_stream_is_removed_on_close(settings, echo_workers, rds):
+    echo_workers(1)
+
+    async def run() -> str:
+        async with RolloutClient(settings) as client:
+            await client.generate([[1]])
+            return client._connection.results
+
+    results = asyncio.run(run())
+    assert not rds.exists(results)
+
+
+def test_settings_come_from_env(monkeypatch):
+    monkeypatch.setenv("ROLLOUT_REDIS_URL", "redis://example:1/2")
+    monkeypatch.setenv("ROLLOUT_MAX_DELIVERIES", "7")
+    settings = Settings()
+    assert settings.redis_url == "redis://example:1/2" and settings.max_deliveries == 7
+
+
+async def test_generation_is_cancelled_when_its_deadline_passes(settings, echo_workers):
+    echo_workers(1, "--echo-token-delay-s", "0.1")  # 40 tokens: 4 s
+    async with RolloutClient(settings) as client:
+        connection = await client._connect()
+        request = RolloutRequest(
+            request_id="late", prompt_token_ids=[3] * 40, reply_to=connection.results, deadline=time.time() + 0.5
+        )
+        pending = connection.expect(["late"])
+        await connection.enqueue([(None, encode(request))])
+        await asyncio.wait_for(pending.done, 3.0)  # well before the 4 s generation would end
+        [error] = pending.results
+        assert error.code == "deadline_exceeded" and "during generation" in error.message
+        [status] = await client.workers()
+        assert status.served == 0

@@ -1,0 +1,48 @@
+"""Project-level guarantees: the import boundary, the compose file, the CLI contract, no pickle."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_import_rollout_svc_pulls_in_neither_vllm_nor_torch():
+    code = "import sys, rollout_svc, rollout_svc.cli; print(sorted({'vllm', 'torch'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_no_pickle_in_service_code():
+    pattern = re.compile(r"\bpickle\.(loads?|Unpickler)|cloudpickle")
+    sources = [p for d in ("rollout_svc", "workers") for p in (ROOT / d).rglob("*.py")]
+    offenders = [p for p in sources if pattern.search(p.read_text())]
+    assert offenders == []
+
+
+def test_docker_compose_runs_redis_workers_and_the_api():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"redis", "worker", "api"} <= set(services)
+    assert services["redis"]["image"].startswith("redis:")
+    for name in ("worker", "api"):
+        env = services[name]["environment"]
+        assert env["ROLLOUT_REDIS_URL"].startswith("redis://redis:6379")
+        assert "redis" in services[name]["depends_on"]
+    assert "workers" in " ".join(services["worker"]["command"])
+    assert "serve" in services["api"]["command"]
+    assert (ROOT / services["worker"]["build"]["dockerfile"]).exists()
+
+
+def test_every_cli_command_answers_help():
+    for command in ("up", "worker", "serve", "status", "demo", "bench", "model"):
+        out = subprocess.run(
+            [sys.executable, "-m", "rollout_svc", command, "--help"], capture_output=True, text=True, cwd=ROOT
+        )
+        assert out.returncode == 0, (command, out.stderr)
+        assert "--redis-url" in out.stdout or command == "model", command

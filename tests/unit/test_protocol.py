@@ -1,0 +1,78 @@
+"""Wire messages: msgpack round trips, schema version checks, validation of user input."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from rollout_svc.errors import InvalidRequestError, ProtocolError
+from rollout_svc.protocol import (
+    SCHEMA_VERSION,
+    ErrorResult,
+    RolloutRequest,
+    SamplingParams,
+    Trajectory,
+    as_sampling_params,
+    decode,
+    encode,
+    reply_address,
+)
+
+
+def test_round_trip_keeps_every_field():
+    request = RolloutRequest(
+        request_id="r1",
+        session_id="s1",
+        group_id="g1",
+        messages=[{"role": "user", "content": "hi", "name": "bob"}],
+        sampling_params=SamplingParams(temperature=0.5, stop=["\n"], seed=3),
+        reply_to="rollout:results:p",
+        deadline=123.5,
+    )
+    assert decode(encode(request)) == request
+    trajectory = Trajectory(
+        request_id="r1", prompt_token_ids=[1], completion_token_ids=[2, 3], logprobs=[-0.5, -1.0], finish_reason="stop"
+    )
+    assert decode(encode(trajectory)) == trajectory
+
+
+def test_envelope_carries_schema_version_and_type():
+    envelope = msgpack.unpackb(encode(ErrorResult(request_id="r", code="undecodable", message="m")))
+    assert envelope["v"] == SCHEMA_VERSION and envelope["t"] == "ErrorResult"
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"\xc1", "not a rollout-svc message"),
+        (msgpack.packb({"v": SCHEMA_VERSION + 1, "t": "Trajectory", "b": {}}), "schema version"),
+        (msgpack.packb({"v": SCHEMA_VERSION, "t": "os.system", "b": {}}), "unknown message type"),
+        (msgpack.packb({"v": SCHEMA_VERSION, "t": "Trajectory", "b": {"request_id": 1}}), "invalid Trajectory"),
+    ],
+)
+def test_decode_refuses_what_it_does_not_understand(data, match):
+    with pytest.raises(ProtocolError, match=match):
+        decode(data)
+
+
+def test_reply_address_of_a_message_that_did_not_decode():
+    data = msgpack.packb({"v": 99, "t": "RolloutRequest", "b": {"request_id": "r", "reply_to": "q"}})
+    assert reply_address(data) == ("r", "q")
+    assert reply_address(b"junk") is None
+
+
+def test_request_needs_exactly_one_prompt():
+    with pytest.raises(ValueError, match="exactly one"):
+        RolloutRequest(request_id="r", reply_to="q")
+    with pytest.raises(ValueError, match="exactly one"):
+        RolloutRequest(request_id="r", reply_to="q", prompt_token_ids=[1], messages=[{"role": "user", "content": "x"}])
+
+
+def test_sampling_params_use_vllm_names_and_refuse_unknown_fields():
+    assert as_sampling_params({"temperature": 0, "top_k": -1}).top_k == -1
+    with pytest.raises(InvalidRequestError, match="temprature"):
+        as_sampling_params({"temprature": 0.5})
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        as_sampling_params({"min_tokens": 5, "max_tokens": 2})
+    with pytest.raises(InvalidRequestError, match="finite"):
+        as_sampling_params({"temperature": float("inf")})

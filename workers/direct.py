@@ -1,0 +1,140 @@
+"""The reference: prompts run straight on vLLM's AsyncLLM, with VLLMEngine's settings and no rollout-svc queue.
+
+Used by the "service vs direct vLLM: token-identical" test and by the throughput benchmark
+(service tok/s / direct tok/s). From the command line:
+
+    python -m workers.direct --model DIR --prompts-file IN.json --out OUT.json [--dtype float32]
+        [--max-tokens N] [--temperature 0] [--sequential] [--max-num-seqs N] [--kv-cache-memory-bytes N]
+
+IN.json is a JSON list of prompts, each a list of token ids. OUT.json gets
+`{"outputs": [{"completion_token_ids": [...], "logprobs": [...]}, ...], "output_tokens": N,
+"elapsed_s": S, "output_tokens_per_s": X}`, outputs in prompt order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from workers.engine import MiB, sampled_logprobs, vllm_engine_args
+
+
+async def run_prompts(
+    llm: Any, prompts: list[list[int]], sampling_params: Any, sequential: bool, max_tokens: int | None = None
+) -> dict[str, Any]:
+    """Generate one completion per prompt on a started `AsyncLLM`; return the OUT.json dict.
+
+    `sampling_params` is a `vllm.SamplingParams` with `logprobs=0, flat_logprobs=True, output_kind=FINAL_ONLY`.
+    `sequential` awaits each prompt before sending the next; otherwise all are in flight at once (continuous
+    batching). `max_tokens` overrides the params' own. `elapsed_s` is wall-clock seconds for the generation
+    alone, not the engine's startup.
+    """
+    if max_tokens is not None:
+        sampling_params.max_tokens = max_tokens
+    from vllm.inputs import tokens_input
+
+    async def one(index: int, prompt: list[int]) -> dict[str, Any]:
+        # FINAL_ONLY: vLLM yields once, when the request is done.
+        finals = [final async for final in llm.generate(tokens_input(prompt), sampling_params, f"direct-{index}")]
+        output = finals[-1].outputs[0]
+        return {"completion_token_ids": list(output.token_ids), "logprobs": sampled_logprobs(output)}
+
+    started_s = time.perf_counter()
+    if sequential:
+        outputs = [await one(i, prompt) for i, prompt in enumerate(prompts)]
+    else:
+        outputs = list(await asyncio.gather(*(one(i, prompt) for i, prompt in enumerate(prompts))))
+    elapsed_s = time.perf_counter() - started_s
+    output_tokens = sum(len(o["completion_token_ids"]) for o in outputs)
+    return {
+        "outputs": outputs,
+        "output_tokens": output_tokens,
+        "elapsed_s": elapsed_s,
+        "output_tokens_per_s": output_tokens / elapsed_s if elapsed_s > 0 else 0.0,
+    }
+
+
+async def run_direct(
+    model: str,
+    prompts: list[list[int]],
+    *,
+    max_tokens: int = 128,
+    temperature: float = 0.0,
+    ignore_eos: bool = False,
+    sequential: bool = False,
+    warmup: bool = False,
+    **engine_settings: Any,
+) -> dict[str, Any]:
+    """Start an AsyncLLM from `vllm_engine_args(model, **engine_settings)`, run `prompts`, shut it down.
+
+    `warmup` first runs the first two prompts for 4 tokens, untimed: what the benchmark's service side does
+    too, so first-call costs (kernel set-up, the prefix cache of those two prompts) fall alike on both.
+    Returns `run_prompts`' dict. The caller's entry point needs an `if __name__ == "__main__":` guard
+    (vLLM spawns its engine core).
+    """
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    sampling_params = SamplingParams(
+        temperature=temperature,
+        max_tokens=max_tokens,
+        ignore_eos=ignore_eos,
+        logprobs=0,
+        flat_logprobs=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+    # Built on the loop, blocking it for the ~15 s startup: nothing else runs here, and elapsed_s starts later.
+    llm = AsyncLLM.from_engine_args(vllm_engine_args(model, **engine_settings))
+    try:
+        if warmup:
+            await run_prompts(llm, prompts[:2], sampling_params.clone(), sequential=False, max_tokens=4)
+        return await run_prompts(llm, prompts, sampling_params, sequential)
+    finally:
+        llm.shutdown()
+        del llm  # AsyncLLM sits in a reference cycle: collect it while vLLM's globals exist (see VLLMEngine.close)
+        gc.collect()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m workers.direct", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="Hugging Face model folder")
+    parser.add_argument("--prompts-file", type=Path, required=True, help="JSON list of lists of prompt token ids")
+    parser.add_argument("--out", type=Path, required=True, help="where to write the results JSON")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    parser.add_argument("--sequential", action="store_true", help="one prompt at a time, else all at once")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=512 * MiB)
+    parser.add_argument("--warmup", action="store_true", help="first run 2 prompts for 4 tokens, untimed")
+    args = parser.parse_args(argv)
+    prompts = json.loads(args.prompts_file.read_text())
+    result = asyncio.run(
+        run_direct(
+            args.model,
+            prompts,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            ignore_eos=args.ignore_eos,
+            sequential=args.sequential,
+            warmup=args.warmup,
+            dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        )
+    )
+    args.out.write_text(json.dumps(result))
+    print(f"{result['output_tokens']} tokens in {result['elapsed_s']:.2f} s: {result['output_tokens_per_s']:.1f} tok/s")
+
+
+if __name__ == "__main__":
+    main()

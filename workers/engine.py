@@ -1,0 +1,310 @@
+"""The Engine protocol a worker drives, and its implementations: VLLMEngine (real) and EchoEngine (queue tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from rollout_svc.errors import EngineDeadError, InvalidRequestError
+from rollout_svc.protocol import SamplingParams
+
+if TYPE_CHECKING:  # vllm is imported lazily: a worker running EchoEngine must not pay its import
+    from vllm import RequestOutput
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What an engine returns for one request. `logprobs[i]` is the logprob of `completion_token_ids[i]`."""
+
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    text: str
+
+
+class Engine(Protocol):
+    """One engine replica. A worker calls `start` once, then many `generate` calls concurrently.
+
+    `generate` raises `InvalidRequestError` for input this engine cannot serve (for example a prompt
+    longer than its context) and `EngineDeadError` when the engine itself has died.
+    """
+
+    model_name: str
+    capacity: int  # how many requests it runs at once; the worker reads no more than its free capacity
+
+    async def start(self) -> None: ...
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Completion: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]: ...
+
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]: ...
+
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str: ...
+
+    async def close(self) -> None: ...
+
+
+class EchoEngine:
+    """Deterministic, zero-compute engine for queue tests and overhead benchmarks. Never the default.
+
+    Its vocabulary is bytes: text tokenizes to its UTF-8 bytes. A completion echoes the prompt back,
+    cut at `max_tokens` (finish reason `length`, else `stop`), each token with logprob 0.0.
+    `token_delay_s` sleeps per generated token, to stand in for a long generation.
+    """
+
+    def __init__(
+        self, model_name: str = "echo", capacity: int = 1024, max_model_len: int = 2048, token_delay_s: float = 0.0
+    ) -> None:
+        self.model_name, self.capacity = model_name, capacity
+        self.max_model_len, self.token_delay_s = max_model_len, token_delay_s
+
+    async def start(self) -> None:
+        return None
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Completion:
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt_token_ids)} tokens; this model's context is {self.max_model_len}"
+            )
+        completion = list(prompt_token_ids[: params.max_tokens])
+        if self.token_delay_s:
+            await asyncio.sleep(self.token_delay_s * len(completion))
+        finish_reason = "length" if len(prompt_token_ids) > params.max_tokens else "stop"
+        text = await self.detokenize(completion, params.skip_special_tokens)
+        return Completion(list(prompt_token_ids), completion, [0.0] * len(completion), finish_reason, text)
+
+    async def abort(self, request_id: str) -> None:
+        return None  # the worker cancels the generate task itself
+
+    async def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        rendered = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + "<|assistant|>"
+        return await self.tokenize(rendered, add_special_tokens=False)
+
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(text.encode())
+
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        return bytes(t for t in token_ids if t < 256).decode(errors="replace")
+
+    async def close(self) -> None:
+        return None
+
+
+def vllm_engine_args(
+    model: str,
+    *,
+    dtype: str = "auto",
+    max_model_len: int = 2048,
+    kv_cache_memory_bytes: int = 512 * MiB,
+    max_num_seqs: int = 64,
+    enforce_eager: bool = True,
+    seed: int = 0,
+    **extra: Any,
+) -> AsyncEngineArgs:
+    """The `AsyncEngineArgs` of every engine we start, so VLLMEngine and `workers.direct` run identical settings.
+
+    `model` is a Hugging Face folder (see `rollout_svc.model.prepare_model`). `dtype="float32"` is what
+    greedy token-equality checks need (bf16 and batching change the numerics). `kv_cache_memory_bytes`
+    is explicit because vLLM's default (a fraction of device memory) fails on small CPU hosts.
+    `logprobs_mode="processed_logprobs"`: a sampled token's logprob is taken under the distribution it was
+    sampled from (after temperature, penalties, top-k/top-p), which is what an RL importance ratio needs;
+    vLLM's default would give the raw model logprob. `extra` is passed to `AsyncEngineArgs` and wins.
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    settings: dict[str, Any] = {
+        "model": model,
+        "dtype": dtype,
+        "max_model_len": max_model_len,
+        "kv_cache_memory_bytes": kv_cache_memory_bytes,
+        "max_num_seqs": max_num_seqs,
+        "enforce_eager": enforce_eager,
+        "seed": seed,
+        "logprobs_mode": "processed_logprobs",
+        "disable_log_stats": True,
+    }
+    return AsyncEngineArgs(**(settings | extra))
+
+
+def sampled_logprobs(output: Any) -> list[float]:
+    """The logprob of each sampled token of a `vllm.CompletionOutput` asked for `logprobs=0, flat_logprobs=True`.
+
+    With logprobs=0 vLLM returns one entry per position, the sampled token's, so the flat list is the answer.
+    Shape: one float per `output.token_ids` entry. Raises `RuntimeError` if vLLM returned another shape.
+    """
+    flat = output.logprobs
+    if flat is None or list(flat.token_ids) != list(output.token_ids):
+        raise RuntimeError("vLLM returned no per-token logprobs of the sampled tokens; ask for logprobs=0")
+    return list(flat.logprobs)
+
+
+class VLLMEngine:
+    """The real engine: one vLLM `AsyncLLM` (continuous batching; its engine core is a child process).
+
+    Example (the engine core is spawned, so the entry point needs an `if __name__ == "__main__":` guard):
+
+        engine = VLLMEngine(str(prepare_model(cache_dir)), dtype="float32")
+        await engine.start()                       # ~15 s on CPU
+        ids = await engine.chat_prompt([{"role": "user", "content": "Hi"}])
+        done = await engine.generate("r1", ids, SamplingParams(temperature=0, max_tokens=32))
+        await engine.close()                       # joins the engine-core process
+
+    `capacity` is `max_num_seqs`; the remaining arguments are those of `vllm_engine_args`.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        max_model_len: int = 2048,
+        kv_cache_memory_bytes: int = 512 * MiB,
+        max_num_seqs: int = 64,
+        enforce_eager: bool = True,
+        seed: int = 0,
+        **engine_kwargs: Any,
+    ) -> None:
+        self.model_name = Path(model).name
+        self.capacity = max_num_seqs
+        self._engine_kwargs: dict[str, Any] = {
+            "dtype": dtype,
+            "max_model_len": max_model_len,
+            "kv_cache_memory_bytes": kv_cache_memory_bytes,
+            "max_num_seqs": max_num_seqs,
+            "enforce_eager": enforce_eager,
+            "seed": seed,
+            **engine_kwargs,
+        }
+        self._model = model
+        self._llm: AsyncLLM | None = None
+
+    async def start(self) -> None:
+        """Start the engine-core process and load the model (~15 s on CPU, plus ~5 s to import vLLM).
+
+        Imported and built in a thread so the event loop (heartbeats) keeps running; AsyncLLM starts its
+        output handler on the loop at the first request. Raises what vLLM raises for a bad folder or settings.
+        """
+
+        def build() -> None:
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            # Stored, not returned: the executor's futures keep a returned AsyncLLM alive after close(), and its
+            # __del__ then runs again at interpreter exit, when vLLM's module globals are already gone.
+            self._llm = AsyncLLM.from_engine_args(vllm_engine_args(self._model, **self._engine_kwargs))
+
+        await asyncio.to_thread(build)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Completion:
+        """Run one request to completion. Cancelling the awaiting task aborts the request inside vLLM.
+
+        Raises `InvalidRequestError` for input vLLM rejects (prompt longer than the context, a token id out
+        of vocabulary, a sampling value vLLM refuses), with vLLM's message; `EngineDeadError` if the engine died.
+        """
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import tokens_input
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
+        from vllm.v1.engine.exceptions import EngineGenerateError
+
+        llm = self._running()
+        sampling = self._vllm_sampling_params(params)
+        final: RequestOutput | None = None
+        try:
+            # FINAL_ONLY: the stream yields once, at the end. On cancellation vLLM's generator aborts the request.
+            async for output in llm.generate(tokens_input(list(prompt_token_ids)), sampling, request_id):
+                final = output
+        except VLLMClientError as exc:
+            raise InvalidRequestError(f"vLLM rejected request {request_id}: {exc}") from exc
+        except VLLMEngineDeadError as exc:
+            raise EngineDeadError(f"the vLLM engine died while serving {request_id}; restart the worker") from exc
+        except EngineGenerateError as exc:
+            if isinstance(exc.__cause__, (ValueError, TypeError)):  # input processing refused the prompt
+                raise InvalidRequestError(f"vLLM rejected request {request_id}: {exc.__cause__}") from exc
+            if llm.errored:
+                raise EngineDeadError(f"the vLLM engine died while serving {request_id}; restart the worker") from exc
+            raise
+        if final is None or not final.finished:
+            raise RuntimeError(f"vLLM ended request {request_id} without a final output")
+        return _completion(list(prompt_token_ids), final)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a running request; its `generate` returns with finish reason `abort`. Unknown ids are ignored."""
+        await self._running().abort(request_id)
+
+    async def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of `messages` rendered by the model's chat template, ending with the assistant's turn opener.
+
+        Raises `InvalidRequestError` if the template refuses the messages.
+        """
+        tokenizer: Any = self._running().get_tokenizer()  # Any: vLLM types messages as OpenAI's TypedDicts
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja2 errors, or a template's own raise_exception()
+            raise InvalidRequestError(f"the chat template of {self.model_name} refused the messages: {exc}") from exc
+        # The template already wrote every special token; encoding must not add a BOS of its own.
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._running().get_tokenizer().encode(text, add_special_tokens=add_special_tokens)
+
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        return self._running().get_tokenizer().decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def num_unfinished_requests(self) -> int:
+        """Requests vLLM holds now (waiting or running); 0 after every `generate` returned or was cancelled."""
+        return self._running().get_num_unfinished_requests()
+
+    async def close(self) -> None:
+        """Shut the engine down: aborts what is running and joins the engine-core process. Idempotent."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+            # AsyncLLM sits in a reference cycle: collect it now, or its __del__ runs at interpreter exit, after
+            # vLLM's module globals are gone, and prints a TypeError.
+            del llm
+            gc.collect()
+
+    def _running(self) -> AsyncLLM:
+        if self._llm is None:
+            raise RuntimeError("VLLMEngine is not running: call `await engine.start()` first")
+        if self._llm.errored:
+            raise EngineDeadError(f"the vLLM engine of {self.model_name} has died; restart the worker")
+        return self._llm
+
+    @staticmethod
+    def _vllm_sampling_params(params: SamplingParams) -> Any:
+        """Our SamplingParams (vLLM's field names) plus logprobs of the sampled tokens, reported once at the end."""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind
+
+        try:
+            return VLLMSamplingParams(
+                **params.model_dump(), logprobs=0, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY
+            )
+        except (VLLMClientError, ValueError, TypeError) as exc:  # e.g. temperature > 2, which vLLM refuses
+            raise InvalidRequestError(f"vLLM refused the sampling params: {exc}") from exc
+
+
+# vLLM's finish reasons; "repetition" (its n-gram detector) is a kind of stop.
+_FINISH_REASONS = {"stop": "stop", "repetition": "stop", "length": "length", "abort": "abort"}
+
+
+def _completion(prompt_token_ids: list[int], final: RequestOutput) -> Completion:
+    """Our Completion of vLLM's final `RequestOutput` (n=1)."""
+    output = final.outputs[0]
+    finish_reason = _FINISH_REASONS.get(str(output.finish_reason))
+    if finish_reason is None:  # "error": a request-level failure inside vLLM (for example a KV transfer)
+        raise RuntimeError(f"vLLM failed request {final.request_id} (finish reason {output.finish_reason})")
+    logprobs = sampled_logprobs(output) if output.token_ids else []
+    return Completion(prompt_token_ids, list(output.token_ids), logprobs, finish_reason, output.text)
