@@ -86,14 +86,10 @@ def up(
     try:
         cluster.start()
         cluster.wait_ready(timeout_s=900)
+        cluster.supervise()  # a worker that crashes is started again
         typer.echo(f"rollout-svc: {workers} {engine.value} worker(s) up on {redis_url}; Ctrl-C to stop", err=True)
-        reported: set[int] = set()
         while True:
-            for process in cluster.failed():
-                if process.pid not in reported:
-                    reported.add(process.pid)
-                    typer.echo(f"rollout-svc: {process.args!r} exited with {process.returncode}", err=True)
-            time.sleep(0.5)
+            time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:

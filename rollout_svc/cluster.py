@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlparse
@@ -89,12 +90,27 @@ def cpu_sets(count: int) -> list[str]:
     return sets
 
 
+@dataclass
+class _Child:
+    """One supervised child process and how to start it again."""
+
+    name: str
+    args: list[str]
+    env: dict[str, str]
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+
+
 class LocalCluster:
     """Redis + N workers (+ the API) as child processes of this one; `stop()` leaves none behind.
 
     Each child runs in its own process group, so stopping it also stops what it started (vLLM's
-    engine-core process). Worker logs go to `log_dir/worker-<i>.log` when `log_dir` is given.
+    engine-core process). After `supervise()`, a child that exits (a crash, an engine that died, a
+    `kill -9`) is started again after `RESTART_DELAY_S`, as a process manager would. Child logs go to
+    `log_dir/<name>.log` when `log_dir` is given (appended across restarts).
     """
+
+    RESTART_DELAY_S = 2.0
 
     def __init__(
         self,
@@ -110,8 +126,9 @@ class LocalCluster:
         self.worker_args, self.api_port, self.api_host = worker_args or [], api_port, api_host
         self.log_dir = log_dir
         self.redis: PrivateRedis | None = None
-        self.processes: list[subprocess.Popen[bytes]] = []
-        self._logs: list[IO[bytes]] = []
+        self.children: list[_Child] = []
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
 
     def start(self) -> None:
         """Start Redis if none answers, then the workers and the API. Returns at once (see `wait_ready`)."""
@@ -130,22 +147,29 @@ class LocalCluster:
             if self.engine == "vllm" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 worker_env["VLLM_CPU_OMP_THREADS_BIND"] = binds[i]
             args = [sys.executable, "-m", "workers", "--engine", self.engine, *self.worker_args]
-            self._spawn(args, worker_env, f"worker-{i}")
+            self.children.append(_Child(f"worker-{i}", args, worker_env))
         if self.api_port is not None:
             args = [sys.executable, "-m", "rollout_svc", "serve", "--host", self.api_host, "--port", str(self.api_port)]
-            self._spawn(args, env, "api")
+            self.children.append(_Child("api", args, env))
+        for child in self.children:
+            self._spawn(child)
 
-    def _spawn(self, args: list[str], env: dict[str, str], name: str) -> None:
-        out: IO[bytes] | None = None
+    def _spawn(self, child: _Child) -> None:
+        out: IO[bytes] | int = subprocess.DEVNULL
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
-            self._logs.append(out)
-        self.processes.append(
-            subprocess.Popen(
-                args, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True
+            out = open(self.log_dir / f"{child.name}.log", "ab")  # noqa: SIM115 - the child holds it
+        try:
+            child.process = subprocess.Popen(
+                child.args, env=child.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
-        )
+        finally:
+            if not isinstance(out, int):
+                out.close()  # the child has its own descriptor now
+
+    @property
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        return [c.process for c in self.children if c.process is not None]
 
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until every worker heartbeats. Raises `RuntimeError` if one exits or time runs out."""
@@ -158,20 +182,38 @@ class LocalCluster:
                 live = sum(bool(client.exists(keys.worker(w.decode()))) for w in members)
                 if live >= self.worker_count:
                     return
-                exited = [p.args for p in self.processes if p.poll() is not None]
+                exited = [c.name for c in self.children if c.process is None or c.process.poll() is not None]
                 if exited:
-                    raise RuntimeError(f"a cluster process exited during start-up: {exited[0]!r}; see its log")
+                    where = f" in {self.log_dir}" if self.log_dir else " above"
+                    raise RuntimeError(f"{exited[0]} exited during start-up; see its log{where}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"only {live} of {self.worker_count} workers up after {timeout_s:g} s")
                 time.sleep(0.2)
         finally:
             client.close()
 
-    def failed(self) -> list[subprocess.Popen[bytes]]:
-        return [p for p in self.processes if p.poll() is not None]
+    def supervise(self) -> None:
+        """From now on, start again any child that exits, until `stop()` (a daemon thread)."""
+        self._supervisor = threading.Thread(target=self._supervise, name="cluster-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(0.5):
+            for child in self.children:
+                if child.process is None or child.process.poll() is None:
+                    continue
+                log.warning("%s exited with %s; starting it again", child.name, child.process.returncode)
+                _signal_group(child.process, signal.SIGKILL)  # what it left behind (an engine-core process)
+                if self._stopping.wait(self.RESTART_DELAY_S):
+                    return
+                child.restarts += 1
+                self._spawn(child)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM every child (workers drain and requeue), wait, then SIGKILL their process groups."""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
         for process in self.processes:
             _signal_group(process, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
@@ -183,8 +225,6 @@ class LocalCluster:
         for process in self.processes:
             _signal_group(process, signal.SIGKILL)  # whatever a child left behind (engine-core processes)
             process.wait()
-        for out in self._logs:
-            out.close()
         if self.redis is not None:
             self.redis.stop()
 

@@ -67,6 +67,7 @@ def run_demo(
     try:
         cluster.start()
         cluster.wait_ready(timeout_s=900)
+        cluster.supervise()
         params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=max_tokens, seed=0)
         started = time.perf_counter()
         record = asyncio.run(_drive(settings, first_turns, session_turns, params))
@@ -125,13 +126,19 @@ def _report(console: Console, record: DemoRecord, elapsed_s: float, workers: int
     table.add_row("wall time", f"{elapsed_s:.1f} s")
     table.add_row("throughput", f"{output_tokens / elapsed_s:.1f} output tok/s, {len(ok) / elapsed_s:.2f} req/s")
     for q in (50, 90, 99):
-        table.add_row(f"latency p{q}", f"{_percentile(latencies, q):.2f} s")
+        table.add_row(f"latency p{q} (submit to result)", f"{_percentile(latencies, q):.2f} s")
     sticky = all(len(set(ws)) == 1 for ws in record.session_workers.values())
     table.add_row("sessions sticky", "yes: every turn of a session on one worker" if sticky else "NO")
     console.print(table)
-    for question, t in list(zip(record.questions, record.trajectories, strict=True))[:3]:
-        console.rule(f"[bold]{t.worker_id}[/bold], {len(t.completion_token_ids)} tokens, {t.finish_reason}")
-        console.print(f"[bold]Q:[/bold] {question[:300]}")
+    # Show one whole session (its turns, in order), then two single-turn answers.
+    asked = dict(zip((t.request_id for t in record.trajectories), record.questions, strict=True))
+    session = next(iter(record.session_workers), None)
+    shown = [t for t in record.trajectories if session and t.session_id == session]
+    shown += [t for t in record.trajectories if t.session_id is None and t.finish_reason != "error"][:2]
+    for t in shown:
+        where = f"session {t.session_id[:8]}, " if t.session_id else ""
+        console.rule(f"[bold]{where}{t.worker_id}[/bold], {len(t.completion_token_ids)} tokens, {t.finish_reason}")
+        console.print(f"[bold]Q:[/bold] {asked[t.request_id][:300]}")
         console.print(f"[bold]A:[/bold] {t.text[:500] if t.finish_reason != 'error' else t.error}")
 
 

@@ -120,8 +120,13 @@ def vllm_engine_args(
     `logprobs_mode="processed_logprobs"`: a sampled token's logprob is taken under the distribution it was
     sampled from (after temperature, penalties, top-k/top-p), which is what an RL importance ratio needs;
     vLLM's default would give the raw model logprob. `extra` is passed to `AsyncEngineArgs` and wins.
+
+    On CPU, chunked prefill is off: vLLM 0.32's CPU runner rewinds the per-request generator of a request
+    whose prefill was chunked (`Generator.set_offset`), which CPU generators do not support, so one
+    request with a `seed` among long prompts killed the whole engine ("CPU Generator does not use offset").
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
 
     settings: dict[str, Any] = {
         "model": model,
@@ -134,6 +139,8 @@ def vllm_engine_args(
         "logprobs_mode": "processed_logprobs",
         "disable_log_stats": True,
     }
+    if current_platform.is_cpu():
+        settings["enable_chunked_prefill"] = False
     return AsyncEngineArgs(**(settings | extra))
 
 

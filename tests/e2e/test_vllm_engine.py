@@ -125,6 +125,17 @@ async def test_prompt_longer_than_context_is_invalid_and_engine_serves_on(
     assert len(completion.completion_token_ids) == 4
 
 
+async def test_seeded_requests_among_long_prompts_do_not_kill_the_engine(engine: VLLMEngine) -> None:
+    # 8 prompts x 900 tokens overflow one step's 2048-token budget: with chunked prefill, vLLM 0.32 on CPU
+    # died rewinding a seeded request's generator ("CPU Generator does not use offset").
+    long_prompts = [[100 + (i * 7 + j) % 5000 for j in range(900)] for i in range(8)]
+    params = SamplingParams(temperature=0.7, max_tokens=4, seed=0)
+    done = await asyncio.gather(*(engine.generate(f"seeded-{i}", p, params) for i, p in enumerate(long_prompts)))
+    assert all(len(c.completion_token_ids) == 4 for c in done)
+    after = await engine.generate("seeded-after", long_prompts[0], params)  # the engine lives on
+    assert len(after.completion_token_ids) == 4
+
+
 async def test_cancelling_generate_aborts_the_request_in_vllm(engine: VLLMEngine, prompts: list[list[int]]) -> None:
     params = SamplingParams(max_tokens=1500, ignore_eos=True)
     task = asyncio.create_task(engine.generate("cancelled", prompts[1], params))
