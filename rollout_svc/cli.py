@@ -14,10 +14,16 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from redis.exceptions import RedisError
 
 from rollout_svc.config import Settings
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="A Redis-Streams rollout service for RL of LLMs.")
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,  # locals can hold a Redis URL with a password
+    help="A Redis-Streams rollout service for RL of LLMs.",
+)
 model_app = typer.Typer(no_args_is_help=True, help="Prepare models for the workers.")
 app.add_typer(model_app, name="model")
 
@@ -86,7 +92,6 @@ def up(
     try:
         cluster.start()
         cluster.wait_ready(timeout_s=900)
-        cluster.supervise()  # a worker that crashes is started again
         typer.echo(f"rollout-svc: {workers} {engine.value} worker(s) up on {redis_url}; Ctrl-C to stop", err=True)
         while True:
             time.sleep(3600)
@@ -140,7 +145,7 @@ def status(
 
     try:
         report = asyncio.run(fleet_status(Settings(redis_url=redis_url)))
-    except (OSError, ConnectionError) as exc:
+    except (OSError, RedisError) as exc:
         typer.echo(f"cannot reach Redis at {redis_url}: {exc}; start a cluster with `rollout-svc up`", err=True)
         raise typer.Exit(2) from exc
     if as_json:

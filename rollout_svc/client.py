@@ -13,8 +13,7 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
 from rollout_svc.config import Settings
 from rollout_svc.errors import GenerationError, InvalidRequestError, ProtocolError, RequestTimeoutError
@@ -38,7 +37,6 @@ from rollout_svc.registry import Registry
 from rollout_svc.streams import RequestStreams
 
 log = logging.getLogger("rollout_svc.client")
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 T = TypeVar("T")
 
 
@@ -136,7 +134,7 @@ class _Connection:
             try:
                 records = await self.streams.read_results(self.results, last_id, done_ids, self._block_ms)
                 done_ids, failures = [], 0
-            except REDIS_ERRORS as exc:
+            except (RedisError, OSError) as exc:  # the reader must outlive any Redis trouble
                 failures += 1
                 log.warning("reading results failed (%s); retrying", exc)
                 await asyncio.sleep(min(2.0, 0.1 * 2**failures))
@@ -219,6 +217,7 @@ class RolloutClient:
         connection = self._connection
         if connection is None or connection.loop is not asyncio.get_running_loop():
             connection = self._connection = _Connection(self.settings)
+            await connection.streams.load_scripts()
         return connection
 
     # --- generation -----------------------------------------------------------------------------------

@@ -105,12 +105,13 @@ class LocalCluster:
     """Redis + N workers (+ the API) as child processes of this one; `stop()` leaves none behind.
 
     Each child runs in its own process group, so stopping it also stops what it started (vLLM's
-    engine-core process). After `supervise()`, a child that exits (a crash, an engine that died, a
-    `kill -9`) is started again after `RESTART_DELAY_S`, as a process manager would. Child logs go to
+    engine-core process). A child that exits (a crash, an engine that died, a `kill -9`) is started
+    again after `RESTART_DELAY_S`, as a process manager would. Child logs go to
     `log_dir/<name>.log` when `log_dir` is given (appended across restarts).
     """
 
     RESTART_DELAY_S = 2.0
+    MAX_START_FAILURES = 3  # `wait_ready` gives up on a child that exits this often before it is ready
 
     def __init__(
         self,
@@ -153,9 +154,11 @@ class LocalCluster:
             self.children.append(_Child("api", args, env))
         for child in self.children:
             self._spawn(child)
+        self._supervisor = threading.Thread(target=self._supervise, name="cluster-supervisor", daemon=True)
+        self._supervisor.start()
 
     def _spawn(self, child: _Child) -> None:
-        out: IO[bytes] | int = subprocess.DEVNULL
+        out: IO[bytes] | None = None  # no log folder: the child writes to this terminal
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{child.name}.log", "ab")  # noqa: SIM115 - the child holds it
@@ -164,7 +167,7 @@ class LocalCluster:
                 child.args, env=child.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
         finally:
-            if not isinstance(out, int):
+            if out is not None:
                 out.close()  # the child has its own descriptor now
 
     @property
@@ -182,20 +185,15 @@ class LocalCluster:
                 live = sum(bool(client.exists(keys.worker(w.decode()))) for w in members)
                 if live >= self.worker_count:
                     return
-                exited = [c.name for c in self.children if c.process is None or c.process.poll() is not None]
-                if exited:
+                failing = [c.name for c in self.children if c.restarts >= self.MAX_START_FAILURES]
+                if failing:
                     where = f" in {self.log_dir}" if self.log_dir else " above"
-                    raise RuntimeError(f"{exited[0]} exited during start-up; see its log{where}")
+                    raise RuntimeError(f"{failing[0]} keeps exiting during start-up; see its log{where}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"only {live} of {self.worker_count} workers up after {timeout_s:g} s")
                 time.sleep(0.2)
         finally:
             client.close()
-
-    def supervise(self) -> None:
-        """From now on, start again any child that exits, until `stop()` (a daemon thread)."""
-        self._supervisor = threading.Thread(target=self._supervise, name="cluster-supervisor", daemon=True)
-        self._supervisor.start()
 
     def _supervise(self) -> None:
         while not self._stopping.wait(0.5):

@@ -67,7 +67,6 @@ def run_demo(
     try:
         cluster.start()
         cluster.wait_ready(timeout_s=900)
-        cluster.supervise()
         params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=max_tokens, seed=0)
         started = time.perf_counter()
         record = asyncio.run(_drive(settings, first_turns, session_turns, params))

@@ -163,12 +163,31 @@ class RequestStreams:
         self._publish = redis.register_script(PUBLISH_LUA)
 
     async def ensure_group(self, stream: str) -> None:
-        """Create the `workers` consumer group (and the stream) if missing. From id 0: nothing queued is skipped."""
+        """Create the `workers` consumer group (and the stream) if missing. From id 0: nothing queued is skipped.
+
+        Checks before creating, and again after a failed create (another process won the race), rather
+        than parsing BUSYGROUP out of the error text, which fakeredis' TCP server does not pass on.
+        """
+        if await self._group_info(stream) is not None:
+            return
         try:
             await self.redis.xgroup_create(stream, WORKERS_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
+        except ResponseError:
+            if await self._group_info(stream) is None:
                 raise
+
+    async def _group_info(self, stream: str) -> dict[str, Any] | None:
+        """XINFO GROUPS' entry for the `workers` group, or None. Asks EXISTS first: an error reply
+        would make fakeredis' TCP server drop the connection."""
+        if not await self.redis.exists(stream):
+            return None
+        groups: Any = await self.redis.xinfo_groups(stream)
+        return next((g for g in groups if g["name"] == WORKERS_GROUP.encode()), None)
+
+    async def load_scripts(self) -> None:
+        """Load the Lua scripts once, so that no EVALSHA meets NOSCRIPT in the normal course."""
+        for script in (self._enqueue, self._pin, self._finish, self._publish):
+            script.sha = await self.redis.script_load(script.script)
 
     # --- producers --------------------------------------------------------------------------------------
 
@@ -312,12 +331,9 @@ class RequestStreams:
 
     async def pending_of(self, stream: str, consumer: str, count: int = 1000) -> list[Entry]:
         """Entries delivered to `consumer` and not acked, with their delivery counts (XPENDING + XRANGE)."""
-        try:
-            pending: Any = await self.redis.xpending_range(
-                stream, WORKERS_GROUP, "-", "+", count, consumername=consumer
-            )
-        except ResponseError:
+        if await self._group_info(stream) is None:
             return []  # no such stream or group: nothing pending
+        pending: Any = await self.redis.xpending_range(stream, WORKERS_GROUP, "-", "+", count, consumername=consumer)
         pipe = self.redis.pipeline(transaction=False)
         for item in pending:
             pipe.xrange(stream, item["message_id"], item["message_id"])
@@ -331,12 +347,10 @@ class RequestStreams:
 
     async def undelivered(self, stream: str, count: int = 1000) -> list[Entry]:
         """Entries of a stream not yet delivered to any consumer (after the group's last-delivered id)."""
-        try:
-            groups: Any = await self.redis.xinfo_groups(stream)
-        except ResponseError:
-            return []  # no such stream
-        last = next((g["last-delivered-id"] for g in groups if g["name"] == WORKERS_GROUP.encode()), b"0-0")
-        records: Any = await self.redis.xrange(stream, min=b"(" + last, count=count)
+        group = await self._group_info(stream)
+        if group is None:
+            return []  # no such stream (or group: then nothing was ever delivered from it)
+        records: Any = await self.redis.xrange(stream, min=b"(" + group["last-delivered-id"], count=count)
         return [Entry(stream, i, f.get(PAYLOAD_FIELD, b""), int(f.get(DELIVERIES_FIELD, 0))) for i, f in records]
 
     async def requeue(self, items: Sequence[Requeue], done: Iterable[Entry]) -> list[str | None]:
@@ -368,13 +382,10 @@ class RequestStreams:
 
     async def depth(self, stream: str) -> dict[str, int]:
         """Length (queued + in flight, since acked entries are deleted) and pending count of a requests stream."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xlen(stream)
-        pipe.xpending(stream, WORKERS_GROUP)
-        length, pending = await pipe.execute(raise_on_error=False)
-        pending_count = pending["pending"] if isinstance(pending, dict) else 0
-        length = length if isinstance(length, int) else 0
-        return {"length": length, "pending": pending_count, "queued": max(0, length - pending_count)}
+        group = await self._group_info(stream)
+        length = await self.redis.xlen(stream)
+        pending = group["pending"] if group else 0
+        return {"length": length, "pending": pending, "queued": max(0, length - pending)}
 
 
 def _by_stream(entries: Iterable[Entry]) -> dict[str, list[bytes]]:

@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     except EngineDeadError as exc:
         logging.getLogger("rollout_svc.worker").error("engine died: %s; its requests were requeued", exc)
         return 1
+    except Exception:
+        logging.getLogger("rollout_svc.worker").exception("worker failed; its requests were requeued")
+        return 1
     return 0
 
 

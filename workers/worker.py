@@ -10,6 +10,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Coroutine
 from typing import Any
 
 from redis.asyncio import Redis
@@ -89,7 +90,7 @@ class Worker:
             await self.engine.start()
             await self._prepare()
             loops = [self._take_loop(), self._publish_loop(), self._heartbeat_loop(), self._deadline_loop()]
-            tasks = [asyncio.create_task(loop) for loop in loops]
+            tasks = [asyncio.create_task(self._guarded(loop)) for loop in loops]
             log.info("worker %s serving %s (capacity %d)", self.worker_id, self.engine.model_name, self.engine.capacity)
             await self._stopping.wait()
             await self._shutdown(tasks)
@@ -98,6 +99,19 @@ class Worker:
             await self.redis.aclose()
         if self._fatal is not None:
             raise self._fatal
+
+    async def _guarded(self, loop: Coroutine[Any, Any, None]) -> None:
+        """Run one of the worker's loops; if it fails unexpectedly, stop the whole worker (crash-only).
+
+        A worker that heartbeats but no longer takes or publishes would hold its requests forever;
+        stopping requeues them, and a process manager starts the worker again.
+        """
+        try:
+            await loop
+        except Exception as exc:
+            log.exception("a worker loop failed; stopping so that this worker's requests are requeued")
+            self._fatal = self._fatal or exc
+            self.stop()
 
     async def _wait_for_redis(self) -> None:
         """Block until Redis answers, saying so every few seconds: a worker may start before its Redis."""
@@ -114,6 +128,7 @@ class Worker:
 
     async def _prepare(self) -> None:
         """Create consumer groups and requeue what an earlier process with this worker id left pending."""
+        await self.streams.load_scripts()
         await self._ensure_groups()
         await self._reclaim(self.worker_id)
         await self.registry.heartbeat(self._status())

@@ -1,0 +1,114 @@
+"""`rollout-svc up` and `status` as a user runs them, and the worker's crash-only behaviour."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import redis
+
+from rollout_svc import RolloutClient
+from tests.support import ROOT, free_port
+
+
+def status(url: str) -> dict:
+    """`rollout-svc status --json`; no workers while Redis does not answer yet (exit code 2)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "rollout_svc", "status", "--redis-url", url, "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    if out.returncode == 2 and "cannot reach Redis" in out.stderr:
+        return {"workers": []}
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_up_restarts_a_killed_worker_and_ctrl_c_leaves_nothing_behind(tmp_path):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "rollout_svc", "up", "--redis-url", url, "--workers", "2", "--engine", "echo"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "up.log", "wb"),  # noqa: SIM115 - the child holds it
+    )
+    try:
+        workers = wait_for(lambda: len(status(url)["workers"]) == 2 and status(url)["workers"], 60, "2 workers")
+        first_pids = {w["pid"] for w in workers}
+        os.kill(workers[0]["pid"], signal.SIGKILL)
+        # The dead worker's heartbeat expires (10 s) while its replacement registers under a new id.
+        restarted = wait_for(lambda: {w["pid"] for w in status(url)["workers"]} - first_pids, 30, "a restarted worker")
+        assert restarted
+        pids = {w["pid"] for w in status(url)["workers"]}
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert not [pid for pid in pids if alive(pid)]
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
+        raise AssertionError("the private Redis is still running")
+    except redis.ConnectionError:
+        pass
+    assert "starting it again" in (tmp_path / "up.log").read_text()
+
+
+def test_a_worker_whose_loop_fails_exits_rather_than_hold_requests(settings, workers, echo_workers, rds):
+    echo_workers(1)
+    # An operator mistake: the requests stream replaced by a string. XREADGROUP now fails with WRONGTYPE.
+    rds.delete(settings.keys.requests)
+    rds.set(settings.keys.requests, "not a stream")
+    proc = workers.procs["echo-0"]
+    assert proc.wait(timeout=10) == 1
+    assert "a worker loop failed" in workers.log("echo-0")
+
+
+async def test_up_without_redis_server_falls_back_to_fakeredis(tmp_path):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable)}  # no redis-server on this PATH
+    up = subprocess.Popen(
+        [sys.executable, "-m", "rollout_svc", "up", "--redis-url", url, "--workers", "2", "--engine", "echo"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "up.log", "wb"),  # noqa: SIM115 - the child holds it
+    )
+    try:
+        wait_for(lambda: len(status(url)["workers"]) == 2, 60, "2 workers on fakeredis")
+        async with RolloutClient(redis_url=url, request_timeout_s=30) as client:
+            trajectories = await client.generate([[i + 1, 2] for i in range(50)], {"max_tokens": 2})
+            sessions = await client.generate([[1]] * 4, {"max_tokens": 1}, ["a", "b", "c", "d"])
+        assert [t.prompt_token_ids for t in trajectories] == [[i + 1, 2] for i in range(50)]
+        assert len({t.worker_id for t in sessions}) == 2
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert "using fakeredis, which is for trying things out" in (tmp_path / "up.log").read_text()
