@@ -170,29 +170,10 @@ class VLLMEngine:
     `capacity` is `max_num_seqs`; the remaining arguments are those of `vllm_engine_args`.
     """
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        dtype: str = "auto",
-        max_model_len: int = 2048,
-        kv_cache_memory_bytes: int = 512 * MiB,
-        max_num_seqs: int = 64,
-        enforce_eager: bool = True,
-        seed: int = 0,
-        **engine_kwargs: Any,
-    ) -> None:
+    def __init__(self, model: str, *, max_num_seqs: int = 64, **engine_settings: Any) -> None:
         self.model_name = Path(model).name
         self.capacity = max_num_seqs
-        self._engine_kwargs: dict[str, Any] = {
-            "dtype": dtype,
-            "max_model_len": max_model_len,
-            "kv_cache_memory_bytes": kv_cache_memory_bytes,
-            "max_num_seqs": max_num_seqs,
-            "enforce_eager": enforce_eager,
-            "seed": seed,
-            **engine_kwargs,
-        }
+        self._engine_kwargs: dict[str, Any] = {"max_num_seqs": max_num_seqs, **engine_settings}
         self._model = model
         self._llm: AsyncLLM | None = None
 
