@@ -23,6 +23,18 @@ from rollout_svc.config import Settings
 log = logging.getLogger("rollout_svc.cluster")
 
 
+# Sets PR_SET_PDEATHSIG (SIGTERM), then execs the real command: if `up` itself is killed with -9, its
+# Redis and workers get SIGTERM (workers drain and requeue) instead of living on as orphans.
+_DIE_WITH_PARENT = "import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 15); os.execv(sys.argv[1], sys.argv[1:])"
+
+
+def die_with_parent(args: list[str]) -> list[str]:
+    """`args`, run so that the child gets SIGTERM when this process dies (Linux; elsewhere unchanged)."""
+    if not sys.platform.startswith("linux"):
+        return args
+    return [sys.executable, "-c", _DIE_WITH_PARENT, *args]
+
+
 def redis_answers(url: str, timeout_s: float = 0.5) -> bool:
     try:
         return bool(redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s).ping())
@@ -44,7 +56,7 @@ class PrivateRedis:
         binary = shutil.which("redis-server")
         if binary:
             args = [binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no"]
-            self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(die_with_parent(args), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         else:
             self._start_fake()
         deadline = time.monotonic() + timeout_s
@@ -164,7 +176,7 @@ class LocalCluster:
             out = open(self.log_dir / f"{child.name}.log", "ab")  # noqa: SIM115 - the child holds it
         try:
             child.process = subprocess.Popen(
-                child.args, env=child.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                die_with_parent(child.args), env=child.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
         finally:
             if out is not None:

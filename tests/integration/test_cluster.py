@@ -112,3 +112,20 @@ async def test_up_without_redis_server_falls_back_to_fakeredis(tmp_path):
             up.kill()
             up.wait()
     assert "using fakeredis, which is for trying things out" in (tmp_path / "up.log").read_text()
+
+
+def test_kill_9_of_up_takes_its_redis_and_workers_down(tmp_path):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "rollout_svc", "up", "--redis-url", url, "--workers", "2", "--engine", "echo"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "up.log", "wb"),  # noqa: SIM115 - the child holds it
+    )
+    try:
+        workers = wait_for(lambda: len(status(url)["workers"]) == 2 and status(url)["workers"], 60, "2 workers")
+    finally:
+        up.kill()  # no chance to clean up: its children must not live on as orphans
+        up.wait()
+    wait_for(lambda: not [w for w in workers if alive(w["pid"])], 30, "the workers to exit")
+    wait_for(lambda: status(url) == {"workers": []}, 30, "the private Redis to exit")
