@@ -24,7 +24,8 @@ log = logging.getLogger("rollout_svc.cluster")
 
 
 # Sets PR_SET_PDEATHSIG (SIGTERM), then execs the real command: if `up` itself is killed with -9, its
-# Redis and workers get SIGTERM (workers drain and requeue) instead of living on as orphans.
+# Redis and workers get SIGTERM (workers drain and requeue) instead of living on as orphans. The signal
+# follows the *thread* that started the child: the main thread, or the supervisor, which lives until stop().
 _DIE_WITH_PARENT = "import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 15); os.execv(sys.argv[1], sys.argv[1:])"
 
 
@@ -187,7 +188,7 @@ class LocalCluster:
         return [c.process for c in self.children if c.process is not None]
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Wait until every worker heartbeats. Raises `RuntimeError` if one exits or time runs out."""
+        """Wait until every worker heartbeats. Raises `RuntimeError` if a child keeps exiting or time runs out."""
         keys = self.settings.keys
         client = redis.Redis.from_url(self.settings.redis_url)
         deadline = time.monotonic() + timeout_s

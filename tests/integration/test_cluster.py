@@ -29,6 +29,18 @@ def status(url: str) -> dict:
     return json.loads(out.stdout)
 
 
+def start_up(url: str, tmp_path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`rollout-svc up` with 2 echo workers in the background; its log goes to `tmp_path/up.log`."""
+    with open(tmp_path / "up.log", "wb") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "rollout_svc", "up", "--redis-url", url, "--workers", "2", "--engine", "echo"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+
+
 def wait_for(predicate, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -49,12 +61,7 @@ def alive(pid: int) -> bool:
 
 def test_up_restarts_a_killed_worker_and_ctrl_c_leaves_nothing_behind(tmp_path):
     url = f"redis://127.0.0.1:{free_port()}/0"
-    up = subprocess.Popen(
-        [sys.executable, "-m", "rollout_svc", "up", "--redis-url", url, "--workers", "2", "--engine", "echo"],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "up.log", "wb"),  # noqa: SIM115 - the child holds it
-    )
+    up = start_up(url, tmp_path)
     try:
         workers = wait_for(lambda: len(status(url)["workers"]) == 2 and status(url)["workers"], 60, "2 workers")
         first_pids = {w["pid"] for w in workers}
@@ -91,13 +98,7 @@ def test_a_worker_whose_loop_fails_exits_rather_than_hold_requests(settings, wor
 async def test_up_without_redis_server_falls_back_to_fakeredis(tmp_path):
     url = f"redis://127.0.0.1:{free_port()}/0"
     env = {**os.environ, "PATH": os.path.dirname(sys.executable)}  # no redis-server on this PATH
-    up = subprocess.Popen(
-        [sys.executable, "-m", "rollout_svc", "up", "--redis-url", url, "--workers", "2", "--engine", "echo"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "up.log", "wb"),  # noqa: SIM115 - the child holds it
-    )
+    up = start_up(url, tmp_path, env)
     try:
         wait_for(lambda: len(status(url)["workers"]) == 2, 60, "2 workers on fakeredis")
         async with RolloutClient(redis_url=url, request_timeout_s=30) as client:
@@ -116,12 +117,7 @@ async def test_up_without_redis_server_falls_back_to_fakeredis(tmp_path):
 
 def test_kill_9_of_up_takes_its_redis_and_workers_down(tmp_path):
     url = f"redis://127.0.0.1:{free_port()}/0"
-    up = subprocess.Popen(
-        [sys.executable, "-m", "rollout_svc", "up", "--redis-url", url, "--workers", "2", "--engine", "echo"],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "up.log", "wb"),  # noqa: SIM115 - the child holds it
-    )
+    up = start_up(url, tmp_path)
     try:
         workers = wait_for(lambda: len(status(url)["workers"]) == 2 and status(url)["workers"], 60, "2 workers")
     finally:
