@@ -3,6 +3,8 @@
 from rollout_svc.client import RolloutClient, SyncRolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.errors import (
+    ControlCommandError,
+    ControlTimeoutError,
     EngineDeadError,
     GenerationError,
     InvalidRequestError,
@@ -14,6 +16,8 @@ from rollout_svc.errors import (
 from rollout_svc.protocol import SamplingParams, Trajectory, WorkerStatus
 
 __all__ = [
+    "ControlCommandError",
+    "ControlTimeoutError",
     "EngineDeadError",
     "GenerationError",
     "InvalidRequestError",

@@ -22,7 +22,7 @@ from rich.console import Console
 from rollout_svc import dataset
 from rollout_svc.client import RolloutClient
 from rollout_svc.cluster import LocalCluster, cpu_sets
-from rollout_svc.config import Settings
+from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.demo import _percentile, private_settings
 
 ECHO_PROMPT = list(range(1, 17))  # 16 tokens in, 16 out
@@ -68,7 +68,7 @@ def run_bench(
 
 def _queue_overhead(redis_url: str | None, workers: int, requests: int, console: Console) -> QueueFigures:
     settings = private_settings(redis_url, "bench")
-    cluster = LocalCluster(settings, workers, "echo", ["--max-num-seqs", "4096"], log_dir=_log_dir())
+    cluster = LocalCluster(settings, workers, EngineSettings(engine="echo", max_num_seqs=4096), log_dir=_log_dir())
     try:
         cluster.start()
         cluster.wait_ready(timeout_s=60)
@@ -134,23 +134,23 @@ def _generation_efficiency(
     redis_url: str | None, model: Path, prompts: int, max_tokens: int, console: Console, repeats: int = 2
 ) -> list[GenerationFigures]:
     """Service vs direct AsyncLLM, same settings and prompts; alternated so drift hits both alike."""
-    engine_args = ["--model", str(model), "--max-num-seqs", str(prompts), "--max-model-len", "2048"]
+    engine = EngineSettings(model=str(model), max_num_seqs=prompts)
     conversations = dataset.first_turns(prompts)
     prompt_ids: list[list[int]] = []
     figures = []
     for run in range(1, repeats + 1):
-        service, prompt_ids = _service_run(redis_url, engine_args, conversations, max_tokens)
-        direct = _direct_run(engine_args, prompt_ids, max_tokens)
+        service, prompt_ids = _service_run(redis_url, engine, conversations, max_tokens)
+        direct = _direct_run(engine, prompt_ids, max_tokens)
         figures.append(GenerationFigures(run, service, direct))
         console.print(figures[-1], f"ratio {figures[-1].ratio:.3f}")
     return figures
 
 
 def _service_run(
-    redis_url: str | None, engine_args: list[str], conversations: list[list[dict]], max_tokens: int
+    redis_url: str | None, engine: EngineSettings, conversations: list[list[dict]], max_tokens: int
 ) -> tuple[float, list[list[int]]]:
     settings = private_settings(redis_url, "bench")
-    cluster = LocalCluster(settings, 1, "vllm", engine_args, log_dir=_log_dir())
+    cluster = LocalCluster(settings, 1, engine, log_dir=_log_dir())
     try:
         cluster.start()
         cluster.wait_ready(timeout_s=900)
@@ -173,12 +173,12 @@ async def _measure_service(
     return tokens / elapsed_s, prompt_ids
 
 
-def _direct_run(engine_args: list[str], prompt_ids: list[list[int]], max_tokens: int) -> float:
+def _direct_run(engine: EngineSettings, prompt_ids: list[list[int]], max_tokens: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         prompts_file, out_file = Path(tmp) / "prompts.json", Path(tmp) / "out.json"
         prompts_file.write_text(json.dumps(prompt_ids))
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cpu_sets(1)[0])}
-        args = [sys.executable, "-m", "workers.direct", *engine_args, "--prompts-file", str(prompts_file)]
+        args = [sys.executable, "-m", "workers.direct", *engine.to_args(), "--prompts-file", str(prompts_file)]
         args += ["--out", str(out_file), "--max-tokens", str(max_tokens), "--temperature", "0", "--ignore-eos"]
         log = Path(tmp) / "direct.log"
         with open(log, "wb") as out:

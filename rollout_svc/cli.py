@@ -1,4 +1,4 @@
-"""The `rollout-svc` command: up, worker, serve, status, demo, bench, model prepare."""
+"""The `rollout-svc` command: up, worker, serve, status, the control commands, demo, bench, model prepare."""
 
 from __future__ import annotations
 
@@ -9,14 +9,18 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from redis.exceptions import RedisError
 
-from rollout_svc.config import Settings
+from rollout_svc.config import EngineSettings, Settings
+
+if TYPE_CHECKING:
+    from rollout_svc.control import ControlPlane
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -46,15 +50,16 @@ def _logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def _worker_args(model: Path | None, dtype: str, max_num_seqs: int | None, echo_token_delay_s: float) -> list[str]:
-    args = ["--dtype", dtype]
-    if model is not None:
-        args += ["--model", str(model)]
-    if max_num_seqs is not None:
-        args += ["--max-num-seqs", str(max_num_seqs)]
-    if echo_token_delay_s:
-        args += ["--echo-token-delay-s", str(echo_token_delay_s)]
-    return args
+def _engine(
+    engine: EngineKind, model: Path | None, dtype: str, max_num_seqs: int | None = None, echo_token_delay_s: float = 0.0
+) -> EngineSettings:
+    return EngineSettings(
+        engine=engine.value,
+        model=str(model) if model else None,
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        echo_token_delay_s=echo_token_delay_s,
+    )
 
 
 @app.command()
@@ -81,8 +86,7 @@ def up(
     cluster = LocalCluster(
         Settings(redis_url=redis_url),
         workers,
-        engine.value,
-        _worker_args(model, dtype, max_num_seqs, echo_token_delay_s),
+        _engine(engine, model, dtype, max_num_seqs, echo_token_delay_s),
         api_port=api_port,
         log_dir=log_dir,
     )
@@ -158,17 +162,139 @@ def _print_status(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    workers = Table("worker", "state", "engine", "model", "in flight", "capacity", "served", "weight version")
+    columns = ("worker", "state", "epoch", "engine", "model", "in flight", "capacity", "served", "weight version")
+    workers = Table(*columns)
     for w in report["workers"]:
         workers.add_row(
-            w["worker_id"], w["state"], w["engine"], w["model"], str(w["in_flight"]), str(w["capacity"]),
-            str(w["served"]), str(w["weight_version"]),
+            w["worker_id"], w["state"], str(w["applied_epoch"]), w["engine"], w["model"], str(w["in_flight"]),
+            str(w["capacity"]), str(w["served"]), str(w["weight_version"]),
         )  # fmt: skip
     streams = Table("stream", "length", "queued", "pending")
     for name, depth in report["streams"].items():
         streams.add_row(name, str(depth["length"]), str(depth["queued"]), str(depth["pending"]))
+    if report["paused"]:
+        holders = ", ".join(f"{h} ({m})" for h, m in report["pause_holders"].items())
+        fleet = f"fleet: paused ({report['pause_mode']}) by {holders}"
+    else:
+        fleet = "fleet: asleep" if report["sleep_level"] else "fleet: serving"
     console = Console()
-    console.print(workers, streams, f"dead letters: {report['dead_letters']}")
+    console.print(
+        f"{fleet}; control epoch {report['epoch']}", workers, streams, f"dead letters: {report['dead_letters']}"
+    )
+
+
+# --- control commands ----------------------------------------------------------------------------------------
+
+TimeoutS = Annotated[
+    float | None, typer.Option("--timeout-s", help="Wait this long for every live worker's ack (default 60 s).")
+]
+Holder = Annotated[str, typer.Option(help="Who holds the pause; resume releases only its own holder.")]
+
+
+class PauseModeChoice(StrEnum):
+    keep = "keep"
+    abort = "abort"
+    wait = "wait"
+
+
+def _control(redis_url: str, what: str, command: Callable[[ControlPlane], Awaitable[int]]) -> None:
+    """Run one control command; exit 1 naming the workers that did not ack (or failed), 2 if Redis is away."""
+    from redis.asyncio import Redis
+
+    from rollout_svc.control import ControlPlane as Plane
+    from rollout_svc.errors import ControlCommandError, ControlTimeoutError, InvalidRequestError
+
+    async def run() -> int:
+        redis = Redis.from_url(redis_url)
+        try:
+            return await command(Plane(redis, Settings(redis_url=redis_url)))
+        finally:
+            await redis.aclose()
+
+    try:
+        epoch = asyncio.run(run())
+    except (ControlTimeoutError, ControlCommandError, InvalidRequestError) as exc:
+        typer.echo(f"{what} failed: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    except (OSError, RedisError) as exc:
+        typer.echo(f"cannot reach Redis at {redis_url}: {exc}; start a cluster with `rollout-svc up`", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(f"{what}: control epoch {epoch}, acknowledged by every live worker")
+
+
+@app.command()
+def pause(
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    mode: Annotated[
+        PauseModeChoice,
+        typer.Option(
+            help="keep: freeze in-flight requests; abort: cut them (callers "
+            "retry them token-exact); wait: let them finish."
+        ),
+    ] = PauseModeChoice.keep,
+    holder: Holder = "operator",
+    timeout_s: TimeoutS = None,
+) -> None:
+    """Pause the fleet: workers take no rollout requests (they wait in the queue) until `resume`."""
+    _control(redis_url, f"paused ({mode.value})", lambda c: c.pause(mode.value, holder=holder, timeout_s=timeout_s))  # type: ignore[arg-type]
+
+
+@app.command()
+def resume(redis_url: RedisUrl = DEFAULT_REDIS_URL, holder: Holder = "operator", timeout_s: TimeoutS = None) -> None:
+    """Release a pause: workers take requests again once no holder holds one."""
+    _control(redis_url, "resumed", lambda c: c.resume(holder=holder, timeout_s=timeout_s))
+
+
+@app.command()
+def abort(
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    all_requests: Annotated[bool, typer.Option("--all", help="Every request enqueued before this command.")] = False,
+    session: Annotated[str | None, typer.Option(help="The requests of this session enqueued before it.")] = None,
+    request: Annotated[list[str] | None, typer.Option(help="A request id (repeatable).")] = None,
+    timeout_s: TimeoutS = None,
+) -> None:
+    """Abort requests without pausing: in-flight ones return partial output, queued ones are answered unrun."""
+    if sum((all_requests, session is not None, bool(request))) != 1:
+        typer.echo("give exactly one of --all, --session ID, --request ID...", err=True)
+        raise typer.Exit(2)
+    _control(redis_url, "aborted", lambda c: c.abort(request, session, all_requests, timeout_s=timeout_s))
+
+
+@app.command()
+def sleep(
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    level: Annotated[int, typer.Option(min=1, max=2, help="1: offload weights, drop KV cache; 2: drop both.")] = 1,
+    mode: Annotated[
+        PauseModeChoice, typer.Option(help="What happens to in-flight requests first.")
+    ] = PauseModeChoice.abort,
+    timeout_s: TimeoutS = None,
+) -> None:
+    """Put every engine to sleep (vLLM sleep mode; on CPU nothing is freed). Workers take no requests."""
+    _control(redis_url, f"asleep (level {level})", lambda c: c.sleep(level, mode.value, timeout_s=timeout_s))  # type: ignore[arg-type]
+
+
+@app.command("wake-up")
+def wake_up(
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    tags: Annotated[
+        list[str] | None, typer.Option("--tags", help="Only these memory pools: weights, kv_cache.")
+    ] = None,
+    timeout_s: TimeoutS = None,
+) -> None:
+    """Wake the engines; once fully awake the fleet is paused or serving as it was before the sleep."""
+    _control(redis_url, "awake", lambda c: c.wake_up(tags or None, timeout_s=timeout_s))
+
+
+@app.command("reset-prefix-cache")
+def reset_prefix_cache(
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    reset_running_requests: Annotated[bool, typer.Option(help="Also reset requests that hold KV blocks.")] = False,
+    timeout_s: TimeoutS = None,
+) -> None:
+    """Drop every engine's prefix cache."""
+    _control(
+        redis_url, "prefix cache reset", lambda c: c.reset_prefix_cache(reset_running_requests, timeout_s=timeout_s)
+    )
 
 
 @app.command()
@@ -189,9 +315,7 @@ def demo(
     _logging("WARNING")
     if engine is EngineKind.vllm and model is None:
         model = _prepare_default_model(Settings())
-    run_demo(
-        redis_url, workers, engine.value, _worker_args(model, dtype, None, 0.0), prompts, sessions, turns, max_tokens
-    )
+    run_demo(redis_url, workers, _engine(engine, model, dtype), prompts, sessions, turns, max_tokens)
 
 
 @app.command()

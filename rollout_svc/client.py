@@ -1,27 +1,25 @@
-"""RolloutClient: what a trainer (or any producer) uses to submit rollout requests and await trajectories."""
+"""RolloutClient: what a trainer (or any producer) uses to submit rollout requests, await trajectories and steer
+the fleet (pause, resume, abort, sleep)."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import logging
 import threading
 import time
-import uuid
-from collections.abc import Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from rollout_svc.config import Settings
-from rollout_svc.errors import GenerationError, InvalidRequestError, ProtocolError, RequestTimeoutError
-from rollout_svc.keys import PAYLOAD_FIELD
+from rollout_svc.control import DEFAULT_HOLDER, FleetState
+from rollout_svc.errors import GenerationError, InvalidRequestError, RequestTimeoutError
+from rollout_svc.producer import Call, ClientStats, Connection
 from rollout_svc.protocol import (
     ChatMessage,
     DetokenizeRequest,
     ErrorResult,
+    PauseMode,
     Request,
     RolloutRequest,
     SamplingParams,
@@ -30,144 +28,10 @@ from rollout_svc.protocol import (
     Trajectory,
     WorkerStatus,
     as_sampling_params,
-    decode,
-    encode,
 )
-from rollout_svc.registry import Registry
-from rollout_svc.streams import RequestStreams
 
-log = logging.getLogger("rollout_svc.client")
 T = TypeVar("T")
-
-
-class _Pending:
-    """One submitted batch: its results by position; `done` resolves once every one is in."""
-
-    __slots__ = ("done", "remaining", "results")
-
-    def __init__(self, count: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.results: list[Any] = [None] * count
-        self.remaining = count
-        self.done: asyncio.Future[None] = loop.create_future()
-
-    def set(self, index: int, result: Any) -> bool:
-        """Record a result; False if that position already had one (a duplicate delivery)."""
-        if self.results[index] is not None:
-            return False
-        self.results[index] = result
-        self.remaining -= 1
-        if self.remaining == 0 and not self.done.done():
-            self.done.set_result(None)
-        return True
-
-
-class _Connection:
-    """What a client holds while connected, bound to one event loop: Redis, its results stream, the reader."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.redis = Redis.from_url(settings.redis_url, decode_responses=False)
-        self.streams = RequestStreams(self.redis, settings.keys, settings.session_ttl_s)
-        self.registry = Registry(self.redis, settings.keys, settings.heartbeat_ttl_s)
-        self.producer_id = uuid.uuid4().hex
-        self.results = settings.keys.results(self.producer_id)
-        self.waiting: dict[str, tuple[_Pending, int]] = {}  # request id -> its batch and position
-        self._request_numbers = itertools.count()
-        self.duplicates = 0
-        self._block_ms = settings.read_block_ms
-        self._closing = False
-        self._max_queued = settings.max_queued_requests
-        self.outbox: asyncio.Queue[tuple[list[tuple[str | None, bytes]], asyncio.Future[None]] | None]
-        self.outbox = asyncio.Queue()
-        self.reader = asyncio.create_task(self._read_results())
-        self.submitter = asyncio.create_task(self._submit_batches())
-
-    def new_id(self) -> str:
-        """A request (or group) id unique across producers: this producer's id and a counter."""
-        return f"{self.producer_id}-{next(self._request_numbers)}"
-
-    def expect(self, request_ids: Sequence[str]) -> _Pending:
-        """Register a batch of request ids whose results the reader should collect, in this order."""
-        pending = _Pending(len(request_ids), self.loop)
-        self.waiting.update((request_id, (pending, i)) for i, request_id in enumerate(request_ids))
-        return pending
-
-    def forget(self, request_ids: Sequence[str]) -> None:
-        for request_id in request_ids:
-            self.waiting.pop(request_id, None)
-
-    async def enqueue(self, items: list[tuple[str | None, bytes]]) -> None:
-        """Hand a batch to the submitter; raises its `QueueFullError` or Redis error."""
-        done = self.loop.create_future()
-        self.outbox.put_nowait((items, done))
-        await done
-
-    async def _submit_batches(self) -> None:
-        """The single submitter: concurrent callers' batches go to Redis together, in one round trip.
-
-        This bounds the connections a busy producer (the API, an open-loop benchmark) opens to two.
-        """
-        while True:
-            waiting = [await self.outbox.get()]
-            while not self.outbox.empty():
-                waiting.append(self.outbox.get_nowait())
-            ready = [w for w in waiting if w is not None]
-            outcomes: list[Any]
-            try:
-                outcomes = await self.streams.enqueue_batches([items for items, _ in ready], self._max_queued)
-            except Exception as exc:  # Redis away: every waiting caller hears it
-                outcomes = [exc] * len(ready)
-            for (_, done), outcome in zip(ready, outcomes, strict=True):
-                if not done.done():
-                    if isinstance(outcome, BaseException):
-                        done.set_exception(outcome)
-                    else:
-                        done.set_result(None)
-            if len(ready) < len(waiting):
-                return
-
-    async def _read_results(self) -> None:
-        """The single reader: routes each result to its future by request id, ignores duplicates."""
-        last_id, failures = b"0-0", 0
-        done_ids: list[bytes] = []
-        while not self._closing:
-            try:
-                records = await self.streams.read_results(self.results, last_id, done_ids, self._block_ms)
-                done_ids, failures = [], 0
-            except (RedisError, OSError) as exc:  # the reader must outlive any Redis trouble
-                failures += 1
-                log.warning("reading results failed (%s); retrying", exc)
-                await asyncio.sleep(min(2.0, 0.1 * 2**failures))
-                continue
-            for entry_id, fields in records:
-                last_id = entry_id
-                done_ids.append(entry_id)
-                self._route(fields.get(PAYLOAD_FIELD, b""))
-            if records:
-                await asyncio.sleep(0)  # let the callers just woken run before the next read is sent
-
-    def _route(self, payload: bytes) -> None:
-        try:
-            result = decode(payload)
-        except ProtocolError as exc:
-            log.error("dropped an undecodable result: %s", exc)
-            return
-        waiting = self.waiting.get(result.request_id)
-        if waiting is None or not waiting[0].set(waiting[1], result):
-            self.duplicates += 1  # at-least-once delivery: a requeued request may answer twice
-
-    async def close(self) -> None:
-        # Let the reader finish its blocking read rather than cancel it: a pipeline cancelled mid-read
-        # can leave redis-py waiting on a reply that never comes.
-        self._closing = True
-        self.outbox.put_nowait(None)
-        _, pending = await asyncio.wait([self.reader, self.submitter], timeout=self._block_ms / 1000 + 5)
-        for task in pending:
-            task.cancel()
-        try:
-            await self.redis.delete(self.results)
-        finally:
-            await self.redis.aclose()
+Params = SamplingParams | dict[str, Any] | None
 
 
 class RolloutClient:
@@ -183,15 +47,21 @@ class RolloutClient:
                 ids = await client.tokenize(["The capital of France is"])
                 [trajectory] = await client.generate(ids, {"temperature": 0.0, "max_tokens": 8})
                 print(trajectory.text, trajectory.logprobs, trajectory.worker_id)
+                await client.pause(mode="keep")   # every worker froze its in-flight requests
+                await client.resume()
 
         asyncio.run(main())
 
-    Every call takes `timeout_s` (default `Settings.request_timeout_s`); past it, `RequestTimeoutError`.
+    Every call takes `timeout_s` (default `Settings.request_timeout_s`); past it, `RequestTimeoutError`. The
+    deadline is the caller's budget and keeps running while the fleet is paused. Cancelling a call (or leaving
+    `as_completed` early) cancels its requests on the workers, queued and in flight. A request cut by a pause in
+    abort mode, or by its worker shutting down, is retried token-exact and returned whole
+    (`Trajectory.interruptions` counts the cuts).
     """
 
     def __init__(self, settings: Settings | None = None, **overrides: Any) -> None:
         self.settings = settings.model_copy(update=overrides) if settings else Settings(**overrides)
-        self._connection: _Connection | None = None
+        self._connection: Connection | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"settings": self.settings.model_dump(mode="json")}
@@ -213,19 +83,24 @@ class RolloutClient:
             connection, self._connection = self._connection, None
             await connection.close()
 
-    async def _connect(self) -> _Connection:
+    async def _connect(self) -> Connection:
         connection = self._connection
         if connection is None or connection.loop is not asyncio.get_running_loop():
-            connection = self._connection = _Connection(self.settings)
-            await connection.streams.load_scripts()
+            connection = self._connection = Connection(self.settings)
+            await connection.control.load_scripts()
         return connection
+
+    @property
+    def stats(self) -> ClientStats:
+        """Duplicates ignored, token-exact retries and cancels this client has seen on its current connection."""
+        return self._connection.stats if self._connection is not None else ClientStats()
 
     # --- generation -----------------------------------------------------------------------------------
 
     async def generate(
         self,
         prompt_token_ids: Sequence[Sequence[int]],
-        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        sampling_params: Params = None,
         session_ids: Sequence[str | None] | None = None,
         *,
         group_ids: Sequence[str | None] | None = None,
@@ -240,32 +115,69 @@ class RolloutClient:
             session_ids: None, or B session ids (None entries allowed): every request of one session
                 is served by one worker (its KV cache stays warm) until `finish_session` or its TTL.
             group_ids: optional B group ids, carried through to the trajectories.
-            timeout_s: per request, from submission; past it the request is dropped by the worker.
+            timeout_s: per request, from submission, pauses included; past it the request is dropped by the
+                worker (a request being retried after an abort returns its partial tokens with
+                `finish_reason="abort"`, `abort_cause="deadline"`).
             raise_on_error: raise `GenerationError` on the first failed request instead of returning a
                 trajectory with `finish_reason == "error"` for it.
+
+        Retries after an abort are token-exact for greedy sampling without penalties; with penalties, a
+        `seed` or stop strings that span the cut, the continuation may differ from an uninterrupted run.
 
         Raises:
             InvalidRequestError: bad prompts or sampling params (nothing was sent).
             QueueFullError: the requests stream is over its admission limit (nothing was sent).
             RequestTimeoutError: some requests got no result in time (`.completed` holds the rest).
         """
-        params = as_sampling_params(sampling_params)
-        sessions = _per_prompt(session_ids, len(prompt_token_ids), "session_ids")
-        groups = _per_prompt(group_ids, len(prompt_token_ids), "group_ids")
+        requests = await self._generation_requests(prompt_token_ids, sampling_params, session_ids, group_ids, timeout_s)
+        return self._trajectories(requests, await self._run(requests, timeout_s), raise_on_error)
+
+    async def as_completed(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling_params: Params = None,
+        session_ids: Sequence[str | None] | None = None,
+        *,
+        group_ids: Sequence[str | None] | None = None,
+        timeout_s: float | None = None,
+        raise_on_error: bool = False,
+    ) -> AsyncIterator[tuple[int, Trajectory]]:
+        """`generate`, yielding `(index, trajectory)` in completion order instead of a list in input order.
+
+        Each trajectory is final (retries merged). Leaving the loop early cancels the requests not yet yielded,
+        queued and in flight. On timeout it yields what finished (retried requests with their partial tokens),
+        then raises `RequestTimeoutError`. Same arguments and errors as `generate`::
+
+            async for index, trajectory in client.as_completed(prompts, {"max_tokens": 256}):
+                buffer.add(index, trajectory)
+        """
+        requests = await self._generation_requests(prompt_token_ids, sampling_params, session_ids, group_ids, timeout_s)
         connection = await self._connect()
-        requests = [
-            self._rollout_request(
-                i, params, timeout_s, connection, prompt_token_ids=list(p), session_id=sessions[i], group_id=groups[i]
-            )
-            for i, p in enumerate(prompt_token_ids)
-        ]
-        return await self._generate_all(requests, timeout_s, raise_on_error)
+        call = connection.new_call(requests)
+        timeout_s = self._timeout(timeout_s)
+        try:
+            await connection.submit(call)
+            deadline = time.monotonic() + timeout_s
+            for _ in requests:
+                try:
+                    index = await asyncio.wait_for(call.completed.get(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    call.expire()
+                    while not call.completed.empty():
+                        index = call.completed.get_nowait()
+                        yield index, self._trajectory(requests[index], call.results[index], raise_on_error)
+                    raise self._late(call, timeout_s) from None
+                yield index, self._trajectory(requests[index], call.results[index], raise_on_error)
+        finally:
+            if call.remaining:
+                connection.cancel(call)
+            connection.forget(call)
 
     async def sample(
         self,
         prompt_token_ids: Sequence[Sequence[int]],
         n: int,
-        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        sampling_params: Params = None,
         *,
         timeout_s: float | None = None,
         raise_on_error: bool = False,
@@ -284,18 +196,15 @@ class RolloutClient:
             group_id = connection.new_id()
             for j in range(n):
                 seeded = params if params.seed is None else params.model_copy(update={"seed": params.seed + j})
-                requests.append(
-                    self._rollout_request(
-                        i, seeded, timeout_s, connection, prompt_token_ids=list(prompt), group_id=group_id
-                    )
-                )
-        flat = await self._generate_all(requests, timeout_s, raise_on_error)
+                fields = {"prompt_token_ids": list(prompt), "group_id": group_id, "sampling_params": seeded}
+                requests.append(self._build(RolloutRequest, i, timeout_s, connection, **fields))
+        flat = self._trajectories(requests, await self._run(requests, timeout_s), raise_on_error)
         return [flat[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
 
     async def chat(
         self,
         conversations: Sequence[Sequence[dict[str, Any] | ChatMessage]],
-        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        sampling_params: Params = None,
         session_ids: Sequence[str | None] | None = None,
         *,
         timeout_s: float | None = None,
@@ -310,70 +219,106 @@ class RolloutClient:
         sessions = _per_prompt(session_ids, len(conversations), "session_ids")
         connection = await self._connect()
         requests = [
-            self._rollout_request(i, params, timeout_s, connection, messages=list(c), session_id=sessions[i])
+            self._build(
+                RolloutRequest,
+                i,
+                timeout_s,
+                connection,
+                messages=list(c),
+                session_id=sessions[i],
+                sampling_params=params,
+            )
             for i, c in enumerate(conversations)
         ]
-        return await self._generate_all(requests, timeout_s, raise_on_error)
+        return self._trajectories(requests, await self._run(requests, timeout_s), raise_on_error)
 
-    def _rollout_request(
-        self, index: int, params: SamplingParams, timeout_s: float | None, connection: _Connection, **fields: Any
-    ) -> RolloutRequest:
-        return self._build(RolloutRequest, index, timeout_s, connection, sampling_params=params, **fields)
+    async def _generation_requests(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: Params,
+        session_ids: Sequence[str | None] | None,
+        group_ids: Sequence[str | None] | None,
+        timeout_s: float | None,
+    ) -> list[RolloutRequest]:
+        params = as_sampling_params(sampling_params)
+        sessions = _per_prompt(session_ids, len(prompts), "session_ids")
+        groups = _per_prompt(group_ids, len(prompts), "group_ids")
+        connection = await self._connect()
+        return [
+            self._build(
+                RolloutRequest,
+                i,
+                timeout_s,
+                connection,
+                prompt_token_ids=list(p),
+                session_id=sessions[i],
+                group_id=groups[i],
+                sampling_params=params,
+            )
+            for i, p in enumerate(prompts)
+        ]
 
-    def _build(self, cls: type[T], index: int, timeout_s: float | None, connection: _Connection, **fields: Any) -> T:
+    def _timeout(self, timeout_s: float | None) -> float:
+        return self.settings.request_timeout_s if timeout_s is None else timeout_s
+
+    def _build(self, cls: type[T], index: int, timeout_s: float | None, connection: Connection, **fields: Any) -> T:
         """Validate one request before anything is sent. Raises `InvalidRequestError` naming its index."""
         now = time.time()
-        timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
         try:
             return cls(  # type: ignore[call-arg]
                 request_id=connection.new_id(),
                 reply_to=connection.results,
-                deadline=now + timeout_s,
+                deadline=now + self._timeout(timeout_s),
                 submitted_at=now,
                 **fields,
             )
         except ValidationError as exc:
             raise InvalidRequestError(f"request {index} is invalid: {exc}") from exc
 
-    async def _generate_all(
-        self, requests: list[RolloutRequest], timeout_s: float | None, raise_on_error: bool
-    ) -> list[Trajectory]:
-        results = await self._submit(requests, timeout_s)
-        trajectories = []
-        for request, result in zip(requests, results, strict=True):
-            if isinstance(result, ErrorResult):
-                if raise_on_error:
-                    raise GenerationError(result.request_id, result.code, result.message, result.recoverable)
-                result = _error_trajectory(request, result)
-            trajectories.append(result)
-        return trajectories
-
-    async def _submit(self, requests: Sequence[Request], timeout_s: float | None) -> list[Any]:
-        """Enqueue a batch (pipelined, one script call per 1000) and await every result, in order."""
+    async def _run(self, requests: Sequence[Request], timeout_s: float | None) -> list[Any]:
+        """Enqueue a batch and await every result, in order. Cancelled or failed: its requests are cancelled."""
         if not requests:
             return []
         connection = await self._connect()
-        timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
-        request_ids = [r.request_id for r in requests]
-        pending = connection.expect(request_ids)
+        call = connection.new_call(requests)
+        timeout_s = self._timeout(timeout_s)
         try:
-            items = [(getattr(r, "session_id", None), encode(r)) for r in requests]
-            await connection.enqueue(items)
-            await asyncio.wait([pending.done], timeout=timeout_s)
-            if pending.remaining:
-                late = [i for i, r in zip(request_ids, pending.results, strict=True) if r is None]
-                completed = {i: r for i, r in zip(request_ids, pending.results, strict=True) if r is not None}
-                raise RequestTimeoutError(late, timeout_s, completed)
-            return pending.results
+            await connection.submit(call)
+            await asyncio.wait([call.done], timeout=timeout_s)
+            if call.remaining:
+                call.expire()
+            if call.remaining:
+                raise self._late(call, timeout_s)
+            return call.results
         finally:
-            connection.forget(request_ids)
+            if call.remaining:
+                connection.cancel(call)
+            connection.forget(call)
+
+    @staticmethod
+    def _late(call: Call, timeout_s: float) -> RequestTimeoutError:
+        late = [call.requests[i].request_id for i in call.unfinished()]
+        completed = {r.request_id: result for r, result in zip(call.requests, call.results, strict=True) if result}
+        return RequestTimeoutError(late, timeout_s, completed)
+
+    def _trajectories(self, requests: Sequence[Request], results: list[Any], raise_on_error: bool) -> list[Trajectory]:
+        return [self._trajectory(r, result, raise_on_error) for r, result in zip(requests, results, strict=True)]
+
+    @staticmethod
+    def _trajectory(request: Request, result: Any, raise_on_error: bool) -> Trajectory:
+        if isinstance(result, ErrorResult):
+            if raise_on_error:
+                raise GenerationError(result.request_id, result.code, result.message, result.recoverable)
+            assert isinstance(request, RolloutRequest)
+            return _error_trajectory(request, result)
+        return result
 
     # --- tokens -----------------------------------------------------------------------------------------
 
     async def tokenize(
         self, texts: Sequence[str], add_special_tokens: bool = True, *, timeout_s: float | None = None
     ) -> list[list[int]]:
-        """Token ids of each text, from a worker's tokenizer (the client needs none)."""
+        """Token ids of each text, from a worker's tokenizer (the client needs none). Served while paused."""
         connection = await self._connect()
         requests = [
             self._build(TokenizeRequest, i, timeout_s, connection, text=t, add_special_tokens=add_special_tokens)
@@ -406,11 +351,82 @@ class RolloutClient:
         return [r.text for r in await self._token_results(requests, timeout_s)]
 
     async def _token_results(self, requests: Sequence[Request], timeout_s: float | None) -> list[TokenizeResult]:
-        results = await self._submit(requests, timeout_s)
+        results = await self._run(requests, timeout_s)
         for result in results:
             if isinstance(result, ErrorResult):
                 raise GenerationError(result.request_id, result.code, result.message, result.recoverable)
         return results
+
+    # --- control ----------------------------------------------------------------------------------------
+
+    async def pause(
+        self, mode: PauseMode = "keep", *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None
+    ) -> int:
+        """Pause the fleet: no worker takes rollout requests (they wait in the queue; deadlines keep running).
+
+        `mode`: `keep` freezes in-flight requests with their KV cache until `resume`; `abort` cuts them (this
+        client's own come back whole, retried token-exact after `resume`); `wait` returns once they finished.
+        `holder` names who pauses (the fleet stays paused while any holder does). Returns the control epoch once
+        every live worker acknowledged. Raises `ControlTimeoutError` naming those that did not within
+        `timeout_s` (default `Settings.control_timeout_s`); the pause stays written, so a retry converges.
+        """
+        return await (await self._connect()).control.pause(mode, holder=holder, timeout_s=timeout_s)
+
+    async def resume(self, *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None) -> int:
+        """Release `holder`'s pause; kept requests continue, queued ones start. Returns the epoch once acked."""
+        return await (await self._connect()).control.resume(holder=holder, timeout_s=timeout_s)
+
+    async def pause_generation(self, mode: PauseMode = "keep", *, timeout_s: float | None = None) -> int:
+        """SkyRL's name for `pause` (keep mode by default: in-flight requests freeze and continue on resume)."""
+        return await self.pause(mode, timeout_s=timeout_s)
+
+    async def resume_generation(self, *, timeout_s: float | None = None) -> int:
+        """SkyRL's name for `resume`."""
+        return await self.resume(timeout_s=timeout_s)
+
+    async def is_paused(self, per_worker: bool = False) -> bool | dict[str, bool]:
+        """Whether the fleet is paused (its desired state); `per_worker=True`: {worker id: paused or asleep}."""
+        connection = await self._connect()
+        if per_worker:
+            return {w.worker_id: w.state in ("paused", "sleeping") for w in await connection.registry.live_workers()}
+        return (await connection.control.state()).paused
+
+    async def abort(
+        self,
+        request_ids: Sequence[str] | None = None,
+        *,
+        session_id: str | None = None,
+        all: bool = False,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Abort requests without pausing: exactly one of `request_ids`, `session_id` or `all=True`.
+
+        In-flight ones return partial trajectories and queued ones are answered unrun, all with
+        `finish_reason="abort"`, `abort_cause="user"`; an explicit abort is final (not retried). A session or
+        `all` abort hits requests enqueued before it; later ones run. Returns the epoch once every live worker
+        acknowledged (`ControlTimeoutError` otherwise).
+        """
+        return await (await self._connect()).control.abort(request_ids, session_id, all, timeout_s=timeout_s)
+
+    async def sleep(self, level: int = 1, mode: PauseMode = "abort", *, timeout_s: float | None = None) -> int:
+        """Put every engine to sleep (vLLM sleep mode; on CPU no memory is freed: `WorkerStatus.memory_released`).
+
+        A sleeping worker takes no rollout requests; in-flight ones are first paused as `mode` says.
+        """
+        return await (await self._connect()).control.sleep(level, mode, timeout_s=timeout_s)
+
+    async def wake_up(self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None) -> int:
+        """Wake the engines (all memory, or only the pools `tags` names); the pause state from before returns."""
+        return await (await self._connect()).control.wake_up(tags, timeout_s=timeout_s)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, *, timeout_s: float | None = None) -> int:
+        """Drop every engine's prefix cache (`ControlCommandError` names workers whose engine refused)."""
+        control = (await self._connect()).control
+        return await control.reset_prefix_cache(reset_running_requests, timeout_s=timeout_s)
+
+    async def fleet_state(self) -> FleetState:
+        """The fleet's desired control state: epoch, pause holders and mode, sleep level."""
+        return await (await self._connect()).control.state()
 
     # --- sessions and fleet -----------------------------------------------------------------------------
 
@@ -423,7 +439,7 @@ class RolloutClient:
         return await (await self._connect()).streams.pinned_worker(session_id)
 
     async def workers(self) -> list[WorkerStatus]:
-        """Live workers (heartbeat not expired), sorted by id."""
+        """Live workers (heartbeat not expired), sorted by id, with their control state (`state`, `applied_epoch`)."""
         return await (await self._connect()).registry.live_workers()
 
     async def world_size(self) -> int:
@@ -438,23 +454,27 @@ class SyncRolloutClient:
 
         client = SyncRolloutClient(redis_url="redis://127.0.0.1:6379/0")
         trajectories = client.generate([[1, 2, 3]], {"max_tokens": 8})
+        for index, trajectory in client.as_completed([[1, 2], [3]], {"max_tokens": 8}):
+            print(index, trajectory.text)
         client.close()
     """
 
     def __init__(self, settings: Settings | None = None, **overrides: Any) -> None:
         self.client = RolloutClient(settings, **overrides)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"client": self.client}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.client, self._loop = state["client"], None
+        self.client, self._loop, self._thread = state["client"], None, None
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
-            threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True).start()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True)
+            self._thread.start()
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def __getattr__(self, name: str) -> Any:
@@ -463,17 +483,36 @@ class SyncRolloutClient:
             return method
         return lambda *args, **kwargs: self._run(method(*args, **kwargs))
 
+    def as_completed(self, *args: Any, **kwargs: Any) -> Iterator[tuple[int, Trajectory]]:
+        """The blocking twin of `RolloutClient.as_completed`; leaving the loop early cancels the rest."""
+        iterator = self.client.as_completed(*args, **kwargs)
+        try:
+            while True:
+                try:
+                    yield self._run(_next(iterator))
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(iterator.aclose())  # type: ignore[attr-defined]
+
     def close(self) -> None:
-        if self._loop is not None:
+        """Close the client, then stop and close the private event loop."""
+        if self._loop is not None and self._thread is not None:
             self._run(self.client.close())
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop = None
+            self._thread.join()
+            self._loop.close()
+            self._loop = self._thread = None
 
     def __enter__(self) -> SyncRolloutClient:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+async def _next(iterator: AsyncIterator[T]) -> T:
+    return await anext(iterator)
 
 
 def _per_prompt(values: Sequence[str | None] | None, count: int, name: str) -> list[str | None]:

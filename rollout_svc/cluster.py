@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 
 import redis
 
-from rollout_svc.config import Settings
+from rollout_svc.config import EngineSettings, Settings
 
 log = logging.getLogger("rollout_svc.cluster")
 
@@ -130,14 +130,14 @@ class LocalCluster:
         self,
         settings: Settings,
         workers: int,
-        engine: str = "vllm",
-        worker_args: list[str] | None = None,
+        engine: EngineSettings | None = None,
         api_port: int | None = None,
         api_host: str = "127.0.0.1",
         log_dir: Path | None = None,
     ) -> None:
-        self.settings, self.worker_count, self.engine = settings, workers, engine
-        self.worker_args, self.api_port, self.api_host = worker_args or [], api_port, api_host
+        self.settings, self.worker_count = settings, workers
+        self.engine = engine or EngineSettings()
+        self.api_port, self.api_host = api_port, api_host
         self.log_dir = log_dir
         self.redis: PrivateRedis | None = None
         self.children: list[_Child] = []
@@ -158,9 +158,9 @@ class LocalCluster:
         binds = cpu_sets(self.worker_count)
         for i in range(self.worker_count):
             worker_env = dict(env)
-            if self.engine == "vllm" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            if self.engine.engine == "vllm" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 worker_env["VLLM_CPU_OMP_THREADS_BIND"] = binds[i]
-            args = [sys.executable, "-m", "workers", "--engine", self.engine, *self.worker_args]
+            args = [sys.executable, "-m", "workers", "--engine", self.engine.engine, *self.engine.to_args()]
             self.children.append(_Child(f"worker-{i}", args, worker_env))
         if self.api_port is not None:
             args = [sys.executable, "-m", "rollout_svc", "serve", "--host", self.api_host, "--port", str(self.api_port)]

@@ -1,13 +1,17 @@
-"""Settings shared by every rollout-svc process, read once per entry point from env vars `ROLLOUT_*`."""
+"""Settings shared by every rollout-svc process (env vars `ROLLOUT_*`), and the engine settings of a worker."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rollout_svc.keys import Keys
+
+MiB = 1024 * 1024
 
 
 def default_cache_dir() -> Path:
@@ -30,9 +34,11 @@ class Settings(BaseSettings):
     max_queued_requests: int = Field(100_000, ge=1, description="admission limit per requests stream")
     session_ttl_s: float = Field(3600.0, gt=0, description="a session's pin expires this long after its last turn")
     results_ttl_s: float = Field(3600.0, gt=0, description="a results stream nobody reads expires after this")
+    max_abort_retries: int = Field(16, ge=0, description="client: token-exact retries of one request cut by aborts")
 
     heartbeat_interval_s: float = Field(1.0, gt=0)
     heartbeat_ttl_s: float = Field(10.0, gt=0, description="a worker silent this long is dead")
+    control_timeout_s: float = Field(60.0, gt=0, description="how long a control command waits for every ack")
     max_deliveries: int = Field(3, ge=1, description="deliveries before an entry becomes a dead letter")
     read_block_ms: int = Field(100, ge=1, description="XREADGROUP / XREAD block time")
     dead_letter_maxlen: int = Field(10_000, ge=1, description="approximate cap of the dead-letter stream")
@@ -40,3 +46,75 @@ class Settings(BaseSettings):
     @property
     def keys(self) -> Keys:
         return Keys(self.key_prefix)
+
+
+class EngineSettings(BaseModel):
+    """The engine one worker runs: the one model shared by `python -m workers`, `workers.direct` and `up`.
+
+    `max_num_seqs` is the engine's batch size and the worker's capacity (default 64 for vLLM, 1024 for echo).
+    `dtype="float32"` is what greedy token-equality checks need (bf16 and batching change the numerics).
+    `kv_cache_memory_bytes` is explicit because vLLM's default (a fraction of device memory) fails on small
+    CPU hosts. `enable_sleep_mode` (vLLM sleep mode, GPU only) defaults to on where the platform supports it.
+    `echo_token_delay_s`: the echo engine's seconds per generated token (it stands in for a long generation).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: Literal["vllm", "echo"] = Field("vllm", description="echo: deterministic, for queue tests only")
+    model: str | None = Field(None, description="Hugging Face model folder (default: the prepared SmolLM2)")
+    dtype: str = Field("auto", description="vLLM dtype: auto, bfloat16, float16, float32")
+    max_model_len: int = Field(2048, ge=16, description="context length in tokens")
+    max_num_seqs: int | None = Field(None, ge=1, description="engine batch size = worker capacity")
+    kv_cache_memory_bytes: int = Field(512 * MiB, ge=MiB, description="KV cache size in bytes")
+    seed: int = Field(0, description="engine seed")
+    enable_sleep_mode: bool | None = Field(None, description="vLLM sleep mode (default: where supported)")
+    echo_token_delay_s: float = Field(0.0, ge=0, description="echo engine: seconds per generated token")
+
+    @property
+    def capacity(self) -> int:
+        return self.max_num_seqs or (64 if self.engine == "vllm" else 1024)
+
+    def vllm_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `workers.engine.vllm_engine_args` (all but `model`)."""
+        kwargs: dict[str, Any] = {
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "max_num_seqs": self.capacity,
+            "seed": self.seed,
+        }
+        if self.enable_sleep_mode is not None:
+            kwargs["enable_sleep_mode"] = self.enable_sleep_mode
+        return kwargs
+
+    def to_args(self) -> list[str]:
+        """Command-line options of `python -m workers` that reproduce these settings (defaults left out)."""
+        args: list[str] = []
+        for name, value in self.model_dump(exclude_defaults=True).items():
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool):
+                args.append(flag if value else "--no-" + flag[2:])
+            else:
+                args += [flag, str(value)]
+        return args
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, *, engine: bool = True) -> None:
+        """Add one option per field (`--max-num-seqs`, ...) to an argparse parser; `from_args` reads them back."""
+        for name, info in cls.model_fields.items():
+            if name in ("engine", "echo_token_delay_s") and not engine:
+                continue
+            flag, help_text = "--" + name.replace("_", "-"), info.description
+            if name == "engine":
+                parser.add_argument(flag, choices=["vllm", "echo"], default="vllm", help=help_text)
+            elif name == "enable_sleep_mode":
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            else:
+                kind = {int: int, float: float}.get(type(info.default), str)
+                if name == "max_num_seqs":
+                    kind = int
+                parser.add_argument(flag, type=kind, default=info.default, help=help_text)
+
+    @classmethod
+    def from_args(cls, namespace: argparse.Namespace) -> EngineSettings:
+        return cls.model_validate({k: v for k, v in vars(namespace).items() if k in cls.model_fields})

@@ -19,7 +19,7 @@ from rich.table import Table
 from rollout_svc import dataset
 from rollout_svc.client import RolloutClient
 from rollout_svc.cluster import LocalCluster
-from rollout_svc.config import Settings
+from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.protocol import SamplingParams, Trajectory
 
 
@@ -49,8 +49,7 @@ class DemoRecord:
 def run_demo(
     redis_url: str | None,
     workers: int,
-    engine: str,
-    worker_args: list[str],
+    engine: EngineSettings,
     prompts: int,
     sessions: int,
     turns: int,
@@ -62,8 +61,8 @@ def run_demo(
     first_turns = dataset.first_turns(prompts)
     session_turns = dataset.multi_turn(sessions, turns, skip=prompts)
     log_dir = Path(tempfile.mkdtemp(prefix="rollout-demo-"))
-    cluster = LocalCluster(settings, workers, engine, worker_args, log_dir=log_dir)
-    console.print(f"starting {workers} {engine} workers on {settings.redis_url} (logs: {log_dir})")
+    cluster = LocalCluster(settings, workers, engine, log_dir=log_dir)
+    console.print(f"starting {workers} {engine.engine} workers on {settings.redis_url} (logs: {log_dir})")
     try:
         cluster.start()
         cluster.wait_ready(timeout_s=900)

@@ -76,3 +76,35 @@ class EngineDeadError(RolloutError):
     """The engine inside a worker died; the worker process must exit so its requests are reclaimed."""
 
     recoverable = False
+
+
+class ControlTimeoutError(RolloutError, TimeoutError):
+    """Some live workers did not acknowledge a control command in time.
+
+    `workers` names them. The desired state stays written in Redis, so nothing is half applied unreported:
+    retry the command (it converges), or wait until a stalled worker's heartbeat expires and it is reaped.
+    """
+
+    recoverable = True
+
+    def __init__(self, kind: str, epoch: int, workers: list[str], timeout_s: float, heartbeat_ttl_s: float) -> None:
+        self.kind, self.epoch, self.workers, self.timeout_s = kind, epoch, workers, timeout_s
+        super().__init__(
+            f"{kind} (epoch {epoch}) was not acknowledged within {timeout_s:g} s by {len(workers)} worker(s): "
+            f"{', '.join(workers)}. The desired state stays written: retry the command, check those workers with "
+            f"`rollout-svc status`, or wait {heartbeat_ttl_s:g} s (the heartbeat TTL) for a stalled one to be reaped"
+        )
+
+
+class ControlCommandError(RolloutError):
+    """Some workers applied a control command and reported that it failed (say, a prefix-cache reset refused).
+
+    `failures` maps worker id -> the worker's message.
+    """
+
+    recoverable = True
+
+    def __init__(self, kind: str, epoch: int, failures: dict[str, str]) -> None:
+        self.kind, self.epoch, self.failures = kind, epoch, failures
+        detail = "; ".join(f"{w}: {message}" for w, message in sorted(failures.items()))
+        super().__init__(f"{kind} (epoch {epoch}) failed on {len(failures)} worker(s): {detail}")

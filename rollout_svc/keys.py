@@ -1,11 +1,17 @@
-"""Every Redis key, stream, consumer group and channel name that rollout-svc uses."""
+"""Every Redis key, stream field, consumer group and channel name that rollout-svc uses."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 WORKERS_GROUP = "workers"  # the consumer group on every requests stream
-PAYLOAD_FIELD = b"m"  # the one field of every stream entry: a msgpack envelope
+# Fields of a request entry. Only `m` is the message; the others let Redis-side code (placement, requeue,
+# abort sweeps) act on an entry without decoding it.
+PAYLOAD_FIELD = b"m"  # the msgpack envelope (rollout_svc.protocol)
+SESSION_FIELD = b"s"  # the request's session id, absent without one
+EPOCH_FIELD = b"e"  # the control epoch when the request was first enqueued (abort scope)
+DELIVERIES_FIELD = b"d"  # deliveries before this entry was requeued (a dead worker had it), absent if none
 
 
 @dataclass(frozen=True)
@@ -14,14 +20,21 @@ class Keys:
 
     prefix: str = "rollout"
 
+    # --- data plane -------------------------------------------------------------------------------------
+
     @property
     def requests(self) -> str:
-        """Stream of requests any worker may take."""
+        """Stream of rollout requests any worker may take."""
         return f"{self.prefix}:requests"
 
     def pinned_requests(self, worker_id: str) -> str:
-        """Stream of requests pinned to one worker (their session lives there)."""
+        """Stream of rollout requests pinned to one worker (their session lives there)."""
         return f"{self.prefix}:requests:{worker_id}"
+
+    @property
+    def token_requests(self) -> str:
+        """Stream of tokenize / detokenize / chat-template requests: served even while the fleet is paused."""
+        return f"{self.prefix}:token-requests"
 
     def results(self, producer_id: str) -> str:
         """Stream of results for one producer."""
@@ -32,24 +45,19 @@ class Keys:
         return f"{self.prefix}:session:{session_id}"
 
     @property
-    def session_prefix(self) -> str:
-        return f"{self.prefix}:session:"
+    def dead(self) -> str:
+        """Stream of dead letters: undecodable entries and entries over `max_deliveries`."""
+        return f"{self.prefix}:dead"
+
+    # --- workers ----------------------------------------------------------------------------------------
 
     def worker(self, worker_id: str) -> str:
-        """Hash, with TTL: a worker's heartbeat. Its existence is the worker's liveness."""
+        """Hash, with TTL: a worker's heartbeat and applied control state. Its existence is the worker's liveness."""
         return f"{self.prefix}:worker:{worker_id}"
-
-    @property
-    def worker_prefix(self) -> str:
-        return f"{self.prefix}:worker:"
 
     def worker_sessions(self, worker_id: str) -> str:
         """Sorted set: the sessions pinned to a worker, scored by their expiry (unix ms)."""
         return f"{self.prefix}:worker-sessions:{worker_id}"
-
-    @property
-    def worker_sessions_prefix(self) -> str:
-        return f"{self.prefix}:worker-sessions:"
 
     @property
     def workers(self) -> str:
@@ -60,7 +68,37 @@ class Keys:
         """String, with TTL: held by the live worker that reclaims a dead worker's requests."""
         return f"{self.prefix}:reap:{worker_id}"
 
+    def fleet(self, worker_ids: Sequence[str]) -> list[str]:
+        """The keys a placement script declares: the state hash, the workers set, then per worker (in the
+        order given) its heartbeat hash, its session set and its pinned stream."""
+        keys = [self.state, self.workers]
+        for worker_id in worker_ids:
+            keys += [self.worker(worker_id), self.worker_sessions(worker_id), self.pinned_requests(worker_id)]
+        return keys
+
+    # --- control plane ----------------------------------------------------------------------------------
+
     @property
-    def dead(self) -> str:
-        """Stream of dead letters: undecodable entries and entries over `max_deliveries`."""
-        return f"{self.prefix}:dead"
+    def state(self) -> str:
+        """Hash: the fleet's desired control state (epoch, pause holders, sleep level)."""
+        return f"{self.prefix}:state"
+
+    @property
+    def commands(self) -> str:
+        """Sorted set: the recent control commands (msgpack), scored by the epoch each produced."""
+        return f"{self.prefix}:commands"
+
+    @property
+    def cancelled(self) -> str:
+        """Sorted set: tombstones of request ids their producer cancelled, scored by expiry (unix ms)."""
+        return f"{self.prefix}:cancelled"
+
+    @property
+    def control_channel(self) -> str:
+        """Pub/sub channel that nudges workers to re-read the control state (at most once: a nudge only)."""
+        return f"{self.prefix}:control"
+
+    @property
+    def acks_channel(self) -> str:
+        """Pub/sub channel on which workers announce the epoch they applied (issuers also poll the hashes)."""
+        return f"{self.prefix}:acks"

@@ -1,10 +1,13 @@
 """Every message that crosses a process boundary, and its msgpack encoding (never pickle).
 
-Wire format of one message (the value of the single field `m` of a stream entry):
+Wire format of one message (the value of the field `m` of a stream entry):
 
     msgpack({"v": SCHEMA_VERSION, "t": "<type name>", "b": <the model's fields>})
 
-A reader refuses another schema version with `ProtocolError` rather than guessing.
+A reader refuses another schema version with `ProtocolError` rather than guessing. Within one schema version
+messages evolve by adding optional fields: a reader ignores fields it does not know, so producers and workers
+need no lockstep upgrade. User parameters are the exception: `SamplingParams` refuses unknown fields (a typo
+must not be silently ignored), and a worker answers such a request with an `invalid_request` error result.
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ from rollout_svc.errors import InvalidRequestError, ProtocolError
 SCHEMA_VERSION = 1
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+# Why a request stopped early (finish_reason "abort"): a pause in abort mode, an explicit abort or cancel, its
+# deadline, or its worker shutting down. "pause" and "shutdown" are retried token-exact by RolloutClient.
+AbortCause = Literal["pause", "user", "deadline", "shutdown"]
+PauseMode = Literal["keep", "abort", "wait"]
+WorkerState = Literal["starting", "serving", "paused", "sleeping", "draining"]
 ErrorCode = Literal[
     "invalid_request",  # bad input: fix it, retrying will not help
     "deadline_exceeded",  # the request's deadline passed before it finished
@@ -32,15 +40,19 @@ TokenId = Annotated[int, Field(ge=0)]
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """A wire message: fields it does not know are ignored (a newer peer of the same schema version)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
 
 class SamplingParams(_Message):
     """Sampling parameters, with vLLM's field names and meanings (`vllm.SamplingParams`).
 
     `n` is not a field: use `RolloutClient.sample(prompts, n)`, which sends n requests of one group.
-    Raises `pydantic.ValidationError` (through the client: `InvalidRequestError`) on bad values.
+    Raises `pydantic.ValidationError` (through the client: `InvalidRequestError`) on bad values or unknown fields.
     """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -75,11 +87,27 @@ class ChatMessage(_Message):
     content: str
 
 
+class Continuation(_Message):
+    """What an interrupted request generated before it was resubmitted (a token-exact retry).
+
+    The worker generates after `prompt + token_ids`, with `max_tokens` and `min_tokens` reduced by
+    `len(token_ids)`, and answers with the whole completion: these tokens and logprobs, then the new ones,
+    the text detokenized whole. `retry_of` is the request id the caller submitted; an explicit abort of it
+    also hits its retries. `interruptions` counts the aborts so far.
+    """
+
+    retry_of: str
+    token_ids: list[TokenId] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    text: str = ""
+    interruptions: int = Field(0, ge=0)
+
+
 class RolloutRequest(_Message):
     """One generation: a prompt (token ids, or chat messages the worker templates) and sampling params.
 
     `deadline` and `submitted_at` are unix seconds (wall clock: producer and worker hosts must keep
-    time with NTP). `reply_to` is the results stream of the producer.
+    time with NTP). `reply_to` is the results stream of the producer. `continuation` is set on a retry.
     """
 
     request_id: str = Field(min_length=1)
@@ -91,6 +119,7 @@ class RolloutRequest(_Message):
     reply_to: str
     deadline: float | None = None
     submitted_at: float = Field(default_factory=time.time)
+    continuation: Continuation | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RolloutRequest:
@@ -100,7 +129,19 @@ class RolloutRequest(_Message):
             raise ValueError("prompt_token_ids is empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages is empty")
+        if self.continuation is not None:
+            if self.prompt_token_ids is None:
+                raise ValueError("a continuation needs prompt_token_ids (the templated prompt of a chat request)")
+            if len(self.continuation.token_ids) != len(self.continuation.logprobs):
+                raise ValueError("a continuation needs one logprob per token")
+            if len(self.continuation.token_ids) >= self.sampling_params.max_tokens:
+                raise ValueError("a continuation must leave at least one token to generate")
         return self
+
+    @property
+    def original_request_id(self) -> str:
+        """The id the caller submitted: `request_id`, or for a retry the request it continues."""
+        return self.continuation.retry_of if self.continuation else self.request_id
 
 
 class TokenizeRequest(_Message):
@@ -138,7 +179,9 @@ class Trajectory(_Message):
     Shapes: `completion_token_ids` and `logprobs` have one entry per generated token; `logprobs[i]` is
     the natural-log probability of `completion_token_ids[i]` under the sampling distribution.
     Times are seconds: `queue_time_s` from submission to the worker taking it, `generation_time_s`
-    inside the engine. `finish_reason == "error"` marks a request that failed; `error` says why.
+    inside the engine (summed over retries). `finish_reason == "error"` marks a request that failed; `error`
+    says why. `finish_reason == "abort"` marks one stopped early; `abort_cause` says why. `interruptions`
+    counts the aborts (pauses, worker shutdowns) it was retried through, token-exact.
     """
 
     request_id: str
@@ -155,6 +198,27 @@ class Trajectory(_Message):
     generation_time_s: float = 0.0
     error: str | None = None
     error_code: ErrorCode | None = None
+    abort_cause: AbortCause | None = None
+    interruptions: int = 0
+
+
+def unrun_trajectory(request: RolloutRequest, cause: AbortCause, worker_id: str = "") -> Trajectory:
+    """The answer to a request aborted before it ran: no new tokens (a retry keeps what it had)."""
+    prior = request.continuation
+    return Trajectory(
+        request_id=request.request_id,
+        session_id=request.session_id,
+        group_id=request.group_id,
+        prompt_token_ids=request.prompt_token_ids or [],
+        completion_token_ids=list(prior.token_ids) if prior else [],
+        logprobs=list(prior.logprobs) if prior else [],
+        text=prior.text if prior else "",
+        finish_reason="abort",
+        abort_cause=cause,
+        interruptions=prior.interruptions if prior else 0,
+        worker_id=worker_id,
+        queue_time_s=max(0.0, time.time() - request.submitted_at),
+    )
 
 
 class ErrorResult(_Message):
@@ -176,11 +240,33 @@ class TokenizeResult(_Message):
     worker_id: str = ""
 
 
+class ControlCommand(_Message):
+    """A control command as logged in Redis (`Keys.commands`, scored by the epoch it produced).
+
+    `kind` is one of pause, resume, abort, sleep, wake_up, reset_prefix_cache; `args` its arguments;
+    `issued_at` unix seconds. `epoch` is filled in from the log's score when read.
+    """
+
+    command_id: str
+    kind: str
+    args: dict[str, Any] = Field(default_factory=dict)
+    issued_at: float = Field(default_factory=time.time)
+    epoch: int = 0
+
+
 Request = RolloutRequest | TokenizeRequest | DetokenizeRequest
 Result = Trajectory | ErrorResult | TokenizeResult
 _TYPES: dict[str, type[_Message]] = {
     cls.__name__: cls
-    for cls in (RolloutRequest, TokenizeRequest, DetokenizeRequest, Trajectory, ErrorResult, TokenizeResult)
+    for cls in (
+        RolloutRequest,
+        TokenizeRequest,
+        DetokenizeRequest,
+        Trajectory,
+        ErrorResult,
+        TokenizeResult,
+        ControlCommand,
+    )
 }
 
 
@@ -190,7 +276,11 @@ def encode(message: _Message) -> bytes:
 
 
 def decode(data: bytes) -> Any:
-    """Unpack an envelope into its message. Raises `ProtocolError` if it is not one we understand."""
+    """Unpack an envelope into its message.
+
+    Raises `ProtocolError` if it is not one we understand, and `InvalidRequestError` for a well-formed
+    request whose user parameters are bad (an unknown sampling field): its producer gets an error result.
+    """
     try:
         envelope = msgpack.unpackb(data)
         version, type_name, body = envelope["v"], envelope["t"], envelope["b"]
@@ -207,6 +297,8 @@ def decode(data: bytes) -> Any:
     try:
         return cls.model_validate(body)
     except ValidationError as exc:
+        if all(error["loc"][:1] == ("sampling_params",) for error in exc.errors()):
+            raise InvalidRequestError(f"invalid sampling params: {exc}") from exc
         raise ProtocolError(f"invalid {type_name}: {exc}") from exc
 
 
@@ -233,11 +325,17 @@ def as_sampling_params(value: SamplingParams | dict[str, Any] | None) -> Samplin
 
 
 class WorkerStatus(BaseModel):
-    """A worker's heartbeat, as stored in the hash `rollout:worker:{worker_id}` (times: unix seconds)."""
+    """A worker's heartbeat, as stored in the hash `rollout:worker:{worker_id}` (times: unix seconds).
+
+    `state`: starting (not yet converged), serving, paused, sleeping, draining (stopping). `applied_epoch`
+    is the control epoch it has applied (its acknowledgement); `pause_mode` the mode it is paused in ("" when
+    not paused); `memory_released` whether sleeping freed engine memory (never on CPU). `fenced_results`
+    counts results it dropped because their request had been requeued while it was presumed dead.
+    """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
     worker_id: str
-    state: Literal["starting", "serving", "draining"] = "serving"
+    state: WorkerState = "serving"
     engine: str = ""
     model: str = ""
     capacity: int = 0
@@ -248,3 +346,19 @@ class WorkerStatus(BaseModel):
     pid: int = 0
     started_at: float = 0.0
     heartbeat_at: float = 0.0
+    applied_epoch: int = 0
+    pause_mode: str = ""
+    sleep_level: int = 0
+    memory_released: bool = False
+    fenced_results: int = 0
+    incarnation: int = 0
+    error_epoch: int = 0
+    error: str = ""
+
+    def to_hash(self) -> dict[str, str]:
+        """The heartbeat hash's fields: every value as a string (bools as 1/0)."""
+        return {k: str(int(v)) if isinstance(v, bool) else str(v) for k, v in self.model_dump().items()}
+
+    @classmethod
+    def from_hash(cls, fields: dict[bytes, bytes]) -> WorkerStatus:
+        return cls.model_validate({k.decode(): v.decode() for k, v in fields.items()})

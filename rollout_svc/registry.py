@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
 
 from rollout_svc.keys import Keys
 from rollout_svc.protocol import WorkerStatus
+
+# KEYS: [1] heartbeat hash, [2] workers set. ARGV: [1] ttl ms, [2] worker id, [3] '1' to renew only (the hash must
+# still exist: if it expired, this worker was presumed dead and may have been reaped, so it must not come back
+# under this id), [4] channel to announce on or '', [5] announcement, then the hash's field/value pairs.
+# Returns 1, or 0 if a renewal was refused.
+HEARTBEAT_LUA = """
+if ARGV[3] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[2])
+if ARGV[4] ~= '' then redis.call('PUBLISH', ARGV[4], ARGV[5]) end
+return 1
+"""
 
 
 class Registry:
@@ -16,16 +30,24 @@ class Registry:
     def __init__(self, redis: Redis, keys: Keys, heartbeat_ttl_s: float) -> None:
         self.redis, self.keys = redis, keys
         self._ttl_ms = int(heartbeat_ttl_s * 1000)
+        self._beat = redis.register_script(HEARTBEAT_LUA)
 
-    async def heartbeat(self, status: WorkerStatus) -> None:
-        """Write the heartbeat hash, reset its TTL, and (re-)register the worker id."""
-        key = self.keys.worker(status.worker_id)
-        fields: dict[Any, Any] = {k: str(v) for k, v in status.model_dump().items()}
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(key, mapping=fields)
-        pipe.pexpire(key, self._ttl_ms)
-        pipe.sadd(self.keys.workers, status.worker_id)
-        await pipe.execute()
+    async def load_scripts(self) -> None:
+        """Load the script once, so that no EVALSHA meets NOSCRIPT in the normal course."""
+        self._beat.sha = await self.redis.script_load(self._beat.script)
+
+    async def heartbeat(self, status: WorkerStatus, *, renew: bool = False, announce: bool = False) -> bool:
+        """Write the heartbeat hash, reset its TTL, and (re-)register the worker id, in one step.
+
+        `renew`: refuse (return False) if the hash has expired since the last beat. `announce`: also publish
+        "worker_id applied_epoch" on the acks channel, so an issuer waiting for this epoch hears at once.
+        """
+        fields = [x for item in status.to_hash().items() for x in item]
+        channel = self.keys.acks_channel if announce else ""
+        announcement = f"{status.worker_id} {status.applied_epoch}"
+        args: list[str | int] = [self._ttl_ms, status.worker_id, int(renew), channel, announcement]
+        keys = [self.keys.worker(status.worker_id), self.keys.workers]
+        return bool(await self._beat(keys=keys, args=[*args, *fields]))
 
     async def deregister(self, worker_id: str) -> None:
         """A clean exit: the worker is gone at once, not after its TTL."""
@@ -34,27 +56,31 @@ class Registry:
         pipe.srem(self.keys.workers, worker_id)
         await pipe.execute()
 
-    async def live_workers(self) -> list[WorkerStatus]:
-        """Every worker whose heartbeat has not expired, sorted by id."""
-        ids = await self._worker_ids()
+    async def worker_ids(self) -> list[str]:
+        """Every registered worker id (live, or dead and not yet reaped), sorted."""
+        members: Any = await self.redis.smembers(self.keys.workers)
+        return sorted(w.decode() for w in members)
+
+    async def statuses(self, worker_ids: Sequence[str]) -> dict[str, WorkerStatus | None]:
+        """Each worker's heartbeat, or None where it has expired."""
         pipe = self.redis.pipeline(transaction=False)
-        for worker_id in ids:
+        for worker_id in worker_ids:
             pipe.hgetall(self.keys.worker(worker_id))
         hashes = await pipe.execute()
-        return [WorkerStatus.model_validate({k.decode(): v.decode() for k, v in h.items()}) for h in hashes if h]
+        return {w: WorkerStatus.from_hash(h) if h else None for w, h in zip(worker_ids, hashes, strict=True)}
+
+    async def live_workers(self) -> list[WorkerStatus]:
+        """Every worker whose heartbeat has not expired, sorted by id."""
+        return [s for s in (await self.statuses(await self.worker_ids())).values() if s is not None]
 
     async def dead_workers(self) -> list[str]:
         """Registered worker ids whose heartbeat expired and whose requests are not yet reclaimed."""
-        ids = await self._worker_ids()
+        ids = await self.worker_ids()
         pipe = self.redis.pipeline(transaction=False)
         for worker_id in ids:
             pipe.exists(self.keys.worker(worker_id))
         alive = await pipe.execute()
         return [worker_id for worker_id, a in zip(ids, alive, strict=True) if not a]
-
-    async def _worker_ids(self) -> list[str]:
-        members: Any = await self.redis.smembers(self.keys.workers)
-        return sorted(w.decode() for w in members)
 
     async def is_alive(self, worker_id: str) -> bool:
         return bool(await self.redis.exists(self.keys.worker(worker_id)))

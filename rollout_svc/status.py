@@ -1,4 +1,4 @@
-"""What `rollout-svc status` reports: live workers, queue depths and pending counts, dead letters."""
+"""What `rollout-svc status` reports: control state, live workers, queue depths and pending counts, dead letters."""
 
 from __future__ import annotations
 
@@ -7,25 +7,36 @@ from typing import Any
 from redis.asyncio import Redis
 
 from rollout_svc.config import Settings
-from rollout_svc.registry import Registry
-from rollout_svc.streams import RequestStreams
+from rollout_svc.control import ControlPlane
 
 
 async def fleet_status(settings: Settings) -> dict[str, Any]:
     """The fleet as JSON-ready data.
 
-    Returns `{"workers": [WorkerStatus dict], "streams": {name: {length, pending, queued}}, "dead_letters": n}`.
+    Returns `{"paused": bool, "pause_mode": "keep"|"abort"|"wait"|None, "pause_holders": {holder: mode},
+    "sleep_level": n, "epoch": n, "workers": [WorkerStatus dict], "streams": {name: {length, pending, queued}},
+    "dead_letters": n}`. Each worker's `state` is starting, serving, paused, sleeping or draining, and
+    `applied_epoch` the control epoch it acknowledged (right after a command returns, every worker's is >= it).
     """
     redis = Redis.from_url(settings.redis_url, decode_responses=False)
     keys = settings.keys
     try:
-        workers = await Registry(redis, keys, settings.heartbeat_ttl_s).live_workers()
-        streams = RequestStreams(redis, keys, settings.session_ttl_s)
-        depths = {keys.requests: await streams.depth(keys.requests)}
-        for worker in workers:
-            pinned = keys.pinned_requests(worker.worker_id)
-            depths[pinned] = await streams.depth(pinned)
+        control = ControlPlane(redis, settings)
+        desired = await control.state()
+        workers = await control.registry.live_workers()
+        depths = {}
+        for stream in [keys.requests, keys.token_requests, *(keys.pinned_requests(w.worker_id) for w in workers)]:
+            depths[stream] = await control.streams.depth(stream)
         dead_letters = await redis.xlen(keys.dead)
     finally:
         await redis.aclose()
-    return {"workers": [w.model_dump() for w in workers], "streams": depths, "dead_letters": dead_letters}
+    return {
+        "paused": desired.paused,
+        "pause_mode": desired.pause_mode,
+        "pause_holders": desired.holders,
+        "sleep_level": desired.sleep_level if desired.sleeping else 0,
+        "epoch": desired.epoch,
+        "workers": [w.model_dump() for w in workers],
+        "streams": depths,
+        "dead_letters": dead_letters,
+    }

@@ -1,14 +1,19 @@
-"""The data plane on Redis Streams: the only module that spells XADD, XREADGROUP, XACK, XCLAIM and XDEL.
+"""The data plane on Redis Streams: the only module that spells XADD, XREADGROUP, XACK and XDEL.
 
 Protocol (DESIGN.md section 3):
-- Producers enqueue with one Lua script (`ENQUEUE`) per batch: it places each session on a worker
-  (sticky + least-loaded, shared by every producer because it runs in Redis), refuses the batch if
+- Producers enqueue with one Lua script (`ENQUEUE`) per chunk: it places each session on a worker
+  (sticky + least-loaded, shared by every producer because it runs in Redis), refuses the chunk if
   a target stream is over `max_queued_requests`, and XADDs the entries. Atomic: all or nothing.
-- Workers XREADGROUP their pinned stream first, then the shared one, never more than their free capacity.
-- A worker publishes a result and XACKs + XDELs its request in one script (atomic), so no result is lost between
-  the two and no request is acked without one. Acked entries are deleted, so XLEN is the backlog.
-- A dead worker's pending entries are requeued (same payload, delivery count carried in field `d`)
-  in the same MULTI that acks them; its pinned stream is drained the same way, sessions re-placed.
+- Workers XREADGROUP their pinned stream and the shared one, never more than their free capacity;
+  tokenize requests have a stream of their own, served even while the fleet is paused.
+- A worker publishes a result and XACKs + XDELs its request in one script, and only if the XACK returned 1:
+  a worker presumed dead whose request was requeued meanwhile publishes nothing for it (fencing).
+- A dead worker's pending entries are requeued (same payload, session, epoch; delivery count in field `d`)
+  by the same script that acks them; its pinned stream is drained the same way, sessions re-placed.
+
+Every script declares every key it touches in KEYS, built by `Keys` (Redis Cluster needs exactly this).
+The placement scripts take the registered workers' keys (`Keys.fleet`); if the set of workers changed
+since this process last read it, the script answers `stale` and the call is rebuilt with the new set.
 """
 
 from __future__ import annotations
@@ -22,145 +27,277 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, ResponseError
 
 from rollout_svc.errors import QueueFullError
-from rollout_svc.keys import PAYLOAD_FIELD, WORKERS_GROUP, Keys
+from rollout_svc.keys import DELIVERIES_FIELD, EPOCH_FIELD, PAYLOAD_FIELD, SESSION_FIELD, WORKERS_GROUP, Keys
 
-DELIVERIES_FIELD = b"d"  # deliveries before this entry was requeued (a dead worker had it)
 ENQUEUE_CHUNK = 1000  # entries per script call: bounds how long one call blocks Redis
+STALE_RETRIES = 5  # rebuilds of a placement call whose worker set changed under it
 
-# Shared by both scripts: place(session_id, preferred) -> worker id or false.
-# A live pin is kept (and its TTL refreshed); otherwise the preferred worker, if live, else the live
-# worker with the fewest unexpired sessions, takes the session. No live worker: false.
-_PLACE_LUA = """
-local prefix, ttl_ms = ARGV[1], tonumber(ARGV[2])
+# Shared by the placement scripts. fleet_at(kf, af): the fleet block of KEYS from index kf (Keys.fleet: state,
+# workers set, then heartbeat, session set and pinned stream per worker) and of ARGV from index af (the worker
+# count, then the ids). place(): a live pin stays unless its worker sleeps or drains; otherwise the preferred
+# worker, if serving or paused, takes the session; otherwise the converged (applied the current epoch) serving
+# or paused worker with the fewest unexpired sessions. No such worker: false (the shared stream).
+_FLEET_LUA = """
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local function alive(w) return redis.call('EXISTS', prefix .. ':worker:' .. w) == 1 end
-local function pin(sid, w)
-  redis.call('SET', prefix .. ':session:' .. sid, w, 'PX', ttl_ms)
-  redis.call('ZADD', prefix .. ':worker-sessions:' .. w, now_ms + ttl_ms, sid)
-  return w
+local function fleet_at(kf, af)
+  local f = {state = KEYS[kf], set = KEYS[kf + 1], ids = {}, hb = {}, zs = {}, pinned = {}}
+  local n = tonumber(ARGV[af])
+  for i = 1, n do
+    local id, k = ARGV[af + i], kf + 2 + 3 * (i - 1)
+    f.ids[i] = id
+    f.hb[id], f.zs[id], f.pinned[id] = KEYS[k], KEYS[k + 1], k + 2
+  end
+  f.next_key, f.next_arg = kf + 2 + 3 * n, af + n + 1
+  return f
 end
-local function place(sid, preferred)
-  local w = redis.call('GET', prefix .. ':session:' .. sid)
-  if w and alive(w) then return pin(sid, w) end
-  if w then redis.call('ZREM', prefix .. ':worker-sessions:' .. w, sid) end
-  if preferred and alive(preferred) then return pin(sid, preferred) end
+local function stale(f)
+  if redis.call('SCARD', f.set) ~= #f.ids then return true end
+  for _, id in ipairs(f.ids) do
+    if redis.call('SISMEMBER', f.set, id) == 0 then return true end
+  end
+  return false
+end
+local function epoch_of(f) return tonumber(redis.call('HGET', f.state, 'epoch') or '0') end
+local function place(f, epoch, ttl_ms, skey, sid, preferred)
+  local function pin(w)
+    redis.call('SET', skey, w, 'PX', ttl_ms)
+    redis.call('ZADD', f.zs[w], now_ms + ttl_ms, sid)
+    return w
+  end
+  local w = redis.call('GET', skey)
+  if w and f.hb[w] then
+    local state = redis.call('HGET', f.hb[w], 'state')
+    if state and state ~= 'sleeping' and state ~= 'draining' then return pin(w) end
+    redis.call('ZREM', f.zs[w], sid)
+  end
+  if w then redis.call('DEL', skey) end
+  if preferred and f.hb[preferred] then
+    local state = redis.call('HGET', f.hb[preferred], 'state')
+    if state == 'serving' or state == 'paused' then return pin(preferred) end
+  end
   local best, best_load = false, 0
-  for _, id in ipairs(redis.call('SMEMBERS', prefix .. ':workers')) do
-    if alive(id) then
-      local zs = prefix .. ':worker-sessions:' .. id
-      redis.call('ZREMRANGEBYSCORE', zs, '-inf', now_ms)
-      local load = redis.call('ZCARD', zs)
+  for _, id in ipairs(f.ids) do
+    local h = redis.call('HMGET', f.hb[id], 'state', 'applied_epoch')
+    if (h[1] == 'serving' or h[1] == 'paused') and tonumber(h[2] or '0') >= epoch then
+      redis.call('ZREMRANGEBYSCORE', f.zs[id], '-inf', now_ms)
+      local load = redis.call('ZCARD', f.zs[id])
       if not best or load < best_load or (load == best_load and id < best) then best, best_load = id, load end
     end
   end
-  if best then return pin(sid, best) end
+  if best then return pin(best) end
   return false
 end
 """
 
-# KEYS[1]: shared requests stream. ARGV: prefix, session_ttl_ms, limit (-1: none), then triples
-# (session_id or '', payload, deliveries). Returns {'ok', worker_or_'' ...} or {'full', stream, length}.
-# Placement happens before the admission check, so a refused batch may still have pinned its sessions:
-# harmless, the pins expire with the session TTL.
+# KEYS: [1] shared requests stream, [2] token requests stream, the fleet from [3], then one session key per
+# session item, then the streams of the entries to ack. ARGV: [1] session ttl ms, [2] limit (-1: none), [3] group,
+# [4] worker count, worker ids, then the item count and 5 per item (kind 'g' or 't', session id or '', payload,
+# deliveries, epoch or '' for the current one), then the ack count and 2 per ack (key index, entry id).
+# Returns {'stale'}, {'full', stream, length} or {'ok', target key index, entry id, ...}. Placement happens before
+# the admission check, so a refused chunk may still have pinned its sessions: harmless, the pins expire.
 ENQUEUE_LUA = (
-    _PLACE_LUA
+    _FLEET_LUA
     + """
-local limit = tonumber(ARGV[3])
-local targets, placed, counts = {}, {}, {}
-local n = (#ARGV - 3) / 3
+local f = fleet_at(3, 4)
+if stale(f) then return {'stale'} end
+local ttl_ms, limit, group, epoch = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], epoch_of(f)
+local k, a = f.next_key, f.next_arg
+local n = tonumber(ARGV[a])
+local first = a + 1
+local targets, counts = {}, {}
 for i = 1, n do
-  local sid = ARGV[3 * i + 1]
-  local w = false
-  if sid ~= '' then w = place(sid, false) end
-  local target = KEYS[1]
-  if w then target = prefix .. ':requests:' .. w end
-  targets[i], placed[i] = target, w or ''
+  local at = first + 5 * (i - 1)
+  local target = 1
+  if ARGV[at] == 't' then
+    target = 2
+  elseif ARGV[at + 1] ~= '' then
+    local w = place(f, epoch, ttl_ms, KEYS[k], ARGV[at + 1], false)
+    k = k + 1
+    if w then target = f.pinned[w] end
+  end
+  targets[i] = target
   counts[target] = (counts[target] or 0) + 1
 end
 if limit >= 0 then
   for target, c in pairs(counts) do
-    local len = redis.call('XLEN', target)
-    if len + c > limit then return {'full', target, len} end
+    local len = redis.call('XLEN', KEYS[target])
+    if len + c > limit then return {'full', KEYS[target], len} end
   end
 end
+local reply = {'ok'}
 for i = 1, n do
-  local d = ARGV[3 * i + 3]
-  if d == '0' then
-    redis.call('XADD', targets[i], '*', 'm', ARGV[3 * i + 2])
-  else
-    redis.call('XADD', targets[i], '*', 'm', ARGV[3 * i + 2], 'd', d)
-  end
+  local at = first + 5 * (i - 1)
+  local e = ARGV[at + 4]
+  if e == '' then e = tostring(epoch) end
+  local fields = {'m', ARGV[at + 2], 'e', e}
+  if ARGV[at + 1] ~= '' then fields[#fields + 1] = 's'; fields[#fields + 1] = ARGV[at + 1] end
+  if ARGV[at + 3] ~= '0' then fields[#fields + 1] = 'd'; fields[#fields + 1] = ARGV[at + 3] end
+  reply[#reply + 1] = targets[i]
+  reply[#reply + 1] = redis.call('XADD', KEYS[targets[i]], '*', unpack(fields))
 end
-return {'ok', unpack(placed)}
+a = first + 5 * n
+for _ = 1, tonumber(ARGV[a]) do
+  local key, id = KEYS[tonumber(ARGV[a + 1])], ARGV[a + 2]
+  redis.call('XACK', key, group, id)
+  redis.call('XDEL', key, id)
+  a = a + 2
+end
+return reply
 """
 )
 
-# ARGV: prefix, session_ttl_ms, session_id, worker_id. A worker that took a session's request from the
-# shared stream pins the session to itself unless a live worker holds it. Returns the pinned worker.
-PIN_LUA = _PLACE_LUA + "\nreturn place(ARGV[3], ARGV[4])\n"
+# KEYS: the fleet, then the session key. ARGV: session ttl ms, worker count, worker ids, session id, worker id.
+# A worker that took a session's request from the shared stream pins the session to itself unless a live
+# worker holds it. Returns {'stale'} or {'ok', the pinned worker or ''}.
+PIN_LUA = (
+    _FLEET_LUA
+    + """
+local f = fleet_at(1, 2)
+if stale(f) then return {'stale'} end
+local w = place(f, epoch_of(f), tonumber(ARGV[1]), KEYS[f.next_key], ARGV[f.next_arg], ARGV[f.next_arg + 1])
+return {'ok', w or ''}
+"""
+)
 
-# KEYS: results streams and requests streams. ARGV: ttl_s, group, n, n pairs (key index, payload), m,
-# m pairs (key index, entry id). A script is atomic like MULTI, and one command costs less than five.
+# KEYS: the fleet, then the session key. ARGV: worker count, worker ids, session id. Unpins a session so its
+# next turn is placed anew. Returns {'stale'} or {'ok', 1 if it was pinned}.
+FINISH_SESSION_LUA = (
+    _FLEET_LUA
+    + """
+local f = fleet_at(1, 1)
+if stale(f) then return {'stale'} end
+local skey, sid = KEYS[f.next_key], ARGV[f.next_arg]
+local w = redis.call('GET', skey)
+if w and f.zs[w] then redis.call('ZREM', f.zs[w], sid) end
+return {'ok', redis.call('DEL', skey)}
+"""
+)
+
+# KEYS: the streams named (results and requests streams), each once. ARGV: [1] results ttl s, [2] group, then 4 per
+# item: results key index (0: no result), payload, requests key index, entry id. An item's result is added only if
+# its XACK returned 1, that is if the entry was still pending here; 0 means it was requeued while this worker was
+# presumed dead, and the worker that takes the requeued copy answers it. Returns how many were fenced.
 PUBLISH_LUA = """
-local ttl, group, a = ARGV[1], ARGV[2], 4
-local touched = {}
-for _ = 1, tonumber(ARGV[3]) do
-  local key = KEYS[tonumber(ARGV[a])]
-  redis.call('XADD', key, '*', 'm', ARGV[a + 1])
-  touched[key] = true
-  a = a + 2
+local fenced, touched = 0, {}
+for a = 3, #ARGV, 4 do
+  local stream, id = KEYS[tonumber(ARGV[a + 2])], ARGV[a + 3]
+  if redis.call('XACK', stream, ARGV[2], id) == 1 then
+    redis.call('XDEL', stream, id)
+    local r = tonumber(ARGV[a])
+    if r > 0 then
+      redis.call('XADD', KEYS[r], '*', 'm', ARGV[a + 1])
+      touched[KEYS[r]] = true
+    end
+  else
+    fenced = fenced + 1
+  end
 end
-for key in pairs(touched) do redis.call('EXPIRE', key, ttl) end
-local m = tonumber(ARGV[a])
-a = a + 1
-for _ = 1, m do
-  local key = KEYS[tonumber(ARGV[a])]
-  redis.call('XACK', key, group, ARGV[a + 1])
-  redis.call('XDEL', key, ARGV[a + 1])
-  a = a + 2
-end
-return m
+for key in pairs(touched) do redis.call('EXPIRE', key, ARGV[1]) end
+return fenced
 """
 
-# ARGV: prefix, session_id. Unpins a session so its next turn is placed anew.
-FINISH_SESSION_LUA = """
-local key = ARGV[1] .. ':session:' .. ARGV[2]
-local w = redis.call('GET', key)
-if w then redis.call('ZREM', ARGV[1] .. ':worker-sessions:' .. w, ARGV[2]) end
-return redis.call('DEL', key)
+# KEYS: [1] the entry's stream, [2] the dead-letter stream, [3] the producer's results stream (or [2] again).
+# ARGV: [1] group, [2] entry id, [3] dead-letter maxlen, [4] results ttl s, [5] reply payload or '', then the dead
+# letter's field/value pairs. Fenced like a publish. Returns 1, or 0 if the entry was no longer pending here.
+DEAD_LETTER_LUA = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 6))
+if ARGV[5] ~= '' then
+  redis.call('XADD', KEYS[3], '*', 'm', ARGV[5])
+  redis.call('EXPIRE', KEYS[3], ARGV[4])
+end
+return 1
+"""
+
+# KEYS: [1] a requests stream, then results streams. ARGV: [1] group, [2] results ttl s, then 3 per entry (entry
+# id, results key index or 0, result payload). Deletes each entry that is still undelivered (it exists and no
+# consumer holds it) and answers it; an entry a worker took meanwhile is that worker's to answer.
+SWEEP_LUA = """
+local swept = 0
+for a = 3, #ARGV, 3 do
+  local id = ARGV[a]
+  if #redis.call('XRANGE', KEYS[1], id, id) == 1 then
+    local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], id, id, 1)
+    if not ok or #pending == 0 then
+      redis.call('XDEL', KEYS[1], id)
+      local r = tonumber(ARGV[a + 1])
+      if r > 0 then
+        redis.call('XADD', KEYS[r], '*', 'm', ARGV[a + 2])
+        redis.call('EXPIRE', KEYS[r], ARGV[2])
+      end
+      swept = swept + 1
+    end
+  end
+end
+return swept
 """
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One request entry taken from a requests stream. `deliveries` counts this delivery (1 = first)."""
+    """One request entry in a requests stream. `deliveries` counts this delivery (1 = first).
+
+    `session_id` and `epoch` are the entry's fields (see `keys.py`), readable without decoding `payload`.
+    """
 
     stream: str
     entry_id: bytes
     payload: bytes
     deliveries: int
+    session_id: str | None = None
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
-class Requeue:
-    """A request to put back in the queue: its payload, its session (to re-place) and deliveries so far."""
+class Enqueue:
+    """A request to add to the queue: its payload and session; for a requeue, deliveries so far and its epoch.
+
+    `tokens`: a tokenize / detokenize / chat-template request (its own stream; no session).
+    """
 
     payload: bytes
-    session_id: str | None
-    deliveries: int
+    session_id: str | None = None
+    deliveries: int = 0
+    epoch: int | None = None  # None: the current control epoch
+    tokens: bool = False
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where an enqueued request went: its stream and entry id (what a cancel needs to sweep it)."""
+
+    stream: str
+    entry_id: bytes
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """An entry to delete if still undelivered, and the answer (results stream, payload) to send its producer."""
+
+    entry_id: bytes
+    reply: tuple[str, bytes] | None = None
 
 
 class RequestStreams:
-    """Data-plane operations on one Redis connection. Cheap to build; holds no state but script handles."""
+    """Data-plane operations on one Redis connection; caches the registered worker ids the scripts declare."""
 
     def __init__(self, redis: Redis, keys: Keys, session_ttl_s: float) -> None:
         self.redis, self.keys = redis, keys
         self._session_ttl_ms = int(session_ttl_s * 1000)
-        self._enqueue = redis.register_script(ENQUEUE_LUA)
-        self._pin = redis.register_script(PIN_LUA)
-        self._finish = redis.register_script(FINISH_SESSION_LUA)
-        self._publish = redis.register_script(PUBLISH_LUA)
+        self._scripts = {
+            name: redis.register_script(lua)
+            for name, lua in (
+                ("enqueue", ENQUEUE_LUA),
+                ("pin", PIN_LUA),
+                ("finish", FINISH_SESSION_LUA),
+                ("publish", PUBLISH_LUA),
+                ("dead_letter", DEAD_LETTER_LUA),
+                ("sweep", SWEEP_LUA),
+            )
+        }
+        self._workers: list[str] | None = None  # registered worker ids, as the scripts were last given them
 
     async def ensure_group(self, stream: str) -> None:
         """Create the `workers` consumer group (and the stream) if missing. From id 0: nothing queued is skipped.
@@ -186,91 +323,149 @@ class RequestStreams:
 
     async def load_scripts(self) -> None:
         """Load the Lua scripts once, so that no EVALSHA meets NOSCRIPT in the normal course."""
-        for script in (self._enqueue, self._pin, self._finish, self._publish):
+        for script in self._scripts.values():
             script.sha = await self.redis.script_load(script.script)
+
+    async def _fleet(self, refresh: bool = False) -> list[str]:
+        if self._workers is None or refresh:
+            members: Any = await self.redis.smembers(self.keys.workers)
+            self._workers = sorted(m.decode() for m in members)
+        return self._workers
+
+    async def _placement(self, name: str, build: Any) -> tuple[list[str], Any]:
+        """Run a placement script; `build(worker_ids)` gives its (keys, args). Rebuilt while the fleet is stale.
+
+        Returns the keys it ran with and its reply.
+        """
+        for attempt in range(STALE_RETRIES):
+            keys, args = build(await self._fleet(refresh=attempt > 0))
+            reply = await self._scripts[name](keys=keys, args=args)
+            if reply[0] != b"stale":
+                return keys, reply
+        raise RuntimeError(f"the set of workers kept changing during {name}; retry")
 
     # --- producers --------------------------------------------------------------------------------------
 
-    async def enqueue(self, items: Sequence[tuple[str | None, bytes]], max_queued: int) -> list[str | None]:
-        """XADD (session_id, payload) items; sessions go to their pinned worker's stream.
+    async def enqueue(self, items: Sequence[Enqueue], max_queued: int) -> list[Placed]:
+        """XADD items; sessions go to their pinned worker's stream. Returns where each went.
 
-        Returns the worker each item was pinned to (None: the shared stream).
         Raises `QueueFullError` if a target stream would exceed `max_queued` (nothing of a batch of up
         to ENQUEUE_CHUNK items is added then; of a larger batch, the chunks before the full one are).
         """
-        [outcome] = await self.enqueue_batches([items], max_queued)
+        [outcome] = await self.enqueue_batches([items], [max_queued])
         if isinstance(outcome, QueueFullError):
             raise outcome
         return outcome
 
     async def enqueue_batches(
-        self, batches: Sequence[Sequence[tuple[str | None, bytes]]], max_queued: int
-    ) -> list[list[str | None] | QueueFullError]:
+        self, batches: Sequence[Sequence[Enqueue]], limits: Sequence[int]
+    ) -> list[list[Placed] | QueueFullError]:
         """Enqueue several callers' batches in one round trip (one script call per chunk, pipelined).
 
-        Each batch succeeds or fails on its own: the outcome is its placements or its `QueueFullError`.
+        `limits[i]` is batch i's admission limit (-1: none). Each batch succeeds or fails on its own: the
+        outcome is where its requests went, or its `QueueFullError`.
         """
-        calls: list[list[str | bytes | int]] = []
+        chunks: list[tuple[Sequence[Enqueue], int]] = []
         spans: list[tuple[int, int]] = []
-        for items in batches:
-            first = len(calls)
-            for start in range(0, len(items), ENQUEUE_CHUNK):
-                chunk = [Requeue(payload, sid, 0) for sid, payload in items[start : start + ENQUEUE_CHUNK]]
-                calls.append(self._enqueue_args(chunk, max_queued))
-            spans.append((first, len(calls)))
-        replies = await self._run_enqueue_calls(calls)
-        outcomes: list[list[str | None] | QueueFullError] = []
-        for first, end in spans:
+        for items, limit in zip(batches, limits, strict=True):
+            first = len(chunks)
+            chunks += [(items[start : start + ENQUEUE_CHUNK], limit) for start in range(0, len(items), ENQUEUE_CHUNK)]
+            spans.append((first, len(chunks)))
+        replies = await self._run_enqueue_calls(chunks)
+        outcomes: list[list[Placed] | QueueFullError] = []
+        for (first, end), limit in zip(spans, limits, strict=True):
             try:
-                outcomes.append([w for reply in replies[first:end] for w in self._placed(reply, max_queued)])
+                outcomes.append([p for call in replies[first:end] for p in self._placed(*call, limit)])
             except QueueFullError as exc:
                 outcomes.append(exc)
         return outcomes
 
-    async def _run_enqueue_calls(self, calls: list[list[str | bytes | int]]) -> list:
-        """EVALSHA each call in one pipeline. Not through redis-py's script-in-pipeline support: that
-        costs a SCRIPT EXISTS round trip per pipeline. NOSCRIPT (Redis restarted) reloads and retries;
-        no call ran then, since every call names the same script."""
-        if len(calls) == 1:
-            return [await self._enqueue(keys=[self.keys.requests], args=calls[0])]
-        for attempt in range(2):
+    async def _run_enqueue_calls(self, chunks: list[tuple[Sequence[Enqueue], int]]) -> list[tuple[list[str], Any]]:
+        """EVALSHA each chunk in one pipeline; returns (keys, reply) per chunk. Not through redis-py's
+        script-in-pipeline support: that costs a SCRIPT EXISTS round trip per pipeline. NOSCRIPT (Redis
+        restarted) reloads and retries, as does a stale worker set, for just the chunks that did not run."""
+        script = self._scripts["enqueue"]
+        done: dict[int, tuple[list[str], Any]] = {}
+        todo = list(range(len(chunks)))
+        for attempt in range(STALE_RETRIES):
+            workers = await self._fleet(refresh=attempt > 0)
+            calls = {i: self._enqueue_call(*chunks[i], workers, []) for i in todo}
             pipe = self.redis.pipeline(transaction=False)
-            for args in calls:
-                pipe.evalsha(self._enqueue.sha, 1, self.keys.requests, *args)
+            for keys, args in calls.values():
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
             try:
-                return await pipe.execute()
+                replies = await pipe.execute()
             except NoScriptError:
-                if attempt:
-                    raise
-                self._enqueue.sha = await self.redis.script_load(ENQUEUE_LUA)
-        raise AssertionError("unreachable")
+                script.sha = await self.redis.script_load(script.script)
+                continue
+            for i, reply in zip(todo, replies, strict=True):
+                if reply[0] != b"stale":
+                    done[i] = (calls[i][0], reply)
+            todo = [i for i in todo if i not in done]
+            if not todo:
+                return [done[i] for i in range(len(chunks))]
+        raise RuntimeError("the set of workers kept changing during enqueue; retry")
 
-    def _enqueue_args(self, items: Sequence[Requeue], limit: int) -> list[str | bytes | int]:
-        args: list[str | bytes | int] = [self.keys.prefix, self._session_ttl_ms, limit]
+    def _enqueue_call(
+        self, items: Sequence[Enqueue], limit: int, workers: list[str], acks: Iterable[Entry]
+    ) -> tuple[list[str], list[str | bytes | int]]:
+        keys = [self.keys.requests, self.keys.token_requests, *self.keys.fleet(workers)]
+        args: list[str | bytes | int] = [self._session_ttl_ms, limit, WORKERS_GROUP, len(workers), *workers, len(items)]
         for item in items:
-            args += [item.session_id or "", item.payload, item.deliveries]
-        return args
+            sid = "" if item.tokens else item.session_id or ""
+            if sid:
+                keys.append(self.keys.session(sid))
+            epoch = "" if item.epoch is None else item.epoch
+            args += ["t" if item.tokens else "g", sid, item.payload, item.deliveries, epoch]
+        index: dict[str, int] = {}
+        ack_args: list[str | bytes | int] = []
+        for entry in acks:
+            if entry.stream not in index:
+                keys.append(entry.stream)
+                index[entry.stream] = len(keys)
+            ack_args += [index[entry.stream], entry.entry_id]
+        return keys, [*args, len(ack_args) // 2, *ack_args]
 
     @staticmethod
-    def _placed(reply: list, limit: int) -> list[str | None]:
+    def _placed(keys: list[str], reply: list, limit: int) -> list[Placed]:
         if reply[0] == b"full":
             raise QueueFullError(reply[1].decode(), int(reply[2]), limit)
-        return [w.decode() or None for w in reply[1:]]
+        return [Placed(keys[int(reply[i]) - 1], reply[i + 1]) for i in range(1, len(reply), 2)]
 
     async def finish_session(self, session_id: str) -> bool:
         """Unpin a session; its next turn is placed anew. Returns whether it was pinned."""
-        return bool(await self._finish(args=[self.keys.prefix, session_id]))
+
+        def build(workers: list[str]) -> tuple[list[str], list[Any]]:
+            keys = [*self.keys.fleet(workers), self.keys.session(session_id)]
+            return keys, [len(workers), *workers, session_id]
+
+        _, reply = await self._placement("finish", build)
+        return bool(int(reply[1]))
 
     async def pinned_worker(self, session_id: str) -> str | None:
         value: Any = await self.redis.get(self.keys.session(session_id))
         return value.decode() if value else None
 
+    async def sweep(self, stream: str, entries: Sequence[Sweep], results_ttl_s: float) -> int:
+        """Delete the entries still undelivered and send each its answer, atomically. Returns how many went."""
+        keys: dict[str, int] = {stream: 1}
+        args: list[str | bytes | int] = [WORKERS_GROUP, int(results_ttl_s)]
+        for item in entries:
+            reply_index = keys.setdefault(item.reply[0], len(keys) + 1) if item.reply else 0
+            args += [item.entry_id, reply_index, item.reply[1] if item.reply else b""]
+        return int(await self._scripts["sweep"](keys=list(keys), args=args))
+
     # --- workers ----------------------------------------------------------------------------------------
 
     async def pin_session(self, session_id: str, worker_id: str) -> str | None:
         """Pin a session to `worker_id` unless a live worker already holds it; returns the holder."""
-        value = await self._pin(args=[self.keys.prefix, self._session_ttl_ms, session_id, worker_id])
-        return value.decode() if value else None
+
+        def build(workers: list[str]) -> tuple[list[str], list[Any]]:
+            keys = [*self.keys.fleet(workers), self.keys.session(session_id)]
+            return keys, [self._session_ttl_ms, len(workers), *workers, session_id, worker_id]
+
+        _, reply = await self._placement("pin", build)
+        return reply[1].decode() or None
 
     async def read(self, worker_id: str, free: int, block_ms: int) -> list[Entry]:
         """Take at most `free` new entries from the worker's pinned stream and the shared stream.
@@ -285,47 +480,45 @@ class RequestStreams:
         entries = await self._readgroup(worker_id, {pinned: ">"}, 1, None)
         return entries or await self._readgroup(worker_id, {shared: ">"}, 1, block_ms)
 
+    async def read_tokens(self, worker_id: str, count: int, block_ms: int) -> list[Entry]:
+        """Take at most `count` tokenize / detokenize / chat-template requests."""
+        return await self._readgroup(worker_id, {self.keys.token_requests: ">"}, count, block_ms)
+
     async def _readgroup(self, consumer: str, streams: dict, count: int, block_ms: int | None) -> list[Entry]:
         reply: Any = await self.redis.xreadgroup(WORKERS_GROUP, consumer, streams, count=count, block=block_ms)
         entries = []
         for stream, records in reply or []:
             name = stream.decode() if isinstance(stream, bytes) else stream
-            for entry_id, fields in records:
-                previous = int(fields.get(DELIVERIES_FIELD, 0))
-                entries.append(Entry(name, entry_id, fields.get(PAYLOAD_FIELD, b""), previous + 1))
+            entries += [_entry(name, entry_id, fields, delivered=1) for entry_id, fields in records]
         return entries
 
-    async def publish(self, results: Iterable[tuple[str, bytes]], done: Iterable[Entry], results_ttl_s: float) -> None:
-        """Atomically (one script): XADD each (results stream, payload), then XACK + XDEL the entries answered."""
+    async def publish(self, items: Iterable[tuple[Entry, tuple[str, bytes] | None]], results_ttl_s: float) -> int:
+        """Atomically (one script): for each (entry, (results stream, payload) or None), XACK + XDEL the entry
+        and XADD its result, but only where the XACK returned 1. Returns how many were fenced (not published)."""
         keys: dict[str, int] = {}  # stream name -> its 1-based index in KEYS
-        result_args: list[str | bytes | int] = []
-        for reply_to, payload in results:
-            result_args += [keys.setdefault(reply_to, len(keys) + 1), payload]
-        ack_args: list[str | bytes | int] = []
-        for entry in done:
-            ack_args += [keys.setdefault(entry.stream, len(keys) + 1), entry.entry_id]
-        args = [int(results_ttl_s), WORKERS_GROUP, len(result_args) // 2, *result_args, len(ack_args) // 2, *ack_args]
-        await self._publish(keys=list(keys), args=args)
+        args: list[str | bytes | int] = [int(results_ttl_s), WORKERS_GROUP]
+        for entry, result in items:
+            reply_index = keys.setdefault(result[0], len(keys) + 1) if result else 0
+            args += [reply_index, result[1] if result else b"", keys.setdefault(entry.stream, len(keys) + 1)]
+            args.append(entry.entry_id)
+        return int(await self._scripts["publish"](keys=list(keys), args=args))
 
     async def dead_letter(
-        self, entry: Entry, reason: str, worker_id: str, maxlen: int, reply: tuple[str, bytes] | None = None
-    ) -> None:
-        """In one MULTI: copy the entry to the dead-letter stream, tell its producer if known, XACK + XDEL it."""
-        pipe = self.redis.pipeline(transaction=True)
-        fields: dict[Any, Any] = {
-            b"payload": entry.payload,
-            b"reason": reason,
-            b"stream": entry.stream,
-            b"entry_id": entry.entry_id,
-            b"deliveries": entry.deliveries,
-            b"worker_id": worker_id,
-        }
-        pipe.xadd(self.keys.dead, fields, maxlen=maxlen, approximate=True)
-        if reply is not None:
-            pipe.xadd(reply[0], {PAYLOAD_FIELD: reply[1]})
-        pipe.xack(entry.stream, WORKERS_GROUP, entry.entry_id)
-        pipe.xdel(entry.stream, entry.entry_id)
-        await pipe.execute()
+        self,
+        entry: Entry,
+        reason: str,
+        worker_id: str,
+        maxlen: int,
+        results_ttl_s: float,
+        reply: tuple[str, bytes] | None = None,
+    ) -> bool:
+        """Copy the entry to the dead-letter stream, tell its producer if known, XACK + XDEL it: one script,
+        fenced like a publish. Returns False if the entry was no longer pending here."""
+        keys = [entry.stream, self.keys.dead, reply[0] if reply else self.keys.dead]
+        fields: list[str | bytes | int] = [b"payload", entry.payload, b"reason", reason, b"stream", entry.stream]
+        fields += [b"entry_id", entry.entry_id, b"deliveries", entry.deliveries, b"worker_id", worker_id]
+        args = [WORKERS_GROUP, entry.entry_id, maxlen, int(results_ttl_s), reply[1] if reply else b"", *fields]
+        return bool(await self._scripts["dead_letter"](keys=keys, args=args))
 
     # --- reclaiming a dead worker's requests --------------------------------------------------------------
 
@@ -340,29 +533,37 @@ class RequestStreams:
         entries = []
         for item, records in zip(pending, await pipe.execute(), strict=True):
             fields = records[0][1] if records else {}  # no record: deleted under us; requeued as empty
-            previous = int(fields.get(DELIVERIES_FIELD, 0))
-            delivered = previous + item["times_delivered"]
-            entries.append(Entry(stream, item["message_id"], fields.get(PAYLOAD_FIELD, b""), delivered))
+            entries.append(_entry(stream, item["message_id"], fields, delivered=item["times_delivered"]))
         return entries
 
-    async def undelivered(self, stream: str, count: int = 1000) -> list[Entry]:
-        """Entries of a stream not yet delivered to any consumer (after the group's last-delivered id)."""
+    async def undelivered(self, stream: str, count: int = 1000, after: bytes | None = None) -> list[Entry]:
+        """Entries of a stream not yet delivered to any consumer (after the group's last-delivered id, or after
+        `after` if that is later: a caller paging through a long backlog passes the last id it saw)."""
         group = await self._group_info(stream)
         if group is None:
-            return []  # no such stream (or group: then nothing was ever delivered from it)
-        records: Any = await self.redis.xrange(stream, min=b"(" + group["last-delivered-id"], count=count)
-        return [Entry(stream, i, f.get(PAYLOAD_FIELD, b""), int(f.get(DELIVERIES_FIELD, 0))) for i, f in records]
+            if not await self.redis.exists(stream):
+                return []
+            start = b"-"  # a stream no worker has read yet: all of it is undelivered
+        else:
+            start = b"(" + group["last-delivered-id"]
+        if after is not None and (start == b"-" or _id_key(after) > _id_key(start[1:])):
+            start = b"(" + after
+        records: Any = await self.redis.xrange(stream, min=start, count=count)
+        return [_entry(stream, entry_id, fields, delivered=0) for entry_id, fields in records]
 
-    async def requeue(self, items: Sequence[Requeue], done: Iterable[Entry]) -> list[str | None]:
-        """In one MULTI: enqueue `items` again (no admission limit: nothing is lost), XACK + XDEL `done`."""
-        pipe = self.redis.pipeline(transaction=True)
-        if items:
-            await self._enqueue(keys=[self.keys.requests], args=self._enqueue_args(items, -1), client=pipe)
-        for stream, ids in _by_stream(done).items():
-            pipe.xack(stream, WORKERS_GROUP, *ids)
-            pipe.xdel(stream, *ids)
-        replies = await pipe.execute()
-        return self._placed(replies[0], -1) if items else []
+    async def requeue(self, items: Sequence[Enqueue], done: Iterable[Entry]) -> list[Placed]:
+        """In one script: enqueue `items` again (no admission limit: nothing is lost), XACK + XDEL `done`."""
+        done = list(done)
+
+        def build(workers: list[str]) -> tuple[list[str], list[Any]]:
+            return self._enqueue_call(items, -1, workers, done)
+
+        keys, reply = await self._placement("enqueue", build)
+        return self._placed(keys, reply, -1)
+
+    async def delete(self, stream: str) -> None:
+        """Delete a stream (a reclaimed worker's pinned stream, once drained)."""
+        await self.redis.delete(stream)
 
     async def forget_consumer(self, stream: str, consumer: str) -> None:
         with contextlib.suppress(ResponseError):  # no such group: nothing to forget
@@ -388,8 +589,18 @@ class RequestStreams:
         return {"length": length, "pending": pending, "queued": max(0, length - pending)}
 
 
-def _by_stream(entries: Iterable[Entry]) -> dict[str, list[bytes]]:
-    grouped: dict[str, list[bytes]] = {}
-    for entry in entries:
-        grouped.setdefault(entry.stream, []).append(entry.entry_id)
-    return grouped
+def _entry(stream: str, entry_id: bytes, fields: dict[bytes, bytes], delivered: int) -> Entry:
+    session = fields.get(SESSION_FIELD)
+    return Entry(
+        stream,
+        entry_id,
+        fields.get(PAYLOAD_FIELD, b""),
+        int(fields.get(DELIVERIES_FIELD, 0)) + delivered,
+        session.decode() if session else None,
+        int(fields.get(EPOCH_FIELD, 0)),
+    )
+
+
+def _id_key(entry_id: bytes) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)

@@ -14,6 +14,15 @@ import redis
 from rollout_svc.config import Settings
 from tests.support import WorkerProcs, free_port
 
+VLLM_TIMEOUT_S = 900  # a vLLM test module starts its engines inside its first test's time
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The default per-test timeout is 30 s (pyproject); tests on the real engine get longer."""
+    for item in items:
+        if item.get_closest_marker("vllm") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(VLLM_TIMEOUT_S))
+
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:

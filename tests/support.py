@@ -1,19 +1,25 @@
-"""Test support: worker subprocesses and the environment that hands them a test's settings."""
+"""Test support: worker subprocesses, the environment that hands them a test's settings, and waits for events."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import redis
 
 from rollout_svc.config import Settings
+from rollout_svc.keys import PAYLOAD_FIELD, WORKERS_GROUP
+from rollout_svc.protocol import decode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,6 +37,62 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.02) -> Any:
+    """Poll `predicate` until it returns something truthy (returned); AssertionError naming `what` after timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(interval_s)
+
+
+async def async_wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.02) -> Any:
+    """`wait_until` for the event loop; `predicate` may be a coroutine function."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        await asyncio.sleep(interval_s)
+
+
+def pending(rds: redis.Redis, stream: str) -> int:
+    """How many entries of a requests stream workers have taken and not answered (its PEL)."""
+    if not rds.exists(stream):
+        return 0
+    return int(rds.xpending(stream, WORKERS_GROUP)["pending"])
+
+
+def queued(rds: redis.Redis, stream: str) -> int:
+    """How many entries of a requests stream wait to be taken (acked entries are deleted)."""
+    return int(rds.xlen(stream)) - pending(rds, stream)
+
+
+class Results:
+    """A producer's results stream read directly, for tests that send raw requests."""
+
+    def __init__(self, rds: redis.Redis, stream: str) -> None:
+        self.rds, self.stream, self._last = rds, stream, b"0-0"
+
+    def read(self, count: int, timeout_s: float = 10) -> list[Any]:
+        """The next `count` results (decoded), waiting up to `timeout_s`."""
+        results: list[Any] = []
+        deadline = time.monotonic() + timeout_s
+        while len(results) < count:
+            block_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            assert time.monotonic() < deadline, f"got {len(results)} of {count} results on {self.stream}"
+            for _, records in self.rds.xread({self.stream: self._last}, block=block_ms) or []:
+                for entry_id, fields in records:
+                    self._last = entry_id
+                    results.append(decode(fields[PAYLOAD_FIELD]))
+        return results
+
+
 class WorkerProcs:
     """Starts `python -m workers` subprocesses and kills whatever is left at teardown."""
 
@@ -39,15 +101,15 @@ class WorkerProcs:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, worker_id: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{worker_id}.log", "wb")  # noqa: SIM115 - the child owns it
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "workers", "--worker-id", worker_id, *args],
-            env={**settings_env(self.settings), **(env or {})},
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with open(self.log_dir / f"{worker_id}.log", "wb") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "workers", "--worker-id", worker_id, *args],
+                env={**settings_env(self.settings), **(env or {})},
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs[worker_id] = proc
         return proc
 
@@ -67,13 +129,18 @@ class WorkerProcs:
     def log(self, worker_id: str) -> str:
         return (self.log_dir / f"{worker_id}.log").read_text(errors="replace")
 
+    def pid(self, worker_id: str) -> int:
+        return self.procs[worker_id].pid
+
     def kill(self, worker_id: str, sig: int = signal.SIGKILL) -> None:
         os.killpg(self.procs[worker_id].pid, sig)
 
     def stop_all(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGCONT)  # a test may have stopped one
+                    os.killpg(proc.pid, signal.SIGTERM)
         for proc in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=20)

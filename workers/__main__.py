@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 
-from rollout_svc.config import Settings
+from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.errors import EngineDeadError
 from workers.engine import EchoEngine, Engine
 from workers.worker import Worker
@@ -17,42 +17,29 @@ from workers.worker import Worker
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m workers", description="Run one rollout-svc worker (one engine).")
     p.add_argument("--redis-url", help="Redis URL (env ROLLOUT_REDIS_URL; default redis://127.0.0.1:6379/0)")
-    p.add_argument("--engine", choices=["vllm", "echo"], default="vllm", help="echo: for queue tests only")
-    p.add_argument("--model", help="Hugging Face model folder (default: the prepared SmolLM2-135M-Instruct)")
     p.add_argument("--worker-id", help="stable id (default: host-pid-random)")
-    p.add_argument("--dtype", default="auto", help="vLLM dtype: auto, bfloat16, float16, float32")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=None, help="engine batch size = worker capacity")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=512 * 2**20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--echo-token-delay-s", type=float, default=0.0, help="echo engine: sleep per token")
     p.add_argument("--drain-timeout-s", type=float, default=5.0, help="on stop: let in-flight requests finish")
     p.add_argument("--log-level", default="INFO")
+    EngineSettings.add_arguments(p)
     return p.parse_args(argv)
 
 
-def build_engine(args: argparse.Namespace, settings: Settings) -> Engine:
-    if args.engine == "echo":
+def build_engine(engine: EngineSettings, settings: Settings) -> Engine:
+    if engine.engine == "echo":
         return EchoEngine(
-            capacity=args.max_num_seqs or 1024, max_model_len=args.max_model_len, token_delay_s=args.echo_token_delay_s
+            capacity=engine.capacity, max_model_len=engine.max_model_len, token_delay_s=engine.echo_token_delay_s
         )
     from rollout_svc.model import prepare_model
     from workers.engine import VLLMEngine
 
-    model = args.model or str(prepare_model(settings.cache_dir))
-    return VLLMEngine(
-        model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        max_num_seqs=args.max_num_seqs or 64,
-        seed=args.seed,
-    )
+    return VLLMEngine(engine.model or str(prepare_model(settings.cache_dir)), **engine.vllm_kwargs())
 
 
 async def serve(args: argparse.Namespace) -> None:
     settings = Settings(**({"redis_url": args.redis_url} if args.redis_url else {}))
-    worker = Worker(settings, build_engine(args, settings), args.worker_id, args.drain_timeout_s)
+    worker = Worker(
+        settings, build_engine(EngineSettings.from_args(args), settings), args.worker_id, args.drain_timeout_s
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)

@@ -4,7 +4,7 @@ Used by the "service vs direct vLLM: token-identical" test and by the throughput
 (service tok/s / direct tok/s). From the command line:
 
     python -m workers.direct --model DIR --prompts-file IN.json --out OUT.json [--dtype float32]
-        [--max-tokens N] [--temperature 0] [--sequential] [--max-num-seqs N] [--kv-cache-memory-bytes N]
+        [--max-tokens N] [--temperature 0] [--sequential] [any engine setting of `python -m workers`]
 
 IN.json is a JSON list of prompts, each a list of token ids. OUT.json gets
 `{"outputs": [{"completion_token_ids": [...], "logprobs": [...]}, ...], "output_tokens": N,
@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workers.engine import MiB, sampled_logprobs, vllm_engine_args
+from rollout_svc.config import EngineSettings
+from workers.engine import sampled_logprobs, shutdown_llm, vllm_engine_args
 
 
 async def run_prompts(
@@ -96,40 +97,36 @@ async def run_direct(
             await run_prompts(llm, prompts[:2], sampling_params.clone(), sequential=False, max_tokens=4)
         return await run_prompts(llm, prompts, sampling_params, sequential)
     finally:
-        llm.shutdown()
-        del llm  # AsyncLLM sits in a reference cycle: collect it while vLLM's globals exist (see VLLMEngine.close)
+        shutdown_llm(llm)
+        del llm  # collected while vLLM's globals exist (see shutdown_llm)
         gc.collect()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m workers.direct", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="Hugging Face model folder")
     parser.add_argument("--prompts-file", type=Path, required=True, help="JSON list of lists of prompt token ids")
     parser.add_argument("--out", type=Path, required=True, help="where to write the results JSON")
-    parser.add_argument("--dtype", default="auto")
+    EngineSettings.add_arguments(parser, engine=False)  # the worker's engine settings, so both run the same
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     parser.add_argument("--sequential", action="store_true", help="one prompt at a time, else all at once")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=512 * MiB)
     parser.add_argument("--warmup", action="store_true", help="first run 2 prompts for 4 tokens, untimed")
     args = parser.parse_args(argv)
+    engine = EngineSettings.from_args(args)
+    if engine.model is None:
+        parser.error("--model is required")
     prompts = json.loads(args.prompts_file.read_text())
     result = asyncio.run(
         run_direct(
-            args.model,
+            engine.model,
             prompts,
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             ignore_eos=args.ignore_eos,
             sequential=args.sequential,
             warmup=args.warmup,
-            dtype=args.dtype,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            **engine.vllm_kwargs(),
         )
     )
     args.out.write_text(json.dumps(result))

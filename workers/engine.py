@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rollout_svc.errors import EngineDeadError, InvalidRequestError
-from rollout_svc.protocol import SamplingParams
+from rollout_svc.protocol import PauseMode, SamplingParams
 
 if TYPE_CHECKING:  # vllm is imported lazily: a worker running EchoEngine must not pay its import
     from vllm import RequestOutput
@@ -34,17 +36,37 @@ class Engine(Protocol):
     """One engine replica. A worker calls `start` once, then many `generate` calls concurrently.
 
     `generate` raises `InvalidRequestError` for input this engine cannot serve (for example a prompt
-    longer than its context) and `EngineDeadError` when the engine itself has died.
+    longer than its context) and `EngineDeadError` when the engine itself has died. An aborted request
+    (`abort`, or `pause("abort")`) returns what it generated so far with finish reason `abort`.
+    The pause modes are vLLM's (`AsyncLLM.pause_generation`): `keep` freezes running requests (their KV cache
+    stays) until `resume`; `abort` aborts them; `wait` lets them finish. In every mode requests added while
+    paused wait until `resume`.
     """
 
     model_name: str
     capacity: int  # how many requests it runs at once; the worker reads no more than its free capacity
+    memory_released: bool  # whether `sleep` frees engine memory (vLLM on CPU: no)
 
     async def start(self) -> None: ...
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Completion: ...
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prior: Sequence[int] = ()
+    ) -> Completion:
+        """Generate after `prompt_token_ids + prior` (`prior`: what an interrupted attempt generated); the
+        Completion holds the new tokens only."""
+        ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    async def pause(self, mode: PauseMode) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def sleep(self, level: int, mode: PauseMode) -> None: ...
+
+    async def wake_up(self, tags: list[str] | None) -> bool: ...
+
+    async def reset_prefix_cache(self, reset_running_requests: bool) -> bool: ...
 
     async def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]: ...
 
@@ -55,37 +77,111 @@ class Engine(Protocol):
     async def close(self) -> None: ...
 
 
+class _EchoRun:
+    """One request the echo engine is generating."""
+
+    __slots__ = ("aborted",)
+
+    def __init__(self) -> None:
+        self.aborted = False
+
+
 class EchoEngine:
     """Deterministic, zero-compute engine for queue tests and overhead benchmarks. Never the default.
 
     Its vocabulary is bytes: text tokenizes to its UTF-8 bytes. A completion echoes the prompt back,
-    cut at `max_tokens` (finish reason `length`, else `stop`), each token with logprob 0.0.
-    `token_delay_s` sleeps per generated token, to stand in for a long generation.
+    cut at `max_tokens` (finish reason `length`, else `stop`), each token with logprob 0.0; a continuation
+    (`prior` tokens already generated) goes on where the uninterrupted echo would be, so a retried request
+    equals an uninterrupted one token for token. `token_delay_s` makes it generate one token per that many
+    seconds, to stand in for a long generation; pause, abort, sleep and wake-up behave as vLLM's do.
     """
+
+    memory_released = False
 
     def __init__(
         self, model_name: str = "echo", capacity: int = 1024, max_model_len: int = 2048, token_delay_s: float = 0.0
     ) -> None:
         self.model_name, self.capacity = model_name, capacity
         self.max_model_len, self.token_delay_s = max_model_len, token_delay_s
+        self._runs: dict[str, _EchoRun] = {}
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self._idle = asyncio.Event()  # no run in progress
+        self._idle.set()
 
     async def start(self) -> None:
         return None
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Completion:
-        if len(prompt_token_ids) >= self.max_model_len:
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prior: Sequence[int] = ()
+    ) -> Completion:
+        if len(prompt_token_ids) + len(prior) >= self.max_model_len:
             raise InvalidRequestError(
-                f"prompt has {len(prompt_token_ids)} tokens; this model's context is {self.max_model_len}"
+                f"prompt has {len(prompt_token_ids) + len(prior)} tokens; this model's context is {self.max_model_len}"
             )
-        completion = list(prompt_token_ids[: params.max_tokens])
-        if self.token_delay_s:
-            await asyncio.sleep(self.token_delay_s * len(completion))
-        finish_reason = "length" if len(prompt_token_ids) > params.max_tokens else "stop"
+        tail = list(prompt_token_ids[len(prior) :])  # what the uninterrupted echo has yet to say
+        run = self._runs[request_id] = _EchoRun()  # registered before any await: an abort always finds it
+        self._idle.clear()
+        try:
+            produced = await self._produce(run, min(params.max_tokens, len(tail)))
+        finally:
+            del self._runs[request_id]
+            if not self._runs:
+                self._idle.set()
+        completion = tail[:produced]
+        if run.aborted and produced < min(params.max_tokens, len(tail)):
+            finish_reason = "abort"
+        else:
+            finish_reason = "length" if len(tail) > params.max_tokens else "stop"
         text = await self.detokenize(completion, params.skip_special_tokens)
-        return Completion(list(prompt_token_ids), completion, [0.0] * len(completion), finish_reason, text)
+        return Completion(
+            list(prompt_token_ids) + list(prior), completion, [0.0] * len(completion), finish_reason, text
+        )
+
+    async def _produce(self, run: _EchoRun, count: int) -> int:
+        """Generate `count` tokens, one per `token_delay_s`, frozen while paused; returns how many were made."""
+        if not self._unpaused.is_set():
+            await self._unfrozen(run)
+        if not self.token_delay_s:
+            return 0 if run.aborted else count
+        produced = 0
+        while produced < count and not run.aborted:
+            await asyncio.sleep(self.token_delay_s)
+            produced += 1  # a step that started completes, as in vLLM
+            if not self._unpaused.is_set():
+                await self._unfrozen(run)
+        return produced
+
+    async def _unfrozen(self, run: _EchoRun) -> None:
+        while not self._unpaused.is_set() and not run.aborted:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._unpaused.wait(), 0.05)  # an abort is seen within 50 ms
 
     async def abort(self, request_id: str) -> None:
-        return None  # the worker cancels the generate task itself
+        run = self._runs.get(request_id)
+        if run is not None:
+            run.aborted = True
+
+    async def pause(self, mode: PauseMode) -> None:
+        if mode == "wait":
+            await self._idle.wait()
+        elif mode == "abort":
+            for run in self._runs.values():
+                run.aborted = True
+        self._unpaused.clear()
+
+    async def resume(self) -> None:
+        self._unpaused.set()
+
+    async def sleep(self, level: int, mode: PauseMode) -> None:
+        await self.pause(mode)
+
+    async def wake_up(self, tags: list[str] | None) -> bool:
+        await self.resume()
+        return True
+
+    async def reset_prefix_cache(self, reset_running_requests: bool) -> bool:
+        return True
 
     async def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         rendered = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + "<|assistant|>"
@@ -110,6 +206,7 @@ def vllm_engine_args(
     max_num_seqs: int = 64,
     enforce_eager: bool = True,
     seed: int = 0,
+    enable_sleep_mode: bool | None = None,
     **extra: Any,
 ) -> AsyncEngineArgs:
     """The `AsyncEngineArgs` of every engine we start, so VLLMEngine and `workers.direct` run identical settings.
@@ -119,7 +216,8 @@ def vllm_engine_args(
     is explicit because vLLM's default (a fraction of device memory) fails on small CPU hosts.
     `logprobs_mode="processed_logprobs"`: a sampled token's logprob is taken under the distribution it was
     sampled from (after temperature, penalties, top-k/top-p), which is what an RL importance ratio needs;
-    vLLM's default would give the raw model logprob. `extra` is passed to `AsyncEngineArgs` and wins.
+    vLLM's default would give the raw model logprob. `enable_sleep_mode` (None: where the platform supports
+    it, that is on GPUs) lets `sleep` free memory. `extra` is passed to `AsyncEngineArgs` and wins.
 
     On CPU, chunked prefill is off: vLLM 0.32's CPU runner rewinds the per-request generator of a request
     whose prefill was chunked (`Generator.set_offset`), which CPU generators do not support, so one
@@ -138,10 +236,24 @@ def vllm_engine_args(
         "seed": seed,
         "logprobs_mode": "processed_logprobs",
         "disable_log_stats": True,
+        "enable_sleep_mode": current_platform.is_sleep_mode_available()
+        if enable_sleep_mode is None
+        else enable_sleep_mode,
     }
     if current_platform.is_cpu():
         settings["enable_chunked_prefill"] = False
     return AsyncEngineArgs(**(settings | extra))
+
+
+def shutdown_llm(llm: Any) -> None:
+    """`AsyncLLM.shutdown()`, then what it leaves: vLLM 0.32 closes its client's zmq sockets but not their
+    context, which the garbage collector then destroys with a ResourceWarning. The caller should `del` its
+    reference and `gc.collect()`: AsyncLLM sits in a reference cycle, and collected at interpreter exit (after
+    vLLM's module globals are gone) its __del__ prints a TypeError."""
+    llm.shutdown()
+    context = getattr(getattr(getattr(llm, "engine_core", None), "resources", None), "ctx", None)
+    if context is not None and not context.closed:
+        context.destroy(linger=0)
 
 
 def sampled_logprobs(output: Any) -> list[float]:
@@ -173,6 +285,7 @@ class VLLMEngine:
     def __init__(self, model: str, *, max_num_seqs: int = 64, **engine_settings: Any) -> None:
         self.model_name = Path(model).name
         self.capacity = max_num_seqs
+        self.memory_released = False  # known once started: sleep frees memory only where sleep mode is on
         self._engine_kwargs: dict[str, Any] = {"max_num_seqs": max_num_seqs, **engine_settings}
         self._model = model
         self._llm: AsyncLLM | None = None
@@ -189,12 +302,19 @@ class VLLMEngine:
 
             # Stored, not returned: the executor's futures keep a returned AsyncLLM alive after close(), and its
             # __del__ then runs again at interpreter exit, when vLLM's module globals are already gone.
-            self._llm = AsyncLLM.from_engine_args(vllm_engine_args(self._model, **self._engine_kwargs))
+            args = vllm_engine_args(self._model, **self._engine_kwargs)
+            self._llm = AsyncLLM.from_engine_args(args)
+            self.memory_released = bool(args.enable_sleep_mode)
 
         await asyncio.to_thread(build)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Completion:
-        """Run one request to completion. Cancelling the awaiting task aborts the request inside vLLM.
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prior: Sequence[int] = ()
+    ) -> Completion:
+        """Run one request to completion, after `prompt_token_ids + prior`; the Completion holds the new tokens.
+
+        Cancelling the awaiting task aborts the request inside vLLM; `abort(request_id)` makes it return what it
+        generated so far, with finish reason `abort`.
 
         Raises `InvalidRequestError` for input vLLM rejects (prompt longer than the context, a token id out
         of vocabulary, a sampling value vLLM refuses), with vLLM's message; `EngineDeadError` if the engine died.
@@ -206,10 +326,12 @@ class VLLMEngine:
 
         llm = self._running()
         sampling = self._vllm_sampling_params(params)
+        prompt = [*prompt_token_ids, *prior]
         final: RequestOutput | None = None
         try:
-            # FINAL_ONLY: the stream yields once, at the end. On cancellation vLLM's generator aborts the request.
-            async for output in llm.generate(tokens_input(list(prompt_token_ids)), sampling, request_id):
+            # FINAL_ONLY: the stream yields once, at the end (an abort's final output holds the tokens so far).
+            # On cancellation vLLM's generator aborts the request.
+            async for output in llm.generate(tokens_input(prompt), sampling, request_id):
                 final = output
         except VLLMClientError as exc:
             raise InvalidRequestError(f"vLLM rejected request {request_id}: {exc}") from exc
@@ -223,11 +345,32 @@ class VLLMEngine:
             raise
         if final is None or not final.finished:
             raise RuntimeError(f"vLLM ended request {request_id} without a final output")
-        return _completion(list(prompt_token_ids), final)
+        return _completion(prompt, final)
 
     async def abort(self, request_id: str) -> None:
         """Abort a running request; its `generate` returns with finish reason `abort`. Unknown ids are ignored."""
         await self._running().abort(request_id)
+
+    async def pause(self, mode: PauseMode) -> None:
+        """`AsyncLLM.pause_generation(mode=mode, clear_cache=False)`: the prefix cache survives a pause (a kept
+        request needs its KV blocks; an aborted one's retry finds its prefix cached)."""
+        await self._running().pause_generation(mode=mode, clear_cache=False)
+
+    async def resume(self) -> None:
+        await self._running().resume_generation()
+
+    async def sleep(self, level: int, mode: PauseMode) -> None:
+        """vLLM sleep mode: pauses as `mode` says, then level 1 offloads the weights and drops the KV cache,
+        level 2 drops both. On CPU vLLM pauses and frees nothing (`memory_released` is False)."""
+        await self._running().sleep(level, mode)
+
+    async def wake_up(self, tags: list[str] | None) -> bool:
+        """Restore the memory pools `tags` names (None: all); returns whether the engine is fully awake."""
+        return bool(await self._running().wake_up(tags))
+
+    async def reset_prefix_cache(self, reset_running_requests: bool) -> bool:
+        """Drop the prefix cache; False if vLLM refused (running requests hold blocks and are not to be reset)."""
+        return bool(await self._running().reset_prefix_cache(reset_running_requests=reset_running_requests))
 
     async def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of `messages` rendered by the model's chat template, ending with the assistant's turn opener.
@@ -256,9 +399,7 @@ class VLLMEngine:
         """Shut the engine down: aborts what is running and joins the engine-core process. Idempotent."""
         llm, self._llm = self._llm, None
         if llm is not None:
-            llm.shutdown()
-            # AsyncLLM sits in a reference cycle: collect it now, or its __del__ runs at interpreter exit, after
-            # vLLM's module globals are gone, and prints a TypeError.
+            shutdown_llm(llm)
             del llm
             gc.collect()
 

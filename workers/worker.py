@@ -4,45 +4,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import socket
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollout_svc.config import Settings
-from rollout_svc.errors import EngineDeadError, InvalidRequestError, ProtocolError
-from rollout_svc.protocol import (
-    DetokenizeRequest,
-    ErrorCode,
-    ErrorResult,
-    Request,
-    RolloutRequest,
-    TokenizeRequest,
-    TokenizeResult,
-    Trajectory,
-    WorkerStatus,
-    decode,
-    encode,
-    reply_address,
-)
+from rollout_svc.control import NUDGE_CANCEL, ControlPlane
+from rollout_svc.errors import EngineDeadError
+from rollout_svc.protocol import WorkerStatus
+from rollout_svc.reaper import Reaper
 from rollout_svc.registry import Registry
-from rollout_svc.streams import Entry, RequestStreams, Requeue
+from rollout_svc.streams import Entry, RequestStreams
+from workers.converge import Converger
 from workers.engine import Engine
+from workers.inflight import AbortRules, InFlight, InFlightIndex
+from workers.serve import REDIS_ERRORS, Reply, RequestServer, backoff_s
+from workers.state import WorkerState
 
 log = logging.getLogger("rollout_svc.worker")
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
-REAP_LOCK_TTL_S = 60.0
-RETRY_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
-DEADLINE_SWEEP_S = 0.1
+SWEEP_INTERVAL_S = 0.1  # deadlines and missed aborts are checked this often (not a timer per request)
+TOKEN_CONCURRENCY = 256  # tokenize requests served at once
+FENCED_DRAIN_S = 30.0  # how long a fenced worker waits for its aborted requests before coming back
 
 
 def default_worker_id() -> str:
@@ -56,51 +45,91 @@ class Worker:
 
         worker = Worker(Settings(), EchoEngine())
         await worker.run()
+
+    Its loops, by name: `take` (rollout requests, while serving), `tokens` (tokenize requests, always),
+    `publish` (results + acks, batched), `heartbeat` (liveness; fencing), `control` (converge on the desired
+    state, acknowledge), `listen` (pub/sub nudges), `reap` (requeue dead workers' requests), `sweep`
+    (deadlines, missed aborts). If one fails unexpectedly, the worker exits (crash-only).
     """
 
     def __init__(
         self, settings: Settings, engine: Engine, worker_id: str | None = None, drain_timeout_s: float = 5.0
     ) -> None:
         self.settings, self.engine = settings, engine
-        self.worker_id = worker_id or default_worker_id()
         self.drain_timeout_s = drain_timeout_s
         self.keys = settings.keys
+        self.state = WorkerState(worker_id or default_worker_id())
+        self.index = InFlightIndex(engine)
+        self.rules = AbortRules()
         self._stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()
-        self._in_flight: dict[tuple[str, bytes], asyncio.Task[None]] = {}
-        self._results: asyncio.Queue[tuple[Entry, str, bytes] | None] = asyncio.Queue()  # None: stop
-        self._deadlines: dict[tuple[str, bytes], float] = {}  # in-flight request -> its deadline (unix s)
-        self._expired: set[tuple[str, bytes]] = set()  # cancelled by the deadline sweeper
+        self._wake = asyncio.Event()  # a nudge, a reconnect, or a stop: the control loop converges
+        self._cancel_nudged = False
+        self._results: asyncio.Queue[tuple[InFlight, Reply | None] | None] = asyncio.Queue()  # None: stop
+        self._beat_lock = asyncio.Lock()
+        self._beat_sent_at = time.monotonic()  # when the last accepted heartbeat was sent (the lease's start)
+        self._fenced = False
         self._fatal: BaseException | None = None
-        self._served = 0
         self._started_at = time.time()
+        self._loops: dict[str, asyncio.Task[None]] = {}
+        self._reading = False  # the take loop is in a (blocking) XREADGROUP
+        self._take_client_id: int | None = None  # its connection's id, for CLIENT UNBLOCK
+
+    @property
+    def worker_id(self) -> str:
+        return self.state.worker_id
 
     def stop(self) -> None:
         """Ask the worker to drain and exit (signal-safe from the event loop thread)."""
         self._stopping.set()
         self._slot_freed.set()  # a take loop waiting for capacity sees the stop at once
+        self._wake.set()
 
     async def run(self) -> None:
         """Start the engine, serve until stopped, then drain. Raises `EngineDeadError` if the engine died."""
         self.redis = Redis.from_url(self.settings.redis_url, decode_responses=False)
+        # The take loop's blocking reads get a connection of their own, which a pause can unblock at once.
+        self._take_redis = Redis.from_url(
+            self.settings.redis_url, decode_responses=False, single_connection_client=True
+        )
+        self._take_streams = RequestStreams(self._take_redis, self.keys, self.settings.session_ttl_s)
         self.streams = RequestStreams(self.redis, self.keys, self.settings.session_ttl_s)
         self.registry = Registry(self.redis, self.keys, self.settings.heartbeat_ttl_s)
+        self.control = ControlPlane(self.redis, self.settings)
+        self.reaper = Reaper(self.redis, self.settings)
+        self.converger = Converger(self.control, self.engine, self.index, self.state, self.rules, self._stop_taking)
+        self.server = RequestServer(
+            self.settings, self.engine, self.state, self.index, self.rules, self.streams, self.reaper,
+            self._queue_result, self._engine_died,
+        )  # fmt: skip
         try:
             await self._wait_for_redis()
             await self.engine.start()
             await self._prepare()
-            loops = [self._take_loop(), self._publish_loop(), self._heartbeat_loop(), self._deadline_loop()]
-            tasks = [asyncio.create_task(self._guarded(loop)) for loop in loops]
+            self._loops = {name: asyncio.create_task(self._guarded(name, loop())) for name, loop in self._named_loops()}
             log.info("worker %s serving %s (capacity %d)", self.worker_id, self.engine.model_name, self.engine.capacity)
             await self._stopping.wait()
-            await self._shutdown(tasks)
+            await self._shutdown()
         finally:
             await self.engine.close()
+            await self._take_redis.aclose()
             await self.redis.aclose()
         if self._fatal is not None:
             raise self._fatal
 
-    async def _guarded(self, loop: Coroutine[Any, Any, None]) -> None:
+    def _named_loops(self) -> list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]]:
+        return [
+            ("take", self._take_loop),
+            ("tokens", self._token_loop),
+            ("publish", self._publish_loop),
+            ("heartbeat", self._heartbeat_loop),
+            ("control", self._control_loop),
+            ("listen", self._listen_loop),
+            ("reap", self._reap_loop),
+            ("sweep", self._sweep_loop),
+        ]
+
+    async def _guarded(self, name: str, loop: Coroutine[Any, Any, None]) -> None:
         """Run one of the worker's loops; if it fails unexpectedly, stop the whole worker (crash-only).
 
         A worker that heartbeats but no longer takes or publishes would hold its requests forever;
@@ -109,9 +138,13 @@ class Worker:
         try:
             await loop
         except Exception as exc:
-            log.exception("a worker loop failed; stopping so that this worker's requests are requeued")
+            log.exception("a worker loop failed (%s); stopping so that this worker's requests are requeued", name)
             self._fatal = self._fatal or exc
             self.stop()
+
+    def _engine_died(self, exc: EngineDeadError) -> None:
+        self._fatal = self._fatal or exc
+        self.stop()
 
     async def _wait_for_redis(self) -> None:
         """Block until Redis answers, saying so every few seconds: a worker may start before its Redis."""
@@ -127,39 +160,89 @@ class Worker:
                 await asyncio.sleep(0.5)
 
     async def _prepare(self) -> None:
-        """Create consumer groups and requeue what an earlier process with this worker id left pending."""
-        await self.streams.load_scripts()
+        """Create consumer groups, requeue what an earlier process with this worker id left pending, register,
+        and converge on the control state before taking the first request (a fleet paused stays paused)."""
+        await self.control.load_scripts()  # the same scripts the worker's other handles run
         await self._ensure_groups()
-        await self._reclaim(self.worker_id)
-        await self.registry.heartbeat(self._status())
+        await self.reaper.reclaim(self.worker_id, backlog=False)
+        await self._beat(renew=False)
+        if await self.converger.converge():
+            await self._beat(announce=True)
 
-    def _status(self, state: str = "serving") -> WorkerStatus:
+    def _status(self) -> WorkerStatus:
+        state = self.state
         return WorkerStatus(
-            worker_id=self.worker_id,
-            state=state,  # type: ignore[arg-type]
+            worker_id=state.worker_id,
+            state=state.label,
             engine=type(self.engine).__name__,
             model=self.engine.model_name,
             capacity=self.engine.capacity,
-            in_flight=len(self._in_flight),
-            served=self._served,
+            in_flight=len(self.index),
+            served=self.server.served,
+            weight_version=state.weight_version,
             host=socket.gethostname(),
             pid=os.getpid(),
             started_at=self._started_at,
             heartbeat_at=time.time(),
+            applied_epoch=state.applied_epoch,
+            pause_mode=state.pause_mode or "",
+            sleep_level=state.sleep_level,
+            memory_released=self.engine.memory_released,
+            fenced_results=state.fenced_results,
+            incarnation=state.incarnation,
+            error_epoch=state.error_epoch,
+            error=state.error,
         )
+
+    async def _beat(self, *, renew: bool = True, announce: bool = False) -> bool:
+        """Write the heartbeat (one writer at a time, so a later write never carries an older state).
+
+        Returns False if a renewal was refused: the heartbeat had expired, this worker was presumed dead.
+        """
+        async with self._beat_lock:
+            sent_at = time.monotonic()
+            accepted = await self.registry.heartbeat(self._status(), renew=renew, announce=announce)
+            if accepted:
+                self._beat_sent_at = sent_at
+            return accepted
+
+    def _lease_ok(self) -> bool:
+        """Whether the last accepted heartbeat is younger than its TTL: past it, this worker may have been
+        reaped, and it takes nothing until the heartbeat loop has found out."""
+        return time.monotonic() - self._beat_sent_at < self.settings.heartbeat_ttl_s
+
+    async def _ensure_groups(self) -> None:
+        for stream in (self.keys.requests, self.keys.pinned_requests(self.worker_id), self.keys.token_requests):
+            await self.streams.ensure_group(stream)
+
+    async def _idle(self, seconds: float) -> None:
+        """Sleep, but wake at once on stop."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
 
     # --- taking requests ----------------------------------------------------------------------------------
 
     async def _take_loop(self) -> None:
         failures = 0
         while not self._stopping.is_set():
-            free = self.engine.capacity - len(self._in_flight)
+            if not self.state.resumed.is_set() or self._fenced or not self._lease_ok():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.state.resumed.wait(), self.settings.read_block_ms / 1000)
+                continue
+            free = self.engine.capacity - self.index.generating
             if free <= 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
             try:
-                entries = await self.streams.read(self.worker_id, free, self.settings.read_block_ms)
+                if self._take_client_id is None:
+                    self._take_client_id = int(await self._take_redis.client_id())
+                # No await between the `resumed` check and here: a pause sees `_reading` and unblocks the read.
+                self._reading = True
+                try:
+                    entries = await self._take_streams.read(self.worker_id, free, self.settings.read_block_ms)
+                finally:
+                    self._reading = False
                 failures = 0
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
@@ -168,149 +251,64 @@ class Worker:
                 continue
             except REDIS_ERRORS as exc:
                 failures += 1
+                self._take_client_id = None  # a new connection has a new id
                 log.warning("reading requests failed (%s); retrying", exc)
-                await asyncio.sleep(RETRY_BACKOFF_S[min(failures, len(RETRY_BACKOFF_S)) - 1])
+                await asyncio.sleep(backoff_s(failures))
                 continue
-            for entry in entries:
-                task = asyncio.create_task(self._serve(entry))
-                self._in_flight[(entry.stream, entry.entry_id)] = task
-                task.add_done_callback(lambda _t, key=(entry.stream, entry.entry_id): self._done(key))
+            self._start(entries, generation=True)
             if entries:
                 await asyncio.sleep(0)  # start the new requests before sending the next read
 
-    async def _ensure_groups(self) -> None:
-        await self.streams.ensure_group(self.keys.requests)
-        await self.streams.ensure_group(self.keys.pinned_requests(self.worker_id))
+    async def _token_loop(self) -> None:
+        """Tokenize, detokenize and chat-template requests: served while paused or asleep too."""
+        failures = 0
+        while not self._stopping.is_set():
+            free = TOKEN_CONCURRENCY - (len(self.index) - self.index.generating)
+            if self._fenced or not self._lease_ok() or free <= 0:
+                await self._idle(self.settings.read_block_ms / 1000)
+                continue
+            try:
+                entries = await self.streams.read_tokens(self.worker_id, free, self.settings.read_block_ms)
+                failures = 0
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                await self._ensure_groups()
+                continue
+            except REDIS_ERRORS as exc:
+                failures += 1
+                log.warning("reading tokenize requests failed (%s); retrying", exc)
+                await asyncio.sleep(backoff_s(failures))
+                continue
+            self._start(entries, generation=False)
 
-    def _done(self, key: tuple[str, bytes]) -> None:
-        self._in_flight.pop(key, None)
+    async def _stop_taking(self) -> None:
+        """Make the take loop stop at once (the state already says not to take): unblock a read in progress and
+        wait until what it returned is in the in-flight index, so that a pause applies to it too."""
+        deadline = time.monotonic() + self.settings.read_block_ms / 1000 + 1
+        while self._reading and time.monotonic() < deadline:
+            if self._take_client_id is not None:
+                with contextlib.suppress(ResponseError, *REDIS_ERRORS):  # an old Redis, or fakeredis: wait instead
+                    await self.redis.client_unblock(self._take_client_id)
+            await asyncio.sleep(0.002)
+
+    def _start(self, entries: list[Entry], generation: bool) -> None:
+        for entry in entries:
+            record = self.index.add(entry, generation)
+            record.task = asyncio.create_task(self.server.serve(record))
+            record.task.add_done_callback(lambda _t, r=record: self._finished(r))
+
+    def _finished(self, record: InFlight) -> None:
+        self.index.remove(record)
         self._slot_freed.set()
 
-    # --- serving one request ------------------------------------------------------------------------------
-
-    async def _serve(self, entry: Entry) -> None:
-        """Serve one entry; while Redis is away (pinning, dead-lettering), retry rather than drop it.
-
-        Cancelled: the entry stays pending and is requeued at exit.
-        """
-        taken_at = time.time()
-        for failures in itertools.count(1):
-            try:
-                return await self._serve_once(entry, taken_at)
-            except REDIS_ERRORS as exc:
-                log.warning("serving %s failed (%s); retrying", entry.entry_id, exc)
-                await asyncio.sleep(RETRY_BACKOFF_S[min(failures, len(RETRY_BACKOFF_S)) - 1])
-
-    async def _serve_once(self, entry: Entry, taken_at: float) -> None:
-        """Run one entry and queue its result, or dead-letter it."""
-        try:
-            request = decode(entry.payload)
-        except ProtocolError as exc:
-            await self._dead_letter(entry, "undecodable", str(exc))
-            return
-        if entry.deliveries > self.settings.max_deliveries:
-            await self._dead_letter(entry, "max_deliveries", f"delivered {entry.deliveries} times without a result")
-            return
-        if getattr(request, "session_id", None) and entry.stream == self.keys.requests:
-            # A session's request in the shared stream (no live worker when it was sent, or requeued from a
-            # dead one): pin the session here, unless a live worker holds it already.
-            await self.streams.pin_session(request.session_id, self.worker_id)
-        key = (entry.stream, entry.entry_id)
-        if request.deadline is not None:
-            self._deadlines[key] = request.deadline
-        try:
-            result = await self._run(request, taken_at)
-        except asyncio.CancelledError:
-            if key not in self._expired:
-                raise  # shutdown: the entry stays pending and is requeued
-            result = self._error(request, "deadline_exceeded", "the deadline passed during generation")
-        except EngineDeadError as exc:
-            self._fatal = exc
-            self.stop()
-            return
-        finally:
-            self._deadlines.pop(key, None)
-            self._expired.discard(key)
-        self._results.put_nowait((entry, request.reply_to, encode(result)))
-
-    async def _run(self, request: Request, taken_at: float) -> Trajectory | ErrorResult | TokenizeResult:
-        if request.deadline is not None and request.deadline <= time.time():
-            return self._error(request, "deadline_exceeded", "the deadline passed before a worker took the request")
-        try:
-            return await self._dispatch(request, taken_at)
-        except InvalidRequestError as exc:
-            return self._error(request, "invalid_request", str(exc))
-        except EngineDeadError:
-            raise
-        except Exception as exc:  # one bad request never takes the worker down
-            log.exception("request %s failed", request.request_id)
-            return self._error(request, "engine_error", f"{type(exc).__name__}: {exc}", recoverable=True)
-
-    async def _dispatch(self, request: Request, taken_at: float) -> Trajectory | TokenizeResult:
-        if isinstance(request, TokenizeRequest):
-            if request.messages is not None:
-                ids = await self.engine.chat_prompt([m.model_dump() for m in request.messages])
-            else:
-                ids = await self.engine.tokenize(request.text or "", request.add_special_tokens)
-            return TokenizeResult(request_id=request.request_id, token_ids=ids, worker_id=self.worker_id)
-        if isinstance(request, DetokenizeRequest):
-            text = await self.engine.detokenize(request.token_ids, request.skip_special_tokens)
-            return TokenizeResult(request_id=request.request_id, text=text, worker_id=self.worker_id)
-        return await self._generate(request, taken_at)
-
-    async def _generate(self, request: RolloutRequest, taken_at: float) -> Trajectory:
-        if request.prompt_token_ids is not None:
-            prompt = request.prompt_token_ids
-        else:
-            prompt = await self.engine.chat_prompt([m.model_dump() for m in request.messages or []])
-        started = time.time()
-        completion = await self.engine.generate(request.request_id, prompt, request.sampling_params)
-        self._served += 1
-        return Trajectory(
-            request_id=request.request_id,
-            session_id=request.session_id,
-            group_id=request.group_id,
-            prompt_token_ids=completion.prompt_token_ids,
-            completion_token_ids=completion.completion_token_ids,
-            logprobs=completion.logprobs,
-            finish_reason=completion.finish_reason,  # type: ignore[arg-type]
-            text=completion.text,
-            worker_id=self.worker_id,
-            queue_time_s=max(0.0, taken_at - request.submitted_at),
-            generation_time_s=time.time() - started,
-        )
-
-    def _error(self, request: Request, code: ErrorCode, message: str, recoverable: bool = False) -> ErrorResult:
-        return ErrorResult(
-            request_id=request.request_id, code=code, message=message, recoverable=recoverable, worker_id=self.worker_id
-        )
-
-    async def _dead_letter(self, entry: Entry, code: ErrorCode, message: str) -> None:
-        """Move an entry to the dead-letter stream; its producer, if it can be named, gets an error result."""
-        log.warning("dead letter %s %s: %s", entry.stream, entry.entry_id, message)
-        address = reply_address(entry.payload)
-        reply = None
-        if address is not None:
-            error = ErrorResult(request_id=address[0], code=code, message=message, worker_id=self.worker_id)
-            reply = (address[1], encode(error))
-        await self.streams.dead_letter(entry, code, self.worker_id, self.settings.dead_letter_maxlen, reply)
-
-    async def _deadline_loop(self) -> None:
-        """Cancel generations whose deadline passed (checked every DEADLINE_SWEEP_S, not a timer per request)."""
-        while not self._stopping.is_set():
-            now = time.time()
-            for key, deadline in list(self._deadlines.items()):
-                task = self._in_flight.get(key)
-                if deadline <= now and task is not None and key not in self._expired:
-                    self._expired.add(key)
-                    task.cancel()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), DEADLINE_SWEEP_S)
+    def _queue_result(self, record: InFlight, reply: Reply | None) -> None:
+        self._results.put_nowait((record, reply))
 
     # --- publishing results ---------------------------------------------------------------------------------
 
     async def _publish_loop(self) -> None:
-        """Batch whatever results are ready into one MULTI; under load this amortises the round trip."""
+        """Batch whatever results are ready into one script call; under load this amortises the round trip."""
         while True:
             batch = [await self._results.get()]
             while not self._results.empty():
@@ -321,108 +319,182 @@ class Worker:
             if len(ready) < len(batch):
                 return  # the stop sentinel: everything before it is published
 
-    async def _publish(self, batch: list[tuple[Entry, str, bytes]], attempts: int | None = None) -> None:
+    async def _publish(self, batch: list[tuple[InFlight, Reply | None]], attempts: int | None = None) -> None:
         """Publish + ack; retried while Redis is away (the entries stay pending, so a crash loses nothing)."""
         failures = 0
         while True:
             try:
-                results = [(reply_to, payload) for _, reply_to, payload in batch]
-                await self.streams.publish(results, [entry for entry, _, _ in batch], self.settings.results_ttl_s)
+                items = [(record.entry, reply) for record, reply in batch]
+                fenced = await self.streams.publish(items, self.settings.results_ttl_s)
+                if fenced:
+                    self.state.fenced_results += fenced
+                    log.warning(
+                        "dropped %d results: their requests were requeued while this worker was stalled", fenced
+                    )
                 return
             except REDIS_ERRORS as exc:
                 failures += 1
                 if attempts is not None and failures >= attempts:
                     raise
                 log.warning("publishing %d results failed (%s); retrying", len(batch), exc)
-                await asyncio.sleep(RETRY_BACKOFF_S[min(failures, len(RETRY_BACKOFF_S)) - 1])
+                await asyncio.sleep(backoff_s(failures))
 
-    # --- heartbeat and reclaiming dead workers' requests ----------------------------------------------------
+    # --- liveness -------------------------------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
         while not self._stopping.is_set():
             try:
-                await self.registry.heartbeat(self._status())
-                for dead_worker_id in await self.registry.dead_workers():
-                    if await self.registry.try_reap_lock(dead_worker_id, self.worker_id, REAP_LOCK_TTL_S):
-                        moved = await self._reclaim(dead_worker_id)
-                        await self.registry.forget(dead_worker_id)
-                        log.warning("worker %s is dead: requeued %d of its requests", dead_worker_id, moved)
+                if not self._fenced and not await self._beat():
+                    await self._reincarnate()
+                await self._cancel_tombstoned()
             except REDIS_ERRORS as exc:
                 log.warning("heartbeat failed (%s); retrying", exc)
             except ResponseError as exc:
                 log.warning("heartbeat: %s", exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), self.settings.heartbeat_interval_s)
+            await self._idle(self.settings.heartbeat_interval_s)
 
-    async def _reclaim(self, worker_id: str) -> int:
-        """Requeue what `worker_id` holds: its pending entries in both streams and its pinned backlog.
+    async def _reap_loop(self) -> None:
+        while not self._stopping.is_set():
+            if not self._fenced:
+                try:
+                    await self.reaper.reap_dead(self.worker_id)
+                except REDIS_ERRORS as exc:
+                    log.warning("reaping dead workers failed (%s); retrying", exc)
+            await self._idle(self.settings.heartbeat_interval_s)
 
-        Sessions are re-placed on live workers. Entries already delivered `max_deliveries` times become
-        dead letters. Each batch is requeued and acked in one MULTI, so a crash here loses nothing.
-        """
-        pinned = self.keys.pinned_requests(worker_id)
-        moved = 0
-        for stream in (self.keys.requests, pinned):
-            while entries := await self.streams.pending_of(stream, worker_id):
-                moved += await self._requeue(entries)
-        if worker_id != self.worker_id:
-            while entries := await self.streams.undelivered(pinned):
-                moved += await self._requeue(entries)
-            await self.redis.delete(pinned)
-            await self.streams.forget_consumer(self.keys.requests, worker_id)
-        return moved
+    async def _reincarnate(self) -> None:
+        """This worker's heartbeat expired while it lived (a stall past the TTL): it was presumed dead, and its
+        requests are being requeued. It publishes nothing for those (fencing), aborts what it runs, and comes
+        back under a new id, converged, before it takes work again."""
+        old_id = self.worker_id
+        log.warning("worker %s outlived its heartbeat TTL (stalled?); fencing and registering anew", old_id)
+        self._fenced = True
+        try:
+            self.state.set_label("starting")
+            moved = await self.reaper.reap(old_id, old_id)  # nobody else did yet: requeue its own requests
+            if moved:
+                log.warning("requeued %d requests of %s", moved, old_id)
+            await self.index.cancel_all(self.index.records(), "shutdown")  # their results are fenced anyway
+            deadline = time.monotonic() + FENCED_DRAIN_S
+            while len(self.index) and time.monotonic() < deadline:
+                await self.index.wait_changed(0.1)
+            self.state.incarnation += 1
+            self.state.applied_epoch = 0
+            self.converger.restart()
+            await self._ensure_groups()
+            await self._beat(renew=False)
+            if await self.converger.converge():
+                await self._beat(announce=True)
+            log.warning("worker %s is back as %s", old_id, self.worker_id)
+        finally:
+            self._fenced = False
+            self._slot_freed.set()
 
-    async def _requeue(self, entries: list[Entry]) -> int:
-        items, done = [], []
-        for entry in entries:
-            if entry.deliveries >= self.settings.max_deliveries:
-                message = f"delivered {entry.deliveries} times; each worker that took it died"
-                await self._dead_letter(entry, "max_deliveries", message)
+    # --- control ----------------------------------------------------------------------------------------------
+
+    async def _listen_loop(self) -> None:
+        """Pub/sub nudges wake the control loop; a (re)subscription does too, since a nudge may have been lost."""
+        pubsub = None
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                if pubsub is None:
+                    pubsub = await self.control.subscribe()
+                message = await pubsub.get_message(timeout=self.settings.read_block_ms / 1000)
+                failures = 0
+            except REDIS_ERRORS as exc:
+                failures += 1
+                log.warning("control subscription failed (%s); reconnecting", exc)
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()
+                pubsub = None
+                await asyncio.sleep(backoff_s(failures))
                 continue
-            items.append(Requeue(entry.payload, _session_id(entry.payload), entry.deliveries))
-            done.append(entry)
-        await self.streams.requeue(items, done)
-        return len(items)
+            if message is None:
+                continue
+            if message["type"] == "message" and message["data"] == NUDGE_CANCEL:
+                self._cancel_nudged = True
+            self._wake.set()
+        if pubsub is not None:
+            await pubsub.aclose()
+
+    async def _control_loop(self) -> None:
+        """Converge on every nudge and at every heartbeat interval (level-triggered); while a pause waits for
+        in-flight requests, also whenever one finishes. Acknowledge each epoch once applied."""
+        pending = False
+        while not self._stopping.is_set():
+            waits = [self._wake.wait()] + ([self.index.changed.wait()] if pending else [])
+            self.index.changed.clear()
+            tasks = [asyncio.ensure_future(w) for w in waits]
+            await asyncio.wait(tasks, timeout=self.settings.heartbeat_interval_s, return_when=asyncio.FIRST_COMPLETED)
+            for task in tasks:
+                task.cancel()
+            self._wake.clear()
+            if self._fenced or self._stopping.is_set():
+                continue
+            try:
+                if self._cancel_nudged:
+                    self._cancel_nudged = False
+                    await self._cancel_tombstoned()
+                before = (self.state.applied_epoch, self.state.label)
+                pending = not await self.converger.converge()
+                if not pending and (self.state.applied_epoch, self.state.label) != before:
+                    await self._beat(announce=True)
+            except REDIS_ERRORS as exc:
+                log.warning("reading the control state failed (%s); retrying", exc)
+
+    async def _cancel_tombstoned(self) -> None:
+        """Abort in-flight requests whose producer cancelled them."""
+        cancelled = await self.control.cancelled(self.index.request_ids())
+        if cancelled:
+            await self.index.cancel_all(self.index.by_request_ids(cancelled), "user")
+
+    async def _sweep_loop(self) -> None:
+        """Abort generations whose deadline passed, and repeat aborts that may have missed."""
+        while not self._stopping.is_set():
+            now = time.time()
+            for record in self.index.records():
+                deadline = record.deadline
+                if record.generation and deadline is not None and deadline <= now:
+                    await self.index.cancel(record, "deadline")
+            await self.index.reabort()
+            await self._idle(SWEEP_INTERVAL_S)
 
     # --- shutdown -------------------------------------------------------------------------------------------
 
-    async def _shutdown(self, tasks: list[asyncio.Task[Any]]) -> None:
-        """Stop taking; let in-flight requests finish for `drain_timeout_s`; requeue the rest; deregister.
+    async def _shutdown(self) -> None:
+        """Stop taking; let in-flight requests finish for `drain_timeout_s`; abort the rest, whose partial
+        results go back to their producers (which retry them token-exact elsewhere); deregister.
 
-        The loops are not cancelled mid-command (a pipeline cancelled mid-read can leave redis-py
-        waiting forever): the take and heartbeat loops see `_stopping`, the publish loop a sentinel.
+        The loops are not cancelled mid-command (a pipeline cancelled mid-read can leave redis-py waiting
+        forever): they see `_stopping`, the publish loop a sentinel. If the engine died, unfinished requests
+        are not aborted but left pending, and requeued here.
         """
-        take, publish, heartbeat, deadlines = tasks
-        await asyncio.wait([take], timeout=self.settings.read_block_ms / 1000 + 5)
-        if self._fatal is None and self._in_flight:
-            await asyncio.wait(list(self._in_flight.values()), timeout=self.drain_timeout_s)
-        for task in list(self._in_flight.values()):
-            task.cancel()  # the entry stays pending: requeued below
-        if self._in_flight:
-            await asyncio.wait(list(self._in_flight.values()), timeout=5)
+        self.state.set_label("draining")
+        with contextlib.suppress(*REDIS_ERRORS):
+            await self._beat()  # placement skips a draining worker from now on
+        await asyncio.wait([self._loops["take"], self._loops["tokens"]], timeout=self.settings.read_block_ms / 1000 + 5)
+        if self._fatal is None:
+            await self._drain(self.drain_timeout_s)
+            await self.index.cancel_all(self.index.records(), "shutdown")
+            await self._drain(5.0)
+        for record in self.index.records():
+            if record.task is not None:
+                record.task.cancel()  # the entry stays pending: requeued below
+        await self._drain(5.0)
         self._results.put_nowait(None)
-        await asyncio.wait([publish, heartbeat, deadlines], timeout=30)
+        rest = [task for name, task in self._loops.items() if name not in ("take", "tokens")]
+        await asyncio.wait(rest, timeout=30)
         try:
             # Deregister before draining the pinned stream: placement then no longer picks this worker.
             await self.registry.deregister(self.worker_id)
-            moved = await self._reclaim(self.worker_id) + await self._drain_pinned()
+            moved = await self.reaper.reclaim(self.worker_id, backlog=True)
             log.info("worker %s stopped; requeued %d requests", self.worker_id, moved)
         except REDIS_ERRORS as exc:
             log.error("could not deregister (%s): live workers will requeue this worker's requests", exc)
 
-    async def _drain_pinned(self) -> int:
-        pinned = self.keys.pinned_requests(self.worker_id)
-        moved = 0
-        while entries := await self.streams.undelivered(pinned):
-            moved += await self._requeue(entries)
-        await self.redis.delete(pinned)
-        await self.streams.forget_consumer(self.keys.requests, self.worker_id)
-        return moved
-
-
-def _session_id(payload: bytes) -> str | None:
-    try:
-        request = decode(payload)
-    except ProtocolError:
-        return None  # requeued as is; the worker that takes it dead-letters it
-    return getattr(request, "session_id", None)
+    async def _drain(self, timeout_s: float) -> None:
+        tasks = [r.task for r in self.index.records() if r.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)

@@ -11,12 +11,14 @@ from collections import Counter
 import msgpack
 import pytest
 import redis
+from redis.asyncio import Redis
 
 from rollout_svc import InvalidRequestError, QueueFullError, RequestTimeoutError, RolloutClient, SyncRolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.keys import PAYLOAD_FIELD, WORKERS_GROUP
-from rollout_svc.protocol import RolloutRequest, SamplingParams, encode
-from rollout_svc.streams import RequestStreams, Requeue
+from rollout_svc.protocol import RolloutRequest, SamplingParams, Trajectory, decode, encode
+from rollout_svc.streams import Enqueue, RequestStreams
+from tests.support import Results, async_wait_until, pending
 
 
 async def test_batch_comes_back_in_input_order_across_two_workers(settings, echo_workers):
@@ -74,19 +76,20 @@ async def test_finish_session_lets_it_be_placed_anew(settings, echo_workers):
 async def test_kill_9_a_worker_mid_batch_loses_nothing_and_duplicates_nothing(settings, workers, echo_workers):
     echo_workers(2, "--max-num-seqs", "32", "--echo-token-delay-s", "0.01")
     prompts = [[i + 1] * 20 for i in range(200)]  # 20 tokens x 10 ms: 0.2 s each, 32 at a time per worker
+    rds = redis.Redis.from_url(settings.redis_url)
     async with RolloutClient(settings) as client:
         task = asyncio.create_task(client.generate(prompts, {"max_tokens": 20}, timeout_s=60))
-        await asyncio.sleep(0.5)
+        # Both workers have answered a first round of 32 and are busy with a second.
+        await async_wait_until(lambda: 0 < rds.xlen(settings.keys.requests) <= 200 - 64, 10, "a first round answered")
+        await async_wait_until(lambda: pending(rds, settings.keys.requests) >= 64, 10, "both workers busy")
         workers.kill("echo-0")  # SIGKILL: no drain, no deregistration
         trajectories = await task
-        duplicates = client._connection.duplicates
     assert [t.prompt_token_ids for t in trajectories] == prompts
+    assert [t.completion_token_ids for t in trajectories] == prompts  # whole, each once
     assert all(t.finish_reason == "stop" for t in trajectories)
     assert len({t.request_id for t in trajectories}) == 200
     served = Counter(t.worker_id for t in trajectories)
     assert served["echo-1"] > 100 and served["echo-0"] > 0, served  # echo-1 took over echo-0's requests
-    assert duplicates >= 0  # a requeued request may answer twice; the caller still saw each once
-    rds = redis.Redis.from_url(settings.redis_url)
     assert rds.xlen(settings.keys.requests) == 0
     assert rds.xlen(settings.keys.dead) == 0
     assert not rds.sismember(settings.keys.workers, "echo-0")  # reaped
@@ -97,11 +100,12 @@ async def test_a_live_worker_keeps_its_long_generation(settings, echo_workers, r
     echo_workers(2, "--echo-token-delay-s", "0.1")
     async with RolloutClient(settings) as client:
         task = asyncio.create_task(client.generate([[7] * 40], {"max_tokens": 40}))
-        await asyncio.sleep(3.0)
-        pending = rds.xpending_range(settings.keys.requests, WORKERS_GROUP, "-", "+", 10)
-        assert len(pending) == 1 and pending[0]["times_delivered"] == 1
+        await async_wait_until(lambda: pending(rds, settings.keys.requests) == 1, 5, "the request to be taken")
+        await asyncio.sleep(settings.heartbeat_ttl_s * 1.5)  # well past the TTL: a dead worker would be reaped
+        taken = rds.xpending_range(settings.keys.requests, WORKERS_GROUP, "-", "+", 10)
+        assert len(taken) == 1 and taken[0]["times_delivered"] == 1
         [trajectory] = await task
-        assert trajectory.worker_id == pending[0]["consumer"].decode()
+        assert trajectory.worker_id == taken[0]["consumer"].decode()
         assert trajectory.generation_time_s >= 3.9
         served = await served_counts(client, total=1)
     assert sorted(served.values()) == [0, 1], served  # generated once, by one worker
@@ -122,15 +126,13 @@ async def test_undecodable_entry_goes_to_dead_letters_and_worker_keeps_serving(s
     keys = settings.keys
     rds.xadd(keys.requests, {PAYLOAD_FIELD: b"\xc1 not msgpack"})
     rds.xadd(keys.requests, {b"other": b"no payload field"})
+    # A request from another schema version: dead-lettered, and its producer is told.
+    replies = Results(rds, keys.results("test-producer"))
+    stale = {"v": 999, "t": "RolloutRequest", "b": {"request_id": "old-1", "reply_to": replies.stream}}
+    rds.xadd(keys.requests, {PAYLOAD_FIELD: msgpack.packb(stale)})
+    [error] = replies.read(1)
+    assert error.request_id == "old-1" and error.code == "undecodable" and "schema version" in error.message
     async with RolloutClient(settings) as client:
-        # A request from another schema version: dead-lettered, and its producer is told.
-        connection = await client._connect()
-        stale = {"v": 999, "t": "RolloutRequest", "b": {"request_id": "old-1", "reply_to": connection.results}}
-        pending = connection.expect(["old-1"])
-        rds.xadd(keys.requests, {PAYLOAD_FIELD: msgpack.packb(stale)})
-        await asyncio.wait_for(pending.done, 10)
-        [error] = pending.results
-        assert error.code == "undecodable" and "schema version" in error.message
         [trajectory] = await client.generate([[1, 2, 3]], {"max_tokens": 3})
     assert trajectory.completion_token_ids == [1, 2, 3]
     dead = rds.xrange(keys.dead)
@@ -171,32 +173,37 @@ async def test_bad_prompts_are_refused_before_sending(settings, rds):
     assert rds.xlen(settings.keys.requests) == 0
 
 
-async def test_request_past_its_deadline_is_not_generated(settings, echo_workers, rds):
+async def test_a_timed_out_request_is_cancelled_and_one_past_its_deadline_is_not_generated(settings, echo_workers, rds):
     async with RolloutClient(settings) as client:
         with pytest.raises(RequestTimeoutError, match="rollout-svc status") as info:
             await client.generate([[1, 2, 3]], timeout_s=0.3)  # no worker yet
         assert len(info.value.request_ids) == 1 and info.value.completed == {}
+        await async_wait_until(lambda: rds.xlen(settings.keys.requests) == 0, 5, "the late request to be swept")
+        # A request whose deadline passed while it was queued (sent by hand: the client would have cancelled it).
+        replies = Results(rds, settings.keys.results("test-producer"))
+        late = RolloutRequest(request_id="late", prompt_token_ids=[1, 2], reply_to=replies.stream, deadline=time.time())
+        rds.xadd(settings.keys.requests, {PAYLOAD_FIELD: encode(late)})
         echo_workers(1)
-        deadline = time.monotonic() + 10
-        while rds.xlen(settings.keys.requests) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert rds.xlen(settings.keys.requests) == 0  # taken and acked ...
+        [answer] = replies.read(1)
+        assert answer.finish_reason == "abort" and answer.abort_cause == "deadline"
+        assert answer.completion_token_ids == []
         [trajectory] = await client.generate([[4]])  # a request that is generated, to sync with the counter
         served = await served_counts(client, total=1)
-    assert served == {trajectory.worker_id: 1}  # ... but never generated
+    assert served == {trajectory.worker_id: 1}  # the late one was never generated
 
 
 async def test_entry_over_max_deliveries_becomes_dead_letter_with_error_result(settings, echo_workers, rds):
     echo_workers(1)
-    async with RolloutClient(settings) as client:
-        connection = await client._connect()
-        request = RolloutRequest(request_id="poison", prompt_token_ids=[1], reply_to=connection.results)
-        pending = connection.expect(["poison"])
-        streams = RequestStreams(connection.redis, settings.keys, settings.session_ttl_s)
-        await streams.requeue([Requeue(encode(request), None, settings.max_deliveries)], [])
-        await asyncio.wait_for(pending.done, 10)
-        [error] = pending.results
-    assert error.code == "max_deliveries"
+    replies = Results(rds, settings.keys.results("test-producer"))
+    request = RolloutRequest(request_id="poison", prompt_token_ids=[1], reply_to=replies.stream)
+    redis_async = Redis.from_url(settings.redis_url)
+    try:
+        streams = RequestStreams(redis_async, settings.keys, settings.session_ttl_s)
+        await streams.requeue([Enqueue(encode(request), deliveries=settings.max_deliveries)], [])
+    finally:
+        await redis_async.aclose()
+    [error] = replies.read(1)
+    assert error.request_id == "poison" and error.code == "max_deliveries"
     [(_, fields)] = rds.xrange(settings.keys.dead)
     assert fields[b"reason"] == b"max_deliveries" and int(fields[b"deliveries"]) == settings.max_deliveries + 1
 
@@ -208,9 +215,13 @@ async def test_admission_is_bounded(settings, rds):
             await client.generate([[1]] * 11, timeout_s=1)
         assert info.value.recoverable
         assert rds.xlen(settings.keys.requests) == 0  # all or nothing
-        with pytest.raises(RequestTimeoutError):
-            await client.generate([[1]] * 10, timeout_s=0.2)  # admitted: no worker to serve it
-    assert rds.xlen(settings.keys.requests) == 10
+        admitted = asyncio.create_task(client.generate([[1]] * 10))  # no worker to serve it
+        await async_wait_until(lambda: rds.xlen(settings.keys.requests) == 10, 5, "10 requests admitted")
+        with pytest.raises(QueueFullError):
+            await client.generate([[2]])
+        admitted.cancel()  # a caller that gives up cancels its requests: the queue empties
+        await async_wait_until(lambda: rds.xlen(settings.keys.requests) == 0, 5, "the cancelled requests to go")
+        assert client.stats.cancelled == 10
 
 
 async def test_tokenize_chat_and_sample(settings, echo_workers):
@@ -238,34 +249,46 @@ def test_client_pickles_and_has_a_sync_wrapper(settings, echo_workers):
         [trajectory] = client.generate([[4, 5, 6]], SamplingParams(max_tokens=2))
         assert trajectory.completion_token_ids == [4, 5]
         assert client.world_size() == 1
+        assert sorted(i for i, _ in client.as_completed([[1], [2], [3]], {"max_tokens": 1})) == [0, 1, 2]
+        assert client.pause("keep") >= 1 and client.is_paused() is True
+        client.resume()
     finally:
         client.close()
     assert pickle.loads(pickle.dumps(RolloutClient(settings))).settings == settings
 
 
-async def test_sigterm_requeues_unfinished_requests_to_the_other_worker(settings, workers, echo_workers):
+async def test_sigterm_cuts_unfinished_requests_which_continue_token_exact_elsewhere(
+    settings, workers, echo_workers, rds
+):
     echo_workers(1, "--echo-token-delay-s", "0.05", "--drain-timeout-s", "0")
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(20)] for i in range(4)]
     async with RolloutClient(settings) as client:
-        task = asyncio.create_task(client.generate([[9] * 20] * 4, {"max_tokens": 20}))  # 1 s each
-        await asyncio.sleep(0.3)
-        workers.kill("echo-0", sig=15)  # SIGTERM, no drain time: its 4 requests go back to the queue
+        task = asyncio.create_task(client.generate(prompts, {"max_tokens": 20}))  # 1 s each
+        await async_wait_until(lambda: pending(rds, settings.keys.requests) == 4, 5, "4 requests taken")
+        await asyncio.sleep(0.3)  # a few tokens each
+        workers.kill("echo-0", sig=15)  # SIGTERM, no drain time: its 4 requests are cut
         workers.procs["echo-0"].wait(timeout=10)
         echo_workers(1, "--echo-token-delay-s", "0.05")
         trajectories = await task
+        assert client.stats.retries == 4
+    assert [t.completion_token_ids for t in trajectories] == prompts  # the cut and the continuation, whole
+    assert all(t.finish_reason == "stop" and t.interruptions == 1 for t in trajectories)
     assert {t.worker_id for t in trajectories} == {"echo-1"}
-    assert "requeued 4 requests" in workers.log("echo-0")
+    assert all(len(t.logprobs) == 20 for t in trajectories)
+    assert "requeued 0 requests" in workers.log("echo-0")
 
 
 def test_results_stream_is_removed_on_close(settings, echo_workers, rds):
     echo_workers(1)
+    pattern = settings.keys.results("*")
 
-    async def run() -> str:
+    async def run() -> list[bytes]:
         async with RolloutClient(settings) as client:
             await client.generate([[1]])
-            return client._connection.results
+            return rds.keys(pattern)
 
-    results = asyncio.run(run())
-    assert not rds.exists(results)
+    assert len(asyncio.run(run())) == 1
+    assert rds.keys(pattern) == []
 
 
 def test_settings_come_from_env(monkeypatch):
@@ -275,17 +298,42 @@ def test_settings_come_from_env(monkeypatch):
     assert settings.redis_url == "redis://example:1/2" and settings.max_deliveries == 7
 
 
-async def test_generation_is_cancelled_when_its_deadline_passes(settings, echo_workers):
+async def test_generation_is_cut_when_its_deadline_passes(settings, echo_workers, rds):
     echo_workers(1, "--echo-token-delay-s", "0.1")  # 40 tokens: 4 s
+    replies = Results(rds, settings.keys.results("test-producer"))
+    request = RolloutRequest(
+        request_id="late", prompt_token_ids=[3] * 40, reply_to=replies.stream, deadline=time.time() + 0.5
+    )
+    rds.xadd(settings.keys.requests, {PAYLOAD_FIELD: encode(request)})
+    [trajectory] = replies.read(1, timeout_s=3.0)  # well before the 4 s generation would end
+    assert isinstance(trajectory, Trajectory)
+    assert trajectory.finish_reason == "abort" and trajectory.abort_cause == "deadline"
+    assert 0 < len(trajectory.completion_token_ids) < 40 == 40  # its partial output: ~5 tokens
+    assert len(trajectory.logprobs) == len(trajectory.completion_token_ids)
+
+
+async def test_one_result_delivered_twice_is_seen_once(settings, rds):
     async with RolloutClient(settings) as client:
-        connection = await client._connect()
-        request = RolloutRequest(
-            request_id="late", prompt_token_ids=[3] * 40, reply_to=connection.results, deadline=time.time() + 0.5
+        task = asyncio.create_task(client.generate([[5, 6]], {"max_tokens": 2}))
+        # No worker: answer by hand, twice, as an at-least-once redelivery would.
+        await async_wait_until(lambda: rds.xlen(settings.keys.requests) == 1, 5, "the request to be enqueued")
+        [(_, fields)] = rds.xrange(settings.keys.requests)
+        request = decode(fields[PAYLOAD_FIELD])
+        answer = Trajectory(
+            request_id=request.request_id, prompt_token_ids=[5, 6], completion_token_ids=[5, 6], finish_reason="stop"
         )
-        pending = connection.expect(["late"])
-        await connection.enqueue([(None, encode(request))])
-        await asyncio.wait_for(pending.done, 3.0)  # well before the 4 s generation would end
-        [error] = pending.results
-        assert error.code == "deadline_exceeded" and "during generation" in error.message
-        [status] = await client.workers()
-        assert status.served == 0
+        for _ in range(2):
+            rds.xadd(request.reply_to, {PAYLOAD_FIELD: encode(answer)})
+        [trajectory] = await task
+        assert trajectory.completion_token_ids == [5, 6]
+        await async_wait_until(lambda: client.stats.duplicates == 1, 5, "the second copy to be read")
+
+
+async def test_an_unknown_sampling_field_gets_an_error_result_not_a_dead_letter(settings, echo_workers, rds):
+    echo_workers(1)
+    replies = Results(rds, settings.keys.results("test-producer"))
+    body = {"request_id": "new", "reply_to": replies.stream, "prompt_token_ids": [1], "sampling_params": {"beam": 4}}
+    rds.xadd(settings.keys.requests, {PAYLOAD_FIELD: msgpack.packb({"v": 1, "t": "RolloutRequest", "b": body})})
+    [error] = replies.read(1)
+    assert error.request_id == "new" and error.code == "invalid_request" and "beam" in error.message
+    assert rds.xlen(settings.keys.dead) == 0 and rds.xlen(settings.keys.requests) == 0

@@ -40,7 +40,9 @@ def test_docker_compose_runs_redis_workers_and_the_api():
 
 
 def test_every_cli_command_answers_help():
-    for command in ("up", "worker", "serve", "status", "demo", "bench", "model"):
+    commands = ("up", "worker", "serve", "status", "demo", "bench", "model")
+    commands += ("pause", "resume", "abort", "sleep", "wake-up", "reset-prefix-cache")
+    for command in commands:
         out = subprocess.run(
             [sys.executable, "-m", "rollout_svc", command, "--help"], capture_output=True, text=True, cwd=ROOT
         )

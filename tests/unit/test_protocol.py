@@ -76,3 +76,26 @@ def test_sampling_params_use_vllm_names_and_refuse_unknown_fields():
         as_sampling_params({"min_tokens": 5, "max_tokens": 2})
     with pytest.raises(InvalidRequestError, match="finite"):
         as_sampling_params({"temperature": float("inf")})
+
+
+def test_readers_ignore_fields_they_do_not_know_but_user_parameters_refuse_them():
+    trajectory = Trajectory(request_id="r", prompt_token_ids=[1], finish_reason="stop")
+    body = {**trajectory.model_dump(), "added_in_a_later_release": 7}
+    assert decode(msgpack.packb({"v": SCHEMA_VERSION, "t": "Trajectory", "b": body})) == trajectory
+    request = {"request_id": "r", "reply_to": "q", "prompt_token_ids": [1], "sampling_params": {"temprature": 1}}
+    with pytest.raises(InvalidRequestError, match="temprature"):
+        decode(msgpack.packb({"v": SCHEMA_VERSION, "t": "RolloutRequest", "b": request}))
+
+
+def test_a_continuation_carries_one_logprob_per_token_and_leaves_room_to_generate():
+    base = {"request_id": "r2", "reply_to": "q", "prompt_token_ids": [1, 2]}
+    ok = RolloutRequest(**base, continuation={"retry_of": "r1", "token_ids": [3], "logprobs": [-0.1]})
+    assert ok.original_request_id == "r1" and decode(encode(ok)) == ok
+    with pytest.raises(ValueError, match="one logprob per token"):
+        RolloutRequest(**base, continuation={"retry_of": "r1", "token_ids": [3], "logprobs": []})
+    with pytest.raises(ValueError, match="at least one token"):
+        RolloutRequest(
+            **base,
+            sampling_params={"max_tokens": 1},
+            continuation={"retry_of": "r1", "token_ids": [3], "logprobs": [0.0]},
+        )

@@ -1,0 +1,339 @@
+"""A producer's connection: submits requests, routes their results, retries aborted ones token-exact, cancels.
+
+One `Connection` per event loop holds two tasks: the submitter sends whatever batches (and cancels) are
+waiting in one pipelined round trip, and the reader routes each result to its call by request id. A call's
+request cut by a pause in abort mode (or its worker shutting down) comes back as a partial trajectory; the
+reader resubmits it under a new request id with its tokens so far (a `Continuation`) and the remaining deadline,
+and the caller only ever sees the merged trajectory. An explicit abort, a cancel and a deadline are final.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from rollout_svc.config import Settings
+from rollout_svc.control import ControlPlane
+from rollout_svc.errors import ProtocolError, QueueFullError
+from rollout_svc.keys import PAYLOAD_FIELD
+from rollout_svc.protocol import Continuation, Request, Result, RolloutRequest, Trajectory, decode, encode
+from rollout_svc.registry import Registry
+from rollout_svc.streams import ENQUEUE_CHUNK, Enqueue, RequestStreams
+
+log = logging.getLogger("rollout_svc.client")
+RETRIED_CAUSES = ("pause", "shutdown")  # aborts the client hides by retrying
+
+
+@dataclass
+class ClientStats:
+    """What a connection has seen. `duplicates`: results no caller awaited (an at-least-once redelivery, or the
+    answer to a cancelled request); `retries`: token-exact resubmissions; `cancelled`: requests cancelled."""
+
+    duplicates: int = 0
+    retries: int = 0
+    cancelled: int = 0
+
+
+class Call:
+    """One caller's batch of requests (a generate / sample / chat / tokenize call): results by position.
+
+    `completed` yields positions as they finish; `done` resolves when all have. `attempts[i]` is the request id
+    position i is awaited under (a retry has a new one); `partial[i]` the last aborted attempt being retried.
+    """
+
+    def __init__(self, requests: Sequence[Request], loop: asyncio.AbstractEventLoop) -> None:
+        self.requests = list(requests)
+        count = len(self.requests)
+        self.results: list[Any] = [None] * count
+        self.remaining = count
+        self.done: asyncio.Future[None] = loop.create_future()
+        if not count:
+            self.done.set_result(None)
+        self.completed: asyncio.Queue[int] = asyncio.Queue()
+        self.attempts = [r.request_id for r in self.requests]
+        self.partial: list[Trajectory | None] = [None] * count
+        self.spent_s: list[tuple[float, float]] = [(0.0, 0.0)] * count  # earlier attempts' (queue, generation) s
+
+    def set(self, index: int, result: Any) -> None:
+        if self.results[index] is not None:
+            return
+        self.results[index] = result
+        self.remaining -= 1
+        self.completed.put_nowait(index)
+        if self.remaining == 0 and not self.done.done():
+            self.done.set_result(None)
+
+    def unfinished(self) -> list[int]:
+        return [i for i, r in enumerate(self.results) if r is None]
+
+    def merged(self, index: int, result: Trajectory, **update: Any) -> Trajectory:
+        """An attempt's trajectory as the caller sees it: under the original request id, times summed."""
+        queue_s, generation_s = self.spent_s[index]
+        update = {
+            "request_id": self.requests[index].request_id,
+            "queue_time_s": queue_s + result.queue_time_s,
+            "generation_time_s": generation_s + result.generation_time_s,
+            **update,
+        }
+        return result.model_copy(update=update)
+
+    def end_with_partial(self, index: int, **update: Any) -> None:
+        """Finish a position being retried with the partial trajectory its last attempt returned."""
+        partial = self.partial[index]
+        assert partial is not None
+        queue_s, generation_s = self.spent_s[index]  # the partial's own times are in these already
+        update = {
+            "request_id": self.requests[index].request_id,
+            "queue_time_s": queue_s,
+            "generation_time_s": generation_s,
+            "interruptions": partial.interruptions + 1,
+            **update,
+        }
+        self.set(index, partial.model_copy(update=update))
+
+    def expire(self) -> None:
+        """The caller's deadline passed: a position being retried ends with its partial tokens (abort, deadline)."""
+        for index in self.unfinished():
+            if self.partial[index] is not None:
+                self.end_with_partial(index, abort_cause="deadline")
+
+
+@dataclass
+class _EnqueueOp:
+    items: list[Enqueue]
+    limit: int  # -1: no admission limit (a retry continues admitted work)
+    request_ids: list[str]
+    done: asyncio.Future[None]
+
+
+@dataclass
+class _CancelOp:
+    request_ids: list[str] = field(default_factory=list)
+
+
+class Connection:
+    """What a client holds while connected, bound to one event loop: Redis, its results stream, two tasks."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.loop = asyncio.get_running_loop()
+        self.redis = Redis.from_url(settings.redis_url, decode_responses=False)
+        self.streams = RequestStreams(self.redis, settings.keys, settings.session_ttl_s)
+        self.registry = Registry(self.redis, settings.keys, settings.heartbeat_ttl_s)
+        self.control = ControlPlane(self.redis, settings)
+        self.producer_id = uuid.uuid4().hex
+        self.results = settings.keys.results(self.producer_id)
+        self.waiting: dict[str, tuple[Call, int]] = {}  # request id -> its call and position
+        self.placed: dict[str, Any] = {}  # request id -> where it was enqueued (what a cancel sweeps)
+        self._cancelling: set[str] = set()  # cancelled, their cancel not yet sent: their placements are kept
+        self.stats = ClientStats()
+        self._request_numbers = itertools.count()
+        self._closing = False
+        self.outbox: asyncio.Queue[_EnqueueOp | _CancelOp | None] = asyncio.Queue()
+        self.reader = asyncio.create_task(self._read_results())
+        self.submitter = asyncio.create_task(self._submit_ops())
+
+    def new_id(self) -> str:
+        """A request (or group) id unique across producers: this producer's id and a counter."""
+        return f"{self.producer_id}-{next(self._request_numbers)}"
+
+    def new_call(self, requests: Sequence[Request]) -> Call:
+        return Call(requests, self.loop)
+
+    async def submit(self, call: Call) -> None:
+        """Await a call's requests' results from now on, and enqueue them (admission-checked, all or nothing).
+
+        Raises `QueueFullError`, or the Redis error if Redis is away. Whatever it raises, `cancel(call)` is safe
+        (and needed, if a batch larger than a chunk was refused after its first chunks went in).
+        """
+        self.waiting.update((request.request_id, (call, i)) for i, request in enumerate(call.requests))
+        try:
+            await self._enqueue(call.requests, self.settings.max_queued_requests)
+        except QueueFullError:
+            if len(call.requests) <= ENQUEUE_CHUNK:  # nothing was sent: nothing to cancel
+                self.forget(call)
+                call.remaining = 0
+            raise
+
+    def _enqueue(self, requests: Sequence[Request], limit: int) -> asyncio.Future[None]:
+        done = self.loop.create_future()
+        items = [_enqueue_item(r) for r in requests]
+        self.outbox.put_nowait(_EnqueueOp(items, limit, [r.request_id for r in requests], done))
+        return done
+
+    def cancel(self, call: Call) -> None:
+        """Stop awaiting a call's unfinished requests and cancel them on the workers (queued or in flight)."""
+        ids = [call.attempts[i] for i in call.unfinished()]
+        for request_id in ids:
+            self.waiting.pop(request_id, None)
+        self._cancelling.update(ids)
+        if ids:
+            self.stats.cancelled += len(ids)
+            self.outbox.put_nowait(_CancelOp(ids))
+
+    def forget(self, call: Call) -> None:
+        for request_id in call.attempts:
+            self.waiting.pop(request_id, None)
+            if request_id not in self._cancelling:
+                self.placed.pop(request_id, None)
+
+    async def _submit_ops(self) -> None:
+        """The single submitter: concurrent callers' batches go to Redis together, in one round trip; cancels
+        follow, after the enqueues they may refer to.
+
+        This bounds the connections a busy producer (the API, an open-loop benchmark) opens to two.
+        """
+        while True:
+            ops = [await self.outbox.get()]
+            while not self.outbox.empty():
+                ops.append(self.outbox.get_nowait())
+            enqueues = [op for op in ops if isinstance(op, _EnqueueOp)]
+            if enqueues:
+                await self._run_enqueues(enqueues)
+            cancelled = [i for op in ops if isinstance(op, _CancelOp) for i in op.request_ids]
+            if cancelled:
+                self._cancelling.difference_update(cancelled)
+                try:
+                    await self.control.cancel([(i, self.placed.pop(i, None)) for i in cancelled])
+                except (RedisError, OSError) as exc:  # the workers' deadlines still stop them
+                    log.warning("cancelling %d requests failed (%s)", len(cancelled), exc)
+            if None in ops:
+                return
+
+    async def _run_enqueues(self, ops: list[_EnqueueOp]) -> None:
+        outcomes: list[Any]
+        try:
+            outcomes = await self.streams.enqueue_batches([op.items for op in ops], [op.limit for op in ops])
+        except Exception as exc:  # Redis away: every waiting caller hears it
+            outcomes = [exc] * len(ops)
+        for op, outcome in zip(ops, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                if not op.done.done():
+                    op.done.set_exception(outcome)
+                continue
+            for request_id, placed in zip(op.request_ids, outcome, strict=True):
+                if request_id in self.waiting or request_id in self._cancelling:
+                    self.placed[request_id] = placed
+            if not op.done.done():
+                op.done.set_result(None)
+
+    async def _read_results(self) -> None:
+        """The single reader: routes each result to its call by request id, ignores duplicates."""
+        last_id, failures = b"0-0", 0
+        done_ids: list[bytes] = []
+        while not self._closing:
+            try:
+                records = await self.streams.read_results(self.results, last_id, done_ids, self.settings.read_block_ms)
+                done_ids, failures = [], 0
+            except (RedisError, OSError) as exc:  # the reader must outlive any Redis trouble
+                failures += 1
+                log.warning("reading results failed (%s); retrying", exc)
+                await asyncio.sleep(min(2.0, 0.1 * 2**failures))
+                continue
+            for entry_id, fields in records:
+                last_id = entry_id
+                done_ids.append(entry_id)
+                self._route(fields.get(PAYLOAD_FIELD, b""))
+            if records:
+                await asyncio.sleep(0)  # let the callers just woken run before the next read is sent
+
+    def _route(self, payload: bytes) -> None:
+        try:
+            result: Result = decode(payload)
+        except ProtocolError as exc:
+            log.error("dropped an undecodable result: %s", exc)
+            return
+        target = self.waiting.pop(result.request_id, None)
+        if target is None:
+            self.stats.duplicates += 1  # at-least-once delivery: a requeued request may answer twice
+            return
+        self.placed.pop(result.request_id, None)
+        call, index = target
+        if isinstance(result, Trajectory):
+            if self._retry(call, index, result):
+                return
+            result = self._final(call, index, result)
+        call.set(index, result)
+
+    def _final(self, call: Call, index: int, result: Trajectory) -> Trajectory:
+        if result.finish_reason != "abort" or result.abort_cause not in RETRIED_CAUSES:
+            return call.merged(index, result)
+        request = call.requests[index]
+        assert isinstance(request, RolloutRequest)
+        if len(result.completion_token_ids) >= request.sampling_params.max_tokens:  # cut at its very last token
+            return call.merged(index, result, finish_reason="length", abort_cause=None)
+        return call.merged(index, result, interruptions=result.interruptions + 1)  # retries exhausted, or deadline
+
+    def _retry(self, call: Call, index: int, result: Trajectory) -> bool:
+        """Resubmit a request cut by a pause or a worker's shutdown, token-exact; False if it is final."""
+        request = call.requests[index]
+        if result.finish_reason != "abort" or result.abort_cause not in RETRIED_CAUSES:
+            return False
+        if not isinstance(request, RolloutRequest) or not result.prompt_token_ids:
+            return False
+        if result.interruptions >= self.settings.max_abort_retries:
+            return False
+        if len(result.completion_token_ids) >= request.sampling_params.max_tokens:
+            return False
+        if request.deadline is not None and request.deadline <= time.time():
+            return False
+        continuation = Continuation(
+            retry_of=request.request_id,
+            token_ids=result.completion_token_ids,
+            logprobs=result.logprobs,
+            text=result.text,
+            interruptions=result.interruptions + 1,
+        )
+        retry = RolloutRequest(
+            request_id=self.new_id(),
+            session_id=request.session_id,
+            group_id=request.group_id,
+            prompt_token_ids=result.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            reply_to=self.results,
+            deadline=request.deadline,
+            continuation=continuation,
+        )
+        queue_s, generation_s = call.spent_s[index]
+        call.spent_s[index] = (queue_s + result.queue_time_s, generation_s + result.generation_time_s)
+        call.partial[index], call.attempts[index] = result, retry.request_id
+        self.waiting[retry.request_id] = (call, index)
+        self.stats.retries += 1
+        self._enqueue([retry], -1).add_done_callback(lambda f: self._retry_enqueued(f, call, index, retry))
+        return True
+
+    def _retry_enqueued(self, future: asyncio.Future[None], call: Call, index: int, retry: RolloutRequest) -> None:
+        """A retry that could not be enqueued (Redis away) ends with what its request had generated."""
+        if future.cancelled() or future.exception() is None:
+            return
+        log.warning("could not resubmit %s (%s): returning its partial output", retry.request_id, future.exception())
+        if self.waiting.pop(retry.request_id, None) is not None:
+            call.end_with_partial(index)
+
+    async def close(self) -> None:
+        # Let the reader finish its blocking read rather than cancel it: a pipeline cancelled mid-read
+        # can leave redis-py waiting on a reply that never comes.
+        self._closing = True
+        self.outbox.put_nowait(None)
+        _, pending = await asyncio.wait([self.reader, self.submitter], timeout=self.settings.read_block_ms / 1000 + 5)
+        for task in pending:
+            task.cancel()
+        try:
+            await self.redis.delete(self.results)
+        finally:
+            await self.redis.aclose()
+
+
+def _enqueue_item(request: Request) -> Enqueue:
+    if isinstance(request, RolloutRequest):
+        return Enqueue(encode(request), request.session_id)
+    return Enqueue(encode(request), tokens=True)

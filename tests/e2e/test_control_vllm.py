@@ -1,0 +1,170 @@
+"""The control plane on the real engine: pauses with 100 generations in flight, token-exact retries, sleep.
+
+One module fixture: two float32 vLLM workers (one CPU core each), so greedy outputs are comparable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rollout_svc import RolloutClient, dataset
+from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.model import prepare_model
+from tests.support import WorkerProcs, async_wait_until
+
+pytestmark = pytest.mark.vllm
+
+MiB = 2**20
+BATCH = 100
+BATCH_PARAMS = {"temperature": 0.0, "max_tokens": 32, "ignore_eos": True}
+ONE_PARAMS = {"temperature": 0.0, "max_tokens": 128, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def vllm_fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    """Two float32 vLLM workers for the module, under a key prefix of their own (other tests flush the db)."""
+    settings = Settings(
+        redis_url=redis_url, key_prefix="e2e-control", heartbeat_ttl_s=30, request_timeout_s=600, control_timeout_s=120
+    )
+    model = str(prepare_model(Settings().cache_dir))
+    engine = EngineSettings(model=model, dtype="float32", max_num_seqs=64, kv_cache_memory_bytes=256 * MiB)
+    procs = WorkerProcs(settings, tmp_path_factory.mktemp("vllm-workers"))
+    for i in range(2):
+        procs.start(f"vllm-{i}", *engine.to_args(), env={"VLLM_CPU_OMP_THREADS_BIND": str(i)})
+    try:
+        procs.wait_live("vllm-0", "vllm-1", timeout_s=600)
+        yield settings
+    finally:
+        procs.stop_all()
+
+
+async def prompts(client: RolloutClient, count: int) -> list[list[int]]:
+    return await client.apply_chat_template(dataset.first_turns(count, max_chars=400))
+
+
+async def in_flight(client: RolloutClient) -> int:
+    return sum(w.in_flight for w in await client.workers())
+
+
+async def collect(client: RolloutClient, batch: list[list[int]], params: dict) -> dict[int, tuple[float, object]]:
+    """as_completed into {index: (arrival time, trajectory)}."""
+    return {i: (time.monotonic(), t) async for i, t in client.as_completed(batch, params)}
+
+
+async def test_keep_pause_with_100_in_flight_loses_and_starts_nothing(vllm_fleet):
+    async with RolloutClient(vllm_fleet) as client:
+        batch = await prompts(client, BATCH)
+        task = asyncio.create_task(collect(client, batch, BATCH_PARAMS))
+        await async_wait_until(lambda: in_flight(client), 60, "the batch to be taken")
+        await async_wait_until(lambda: _all_in_flight(client), 60, "all 100 in flight")
+        await client.pause("keep")
+        paused_at = time.monotonic()
+        probe_sent = time.time()
+        probe = asyncio.create_task(client.generate(batch[:4], {"max_tokens": 4}))
+        await asyncio.sleep(2.0)
+        assert await in_flight(client) == BATCH  # frozen, kept, not finished
+        resume_issued, resumed_at = time.time(), time.monotonic()
+        await client.resume()
+        got = await task
+        probed = await probe
+    assert sorted(got) == list(range(BATCH))
+    for arrived, trajectory in got.values():
+        assert trajectory.finish_reason == "length" and trajectory.interruptions == 0
+        assert len(trajectory.logprobs) == len(trajectory.completion_token_ids) == BATCH_PARAMS["max_tokens"]
+        assert not paused_at < arrived < resumed_at, "a request finished while the fleet was paused"
+    for trajectory in probed:  # sent during the pause: taken only once the resume was issued
+        assert probe_sent + trajectory.queue_time_s >= resume_issued
+
+
+async def test_abort_pause_with_100_in_flight_returns_100_whole_trajectories(vllm_fleet):
+    async with RolloutClient(vllm_fleet) as client:
+        batch = await prompts(client, BATCH)
+        task = asyncio.create_task(client.generate(batch, BATCH_PARAMS))
+        await async_wait_until(lambda: _all_in_flight(client), 60, "all 100 in flight")
+        await asyncio.sleep(1.0)  # some tokens each
+        await client.pause("abort")
+        await asyncio.sleep(1.0)
+        await client.resume()
+        trajectories = await task
+        texts = await client.detokenize([t.completion_token_ids for t in trajectories])
+        assert client.stats.retries >= 1
+    assert len(trajectories) == BATCH
+    for prompt, trajectory, text in zip(batch, trajectories, texts, strict=True):
+        assert trajectory.prompt_token_ids == prompt and trajectory.finish_reason == "length"
+        assert len(trajectory.completion_token_ids) == len(trajectory.logprobs) == BATCH_PARAMS["max_tokens"]
+        assert all(lp <= 0 and math.isfinite(lp) for lp in trajectory.logprobs)
+        assert trajectory.text == text  # the cut and the continuation, detokenized whole
+    cut = [t for t in trajectories if t.interruptions >= 1]
+    assert len(cut) > BATCH // 2, f"only {len(cut)} of {BATCH} were cut by the abort"
+
+
+async def test_greedy_output_through_keep_and_abort_pauses_equals_an_uninterrupted_run(vllm_fleet):
+    async with RolloutClient(vllm_fleet) as client:
+        [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Tell me a long story."}]])
+        [base] = await client.generate([prompt], ONE_PARAMS, session_ids=["story"])
+        for mode in ("keep", "abort"):
+            task = asyncio.create_task(client.generate([prompt], ONE_PARAMS, session_ids=["story"]))
+            await async_wait_until(lambda: in_flight(client), 30, "the request to be taken")
+            await asyncio.sleep(base.generation_time_s / 3)
+            await client.pause(mode)
+            await asyncio.sleep(1.0)
+            await client.resume()
+            [t] = await task
+            assert t.completion_token_ids == base.completion_token_ids, f"{mode}: differs from an uninterrupted run"
+            assert t.logprobs == pytest.approx(base.logprobs, abs=1e-3)
+            assert t.interruptions == (1 if mode == "abort" else 0)
+
+
+async def test_sleep_wake_up_and_prefix_cache_reset_on_the_real_engine(vllm_fleet):
+    async with RolloutClient(vllm_fleet) as client:
+        [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Name three rivers."}]])
+        params = {"temperature": 0.0, "max_tokens": 24}
+        [base] = await client.generate([prompt], params)
+        await client.sleep(level=1)
+        workers = await client.workers()
+        assert {w.state for w in workers} == {"sleeping"} and {w.sleep_level for w in workers} == {1}
+        assert {w.memory_released for w in workers} == {False}  # vLLM on CPU frees nothing
+        probe = asyncio.create_task(client.generate([prompt], params))
+        await asyncio.sleep(1.0)
+        assert not probe.done()  # a sleeping fleet takes no requests
+        await client.wake_up()
+        assert {w.state for w in await client.workers()} == {"serving"}
+        [after] = await probe
+        await client.reset_prefix_cache()  # nothing running: vLLM resets (with requests running it refuses)
+        [again] = await client.generate([prompt], params)
+    assert after.completion_token_ids == again.completion_token_ids == base.completion_token_ids
+
+
+async def _all_in_flight(client: RolloutClient) -> bool:
+    return await in_flight(client) == BATCH
+
+
+@pytest.mark.gpu
+async def test_sleep_frees_gpu_memory(tmp_path: Path) -> None:
+    """GPU path: with sleep mode on (the default on CUDA), level 1 frees the weights and the KV cache."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: vLLM sleep mode frees memory only there")
+    from rollout_svc.protocol import SamplingParams
+    from workers.engine import VLLMEngine
+
+    engine = VLLMEngine(str(prepare_model(Settings().cache_dir)), dtype="float32", max_num_seqs=8)
+    await engine.start()
+    try:
+        assert engine.memory_released
+        params = SamplingParams(temperature=0.0, max_tokens=16)
+        before = await engine.generate("a", [1, 2, 3, 4], params)
+        free_awake = torch.cuda.mem_get_info()[0]
+        await engine.sleep(1, "abort")
+        assert torch.cuda.mem_get_info()[0] > free_awake + 64 * MiB
+        assert await engine.wake_up(None)
+        after = await engine.generate("b", [1, 2, 3, 4], params)
+        assert after.completion_token_ids == before.completion_token_ids
+    finally:
+        await engine.close()

@@ -1,0 +1,329 @@
+"""The control plane against a real redis-server and real worker processes (echo engine: queue behaviour).
+
+The echo engine generates one token per `--echo-token-delay-s` and implements vLLM's three pause modes, so
+a generation in flight can be frozen, cut and continued here without a model. Its completion is the prompt
+itself (cut at max_tokens), so a merged retry is checked token for token against the prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rollout_svc import ControlTimeoutError, RolloutClient
+from rollout_svc.keys import PAYLOAD_FIELD
+from rollout_svc.protocol import RolloutRequest, encode
+from tests.support import ROOT, Results, async_wait_until, pending, queued, wait_until
+
+T = 30  # max_tokens: 30 tokens x 50 ms = 1.5 s per generation
+DELAY = ["--echo-token-delay-s", "0.05"]
+PARAMS = {"max_tokens": T}
+
+
+def prompts(count: int, salt: int = 0, length: int = T + 10) -> list[list[int]]:
+    """Distinct prompts; the echo completion of each is its first T tokens."""
+    return [[(7 * (salt + i) + j) % 250 + 1 for j in range(length)] for i in range(count)]
+
+
+def whole(trajectory, prompt) -> bool:
+    """Complete and uncut: the echo of its prompt, a logprob per token."""
+    return (
+        trajectory.finish_reason in ("stop", "length")
+        and trajectory.completion_token_ids == prompt[:T]
+        and len(trajectory.logprobs) == len(trajectory.completion_token_ids)
+    )
+
+
+async def in_flight(client: RolloutClient) -> int:
+    return sum(w.in_flight for w in await client.workers())
+
+
+def cli(settings, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ROLLOUT_KEY_PREFIX": settings.key_prefix, "ROLLOUT_HEARTBEAT_TTL_S": "2"}
+    command = [sys.executable, "-m", "rollout_svc", *args, "--redis-url", settings.redis_url]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+
+
+async def test_keep_pause_freezes_in_flight_requests_and_resume_continues_them(settings, echo_workers, rds):
+    echo_workers(2, "--max-num-seqs", "16", *DELAY)
+    batch = prompts(20)
+    async with RolloutClient(settings) as client:
+        task = asyncio.create_task(client.generate(batch, PARAMS))
+        await async_wait_until(lambda: pending(rds, settings.keys.requests) == 20, 5, "20 requests in flight")
+        await client.pause("keep")
+        paused_at = time.monotonic()
+        assert await client.is_paused() is True
+        assert await client.is_paused(per_worker=True) == {"echo-0": True, "echo-1": True}
+        assert {w.state for w in await client.workers()} == {"paused"}
+        probe = asyncio.create_task(client.generate(prompts(4, salt=50), {"max_tokens": 2}))
+        await asyncio.sleep(T * 0.05)  # longer than a whole generation: frozen ones do not finish meanwhile
+        assert not task.done() and not probe.done()
+        assert queued(rds, settings.keys.requests) == 4  # the probe waits in the queue: nothing new started
+        await client.resume()
+        resumed_at = time.monotonic()
+        trajectories = await task
+        assert all(t.finish_reason == "length" for t in await probe)
+    assert all(whole(t, p) for t, p in zip(trajectories, batch, strict=True))
+    assert {t.interruptions for t in trajectories} == {0} and client.stats.retries == 0
+    frozen_s = resumed_at - paused_at
+    assert min(t.generation_time_s for t in trajectories) > frozen_s  # each stood still through the pause
+
+
+async def test_abort_pause_cuts_in_flight_requests_which_come_back_whole(settings, echo_workers, rds):
+    echo_workers(2, "--max-num-seqs", "16", *DELAY)
+    batch = prompts(20, salt=1)
+    async with RolloutClient(settings) as client:
+        task = asyncio.create_task(client.generate(batch, PARAMS))
+        await async_wait_until(lambda: pending(rds, settings.keys.requests) == 20, 5, "20 requests in flight")
+        await asyncio.sleep(0.3)  # a few tokens each
+        await client.pause("abort")
+        assert await in_flight(client) == 0 or pending(rds, settings.keys.requests) == 0
+        # Their retries wait in the queue, without polling: they flow on resume.
+        await async_wait_until(lambda: queued(rds, settings.keys.requests) == 20, 5, "20 retries queued")
+        await client.resume()
+        trajectories = await task
+        assert client.stats.retries == 20
+    assert all(whole(t, p) for t, p in zip(trajectories, batch, strict=True))  # the cut, then the continuation
+    assert all(t.interruptions == 1 and t.abort_cause is None for t in trajectories)
+    assert len({t.request_id for t in trajectories}) == 20  # under the ids the caller submitted
+
+
+async def test_wait_pause_returns_once_in_flight_requests_finished(settings, echo_workers, rds):
+    echo_workers(2, "--max-num-seqs", "16", *DELAY)
+    batch = prompts(20, salt=2)
+    async with RolloutClient(settings) as client:
+        task = asyncio.create_task(client.generate(batch, PARAMS))
+        await async_wait_until(lambda: pending(rds, settings.keys.requests) == 20, 5, "20 requests in flight")
+        started = time.monotonic()
+        await client.pause("wait")
+        took = time.monotonic() - started
+        assert pending(rds, settings.keys.requests) == 0  # every one answered before the ack
+        trajectories = await asyncio.wait_for(task, 1.0)
+        assert took > 0.5
+        probe = asyncio.create_task(client.generate(prompts(2, salt=60), {"max_tokens": 2}))
+        await asyncio.sleep(0.5)
+        assert not probe.done()  # paused after the wait: nothing new runs
+        await client.resume()
+        await probe
+    assert all(whole(t, p) and t.interruptions == 0 for t, p in zip(trajectories, batch, strict=True))
+
+
+async def test_a_worker_started_while_paused_stays_paused(settings, echo_workers, rds):
+    echo_workers(1)
+    async with RolloutClient(settings) as client:
+        epoch = await client.pause("keep")
+        echo_workers(1)  # echo-1 starts into a paused fleet
+        [newcomer] = [w for w in await client.workers() if w.worker_id == "echo-1"]
+        assert newcomer.state == "paused" and newcomer.applied_epoch == epoch
+        task = asyncio.create_task(client.generate(prompts(10), {"max_tokens": 4}))
+        await async_wait_until(lambda: queued(rds, settings.keys.requests) == 10, 5, "10 requests queued")
+        await asyncio.sleep(0.5)
+        assert queued(rds, settings.keys.requests) == 10 and not task.done()
+        await client.resume()
+        assert len(await task) == 10
+
+
+async def test_workers_converge_without_nudges_within_a_heartbeat(settings, echo_workers, rds):
+    echo_workers(2)
+    async with RolloutClient(settings) as client:
+        # Nudges lost: the subscribers' connections are killed, then the state is written without any nudge.
+        wait_until(lambda: len(rds.client_list(_type="pubsub")) == 2, 5, "both workers to subscribe")
+        assert rds.execute_command("CLIENT", "KILL", "TYPE", "pubsub") == 2
+        epoch = rds.hincrby(settings.keys.state, "epoch", 1)
+        rds.hset(settings.keys.state, "pause:operator", "keep")
+        started = time.monotonic()
+
+        async def converged() -> bool:
+            return all(w.applied_epoch == epoch and w.state == "paused" for w in await client.workers())
+
+        await async_wait_until(converged, 5, "both workers to converge")
+        assert time.monotonic() - started < settings.heartbeat_interval_s + 0.5
+        # A command after the kill is acknowledged promptly: the subscriptions came back.
+        started = time.monotonic()
+        await client.resume()
+        assert time.monotonic() - started < settings.heartbeat_interval_s + 0.5
+
+
+async def test_a_stalled_worker_is_named_then_reaped_then_fenced_and_comes_back(settings, workers, echo_workers, rds):
+    echo_workers(2, "--max-num-seqs", "8", *DELAY)
+    batch = prompts(24, salt=3)
+    async with RolloutClient(settings) as client:
+        task = asyncio.create_task(client.generate(batch, PARAMS))
+        await async_wait_until(lambda: pending(rds, settings.keys.requests) == 16, 5, "16 requests in flight")
+        workers.kill("echo-0", signal.SIGSTOP)  # stalled, not dead: its heartbeat stops
+        try:
+            with pytest.raises(ControlTimeoutError, match="echo-0") as info:
+                await client.pause("keep", timeout_s=0.5)  # shorter than the heartbeat TTL
+            assert info.value.workers == ["echo-0"]
+            await async_wait_until(lambda: not rds.sismember(settings.keys.workers, "echo-0"), 10, "echo-0 reaped")
+            await client.pause("keep")  # the retry converges: echo-0 was dropped, echo-1 acks
+            await client.resume()
+        finally:
+            workers.kill("echo-0", signal.SIGCONT)
+
+        async def back() -> bool:
+            statuses = {w.worker_id: w for w in await client.workers()}
+            return "echo-0~1" in statuses and statuses["echo-0~1"].state == "serving"
+
+        await async_wait_until(back, 10, "echo-0 to come back as a new incarnation")
+        trajectories = await task
+        statuses = {w.worker_id: w for w in await client.workers()}
+        assert statuses["echo-0~1"].applied_epoch == statuses["echo-1"].applied_epoch
+        assert statuses["echo-0~1"].fenced_results > 0  # its answers to requeued requests were dropped
+        assert client.stats.duplicates == 0  # and none reached the caller
+    assert all(whole(t, p) for t, p in zip(trajectories, batch, strict=True))
+    assert "outlived its heartbeat TTL" in workers.log("echo-0")
+
+
+async def test_abort_session_hits_that_session_only_queued_and_in_flight(settings, echo_workers, rds):
+    echo_workers(2, "--max-num-seqs", "8", *DELAY)
+    a, b = prompts(12, salt=4), prompts(4, salt=5)
+    async with RolloutClient(settings) as client:
+        # s-a: 8 run on one worker, 4 queue in its pinned stream; s-b runs on the other.
+        task_a = asyncio.create_task(client.generate(a, PARAMS, session_ids=["s-a"] * 12))
+        task_b = asyncio.create_task(client.generate(b, PARAMS, session_ids=["s-b"] * 4))
+        await async_wait_until(lambda: len(rds.keys(settings.keys.session("s-*"))) == 2, 5, "both sessions placed")
+        assert await client.session_worker("s-a") != await client.session_worker("s-b")
+        await asyncio.sleep(0.3)
+        await client.abort(session_id="s-a")
+        hit, spared = await task_a, await task_b
+        later = await client.generate(a[:1], {"max_tokens": 2}, session_ids=["s-a"])  # after the abort: runs
+    assert all(t.finish_reason == "abort" and t.abort_cause == "user" for t in hit)
+    assert all(len(t.completion_token_ids) < T and t.interruptions == 0 for t in hit)  # not retried
+    assert sum(bool(t.completion_token_ids) for t in hit) == 8  # the in-flight ones: partial
+    assert sum(not t.completion_token_ids for t in hit) == 4  # the queued ones: answered unrun
+    assert all(whole(t, p) for t, p in zip(spared, b, strict=True))
+    assert later[0].finish_reason == "length"
+
+
+async def test_abort_all_empties_the_queue_and_answers_every_caller(settings, echo_workers, rds):
+    echo_workers(2, "--max-num-seqs", "16", *DELAY)
+    async with RolloutClient(settings) as client:
+        task = asyncio.create_task(client.generate(prompts(100, salt=6), PARAMS))
+        await async_wait_until(lambda: pending(rds, settings.keys.requests) == 32, 5, "32 in flight, 68 queued")
+        await client.abort(all=True)
+        assert queued(rds, settings.keys.requests) == 0  # swept before the abort returned
+        trajectories = await asyncio.wait_for(task, 5)
+        assert await in_flight(client) == 0
+        assert all(t.finish_reason == "abort" and t.abort_cause == "user" for t in trajectories)
+        [after] = await client.generate(prompts(1, salt=7), {"max_tokens": 3})  # enqueued after: runs
+        assert after.finish_reason == "length"
+
+
+async def test_abort_by_request_id_answers_a_queued_request_unrun(settings, echo_workers, rds):
+    async with RolloutClient(settings) as client:
+        replies = Results(rds, settings.keys.results("test-producer"))
+        request = RolloutRequest(request_id="r-1", prompt_token_ids=[1, 2, 3], reply_to=replies.stream)
+        rds.xadd(settings.keys.requests, {PAYLOAD_FIELD: encode(request)})
+        await client.abort(["r-1"])  # no worker yet: nothing acknowledges, and it returns at once
+        echo_workers(1)
+        [answer] = replies.read(1)
+    assert answer.finish_reason == "abort" and answer.abort_cause == "user" and answer.completion_token_ids == []
+
+
+async def test_cancelling_a_generate_leaves_nothing_running_or_queued(settings, echo_workers, rds):
+    echo_workers(2, "--max-num-seqs", "32", "--echo-token-delay-s", "0.08")
+    async with RolloutClient(settings) as client:
+        task = asyncio.create_task(client.generate(prompts(200, salt=8), {"max_tokens": 100}))
+        await async_wait_until(lambda: pending(rds, settings.keys.requests) == 64, 5, "64 in flight")
+        task.cancel()
+
+        async def idle() -> bool:
+            return await in_flight(client) == 0 and rds.xlen(settings.keys.requests) == 0
+
+        await async_wait_until(idle, 5, "nothing running or queued")
+        assert client.stats.cancelled == 200
+
+
+async def test_as_completed_yields_short_generations_first_and_leaving_early_cancels(settings, echo_workers, rds):
+    echo_workers(2, "--max-num-seqs", "16", *DELAY)
+    mixed = [[98] * (3 if i % 2 else T) for i in range(10)]
+    async with RolloutClient(settings) as client:
+        order = [i async for i, t in client.as_completed(mixed, PARAMS)]
+        assert set(order[:5]) == {1, 3, 5, 7, 9} and sorted(order) == list(range(10))
+        iterator = client.as_completed(mixed, PARAMS)
+        async for index, trajectory in iterator:
+            assert index % 2 == 1 and trajectory.completion_token_ids == [98] * 3
+            break
+        await iterator.aclose()
+
+        async def idle() -> bool:
+            return await in_flight(client) == 0 and rds.xlen(settings.keys.requests) == 0
+
+        await async_wait_until(idle, 5, "the unread requests to be cancelled")
+        assert 5 <= client.stats.cancelled <= 9  # the long ones at least; short ones may have finished
+
+
+async def test_deadline_runs_through_a_pause_and_a_retry_returns_its_partial_tokens(settings, echo_workers, rds):
+    echo_workers(1, *DELAY)
+    batch = prompts(4, salt=9)
+    async with RolloutClient(settings) as client:
+        task = asyncio.create_task(client.generate(batch, PARAMS, timeout_s=1.5))
+        await async_wait_until(lambda: pending(rds, settings.keys.requests) == 4, 5, "4 in flight")
+        await asyncio.sleep(0.3)
+        await client.pause("abort")  # cut; their retries wait in the queue past the deadline
+        trajectories = await task
+        await client.resume()
+    for t, p in zip(trajectories, batch, strict=True):
+        assert t.finish_reason == "abort" and t.abort_cause == "deadline" and t.interruptions == 1
+        assert 0 < len(t.completion_token_ids) < T and t.completion_token_ids == p[: len(t.completion_token_ids)]
+
+
+async def test_sleep_and_wake_up_restore_the_pause_state_from_before(settings, echo_workers, rds):
+    echo_workers(2)
+    async with RolloutClient(settings) as client:
+        await client.pause("keep")
+        await client.sleep(level=1)
+        workers = await client.workers()
+        assert {w.state for w in workers} == {"sleeping"}
+        assert {w.memory_released for w in workers} == {False}  # the echo engine, like vLLM on CPU, frees nothing
+        assert await client.tokenize(["still served"]) == [list(b"still served")]
+        await client.wake_up(["weights"])  # partial: still asleep
+        assert {w.state for w in await client.workers()} == {"sleeping"}
+        await client.wake_up()
+        assert {w.state for w in await client.workers()} == {"paused"}  # as before the sleep
+        await client.resume()
+        await client.reset_prefix_cache()
+        [t] = await client.generate([[1, 2]], {"max_tokens": 2})
+        assert t.finish_reason == "stop"
+
+
+async def test_the_control_state_survives_a_redis_that_forgets_it(settings, echo_workers, rds):
+    echo_workers(2)
+    async with RolloutClient(settings) as client:
+        epoch = await client.pause("keep")
+        rds.delete(settings.keys.state, settings.keys.commands)  # the state is lost, not the workers
+        await async_wait_until(lambda: rds.exists(settings.keys.state), 5, "a worker to write the state back")
+        state = await client.fleet_state()
+        assert state.paused and state.pause_mode == "keep" and state.epoch == epoch
+        assert await client.resume() == epoch + 1
+
+
+def test_cli_control_commands_and_status(settings, echo_workers, workers):
+    echo_workers(2)
+    paused = cli(settings, "pause", "--mode", "wait", "--timeout-s", "10")
+    assert paused.returncode == 0, paused.stderr
+    report = json.loads(cli(settings, "status", "--json").stdout)
+    assert report["paused"] is True and report["pause_mode"] == "wait" and report["epoch"] >= 1
+    assert {w["state"] for w in report["workers"]} == {"paused"}
+    assert all(w["applied_epoch"] == report["epoch"] and w["weight_version"] == 0 for w in report["workers"])
+    workers.kill("echo-1", signal.SIGSTOP)
+    try:
+        stalled = cli(settings, "resume", "--timeout-s", "0.5")
+    finally:
+        workers.kill("echo-1", signal.SIGCONT)
+    assert stalled.returncode == 1 and "echo-1" in stalled.stderr and "retry" in stalled.stderr
+    assert cli(settings, "resume").returncode == 0  # the retry converges
+    for args in (["abort", "--all"], ["sleep", "--level", "1"], ["wake-up"], ["reset-prefix-cache"]):
+        done = cli(settings, *args, "--timeout-s", "10")
+        assert done.returncode == 0 and "acknowledged by every live worker" in done.stdout, (args, done.stderr)
+    refused = cli(settings, "abort")
+    assert refused.returncode == 2 and "exactly one of" in refused.stderr
+    assert json.loads(cli(settings, "status", "--json").stdout)["paused"] is False

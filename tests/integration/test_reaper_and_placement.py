@@ -1,0 +1,107 @@
+"""Reaping and placement driven directly against a real redis-server, without worker processes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest_asyncio
+from redis.asyncio import Redis
+
+from rollout_svc.config import Settings
+from rollout_svc.control import ControlPlane
+from rollout_svc.keys import WORKERS_GROUP
+from rollout_svc.protocol import RolloutRequest, WorkerStatus, decode, encode
+from rollout_svc.reaper import Reaper
+from rollout_svc.streams import Enqueue
+from tests.support import Results
+
+
+@pytest_asyncio.fixture
+async def plane(settings: Settings, rds) -> AsyncIterator[ControlPlane]:
+    redis = Redis.from_url(settings.redis_url)
+    plane = ControlPlane(redis, settings)
+    await plane.load_scripts()
+    for stream in (settings.keys.requests, settings.keys.token_requests):
+        await plane.streams.ensure_group(stream)
+    yield plane
+    await redis.aclose()
+
+
+async def register(plane: ControlPlane, worker_id: str, state: str = "serving", applied_epoch: int = 0) -> None:
+    await plane.registry.heartbeat(WorkerStatus(worker_id=worker_id, state=state, applied_epoch=applied_epoch))  # type: ignore[arg-type]
+    await plane.streams.ensure_group(plane.keys.pinned_requests(worker_id))
+
+
+def request(request_id: str, reply_to: str, session_id: str | None = None) -> Enqueue:
+    payload = encode(
+        RolloutRequest(request_id=request_id, prompt_token_ids=[1], reply_to=reply_to, session_id=session_id)
+    )
+    return Enqueue(payload, session_id)
+
+
+async def test_reaper_requeues_what_a_dead_worker_held_and_re_places_its_sessions(plane, settings, rds):
+    keys, streams = settings.keys, plane.streams
+    await register(plane, "w-dead")
+    await register(plane, "w-live")
+    reply = keys.results("p")
+    placed = await streams.enqueue([request("r1", reply), request("r2", reply), request("r3", reply, "s1")], 100)
+    assert [p.stream for p in placed] == [
+        keys.requests,
+        keys.requests,
+        keys.pinned_requests("w-dead"),
+    ]  # tie: lowest id
+    taken = await streams.read("w-dead", 2, None)  # takes r3 (pinned) and r1; r2 stays queued
+    assert sorted(decode(e.payload).request_id for e in taken) == ["r1", "r3"]
+    assert [e.session_id for e in taken if e.stream != keys.requests] == ["s1"]  # a field: no decoding needed
+    await streams.enqueue([request("r4", reply, "s1")], 100)  # queued behind in the dead worker's pinned stream
+    rds.delete(keys.worker("w-dead"))  # its heartbeat expired
+
+    assert await Reaper(plane.redis, settings).reap_dead("w-live") == {"w-dead": 3}  # r1, r3 pending; r4 backlog
+    assert not rds.sismember(keys.workers, "w-dead") and not rds.exists(keys.pinned_requests("w-dead"))
+    assert rds.get(keys.session("s1")) == b"w-live"  # re-placed on the live worker
+    requeued = {decode(fields[b"m"]).request_id: fields for _, fields in rds.xrange(keys.pinned_requests("w-live"))}
+    assert set(requeued) == {"r3", "r4"}
+    assert requeued["r3"][b"d"] == b"1" and b"d" not in requeued["r4"]  # delivery counts carried
+    shared = {decode(fields[b"m"]).request_id: fields for _, fields in rds.xrange(keys.requests)}
+    assert set(shared) == {"r1", "r2"} and shared["r1"][b"d"] == b"1"
+    assert rds.xpending(keys.requests, WORKERS_GROUP)["pending"] == 0
+
+
+async def test_an_entry_over_max_deliveries_becomes_a_dead_letter_and_its_producer_is_told(plane, settings, rds):
+    keys = settings.keys
+    await register(plane, "w1")
+    replies = Results(rds, keys.results("p"))
+    await plane.streams.requeue([Enqueue(request("poison", replies.stream).payload, deliveries=2)], [])
+    [entry] = await plane.streams.read("w1", 1, None)
+    assert entry.deliveries == settings.max_deliveries
+    rds.delete(keys.worker("w1"))
+    assert await Reaper(plane.redis, settings).reap_dead("someone") == {"w1": 0}
+    [error] = replies.read(1)
+    assert error.request_id == "poison" and error.code == "max_deliveries"
+    assert rds.xlen(keys.dead) == 1 and rds.xlen(keys.requests) == 0
+
+
+async def test_placement_skips_sleeping_draining_and_unconverged_workers(plane, settings, rds):
+    keys, streams = settings.keys, plane.streams
+    rds.hset(keys.state, "epoch", 3)
+    await register(plane, "a-sleeping", "sleeping", 3)
+    await register(plane, "b-draining", "draining", 3)
+    await register(plane, "c-behind", "serving", 2)  # has not applied epoch 3 yet
+    await register(plane, "d-paused", "paused", 3)  # a paused fleet still places: requests wait in the queue
+    [placed] = await streams.enqueue([request("r1", "x", "s1")], 100)
+    assert placed.stream == keys.pinned_requests("d-paused")
+    await register(plane, "d-paused", "sleeping", 3)
+    [moved] = await streams.enqueue([request("r2", "x", "s1")], 100)  # its worker fell asleep: unpinned
+    assert moved.stream == keys.requests and rds.get(keys.session("s1")) is None
+    await register(plane, "c-behind", "serving", 3)  # converged now
+    [pinned] = await streams.enqueue([request("r3", "x", "s1")], 100)
+    assert pinned.stream == keys.pinned_requests("c-behind")
+
+
+async def test_a_stale_worker_set_is_noticed_inside_the_script(plane, settings, rds):
+    keys, streams = settings.keys, plane.streams
+    await register(plane, "w1")
+    await streams.enqueue([request("r1", "x", "s1")], 100)  # caches the worker set {w1}
+    await register(plane, "w0")  # a new worker the cache does not know: least loaded, lowest id
+    [placed] = await streams.enqueue([request("r2", "x", "s2")], 100)
+    assert placed.stream == keys.pinned_requests("w0")

@@ -1,0 +1,206 @@
+"""Serving one taken entry: decode it, answer what an abort hit, run it on the engine, merge a continuation."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from rollout_svc.config import Settings
+from rollout_svc.errors import EngineDeadError, InvalidRequestError, ProtocolError
+from rollout_svc.protocol import (
+    DetokenizeRequest,
+    ErrorCode,
+    ErrorResult,
+    Request,
+    Result,
+    RolloutRequest,
+    TokenizeRequest,
+    TokenizeResult,
+    Trajectory,
+    decode,
+    encode,
+    reply_address,
+    unrun_trajectory,
+)
+from rollout_svc.reaper import Reaper
+from rollout_svc.streams import RequestStreams
+from workers.engine import Engine
+from workers.inflight import AbortRules, InFlight, InFlightIndex
+from workers.state import WorkerState
+
+log = logging.getLogger("rollout_svc.worker")
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+RETRY_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
+Reply = tuple[str, bytes]  # (results stream, encoded result)
+
+
+def backoff_s(failures: int) -> float:
+    return RETRY_BACKOFF_S[min(failures, len(RETRY_BACKOFF_S)) - 1]
+
+
+class RequestServer:
+    """Turns taken entries into results on one engine. `publish(record, reply)` queues a result (None: ack only);
+    `on_engine_dead(exc)` stops the worker."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Engine,
+        state: WorkerState,
+        index: InFlightIndex,
+        rules: AbortRules,
+        streams: RequestStreams,
+        reaper: Reaper,
+        publish: Callable[[InFlight, Reply | None], None],
+        on_engine_dead: Callable[[EngineDeadError], None],
+    ) -> None:
+        self.settings, self.engine, self.state, self.index, self.rules = settings, engine, state, index, rules
+        self.streams, self.reaper = streams, reaper
+        self._publish, self._on_engine_dead = publish, on_engine_dead
+        self.served = 0  # generations run on the engine (aborted ones included)
+
+    async def serve(self, record: InFlight) -> None:
+        """Serve one entry; while Redis is away (pinning, dead-lettering), retry rather than drop it.
+
+        Cancelled: the entry stays pending and is requeued at exit.
+        """
+        taken_at = time.time()
+        for failures in itertools.count(1):
+            try:
+                return await self._serve_once(record, taken_at)
+            except REDIS_ERRORS as exc:
+                log.warning("serving %s failed (%s); retrying", record.entry.entry_id, exc)
+                await asyncio.sleep(backoff_s(failures))
+
+    async def _serve_once(self, record: InFlight, taken_at: float) -> None:
+        """Run one entry and queue its result, or dead-letter it."""
+        entry = record.entry
+        try:
+            request = decode(entry.payload)
+        except InvalidRequestError as exc:  # a well-formed request with bad user parameters: tell its producer
+            return await self._refuse(record, str(exc))
+        except ProtocolError as exc:
+            await self.reaper.dead_letter(entry, "undecodable", str(exc), self.state.worker_id)
+            return
+        if entry.deliveries > self.settings.max_deliveries:
+            message = f"delivered {entry.deliveries} times without a result"
+            await self.reaper.dead_letter(entry, "max_deliveries", message, self.state.worker_id)
+            return
+        self.index.decoded(record, request)
+        if isinstance(request, RolloutRequest) and self.rules.hits(record):
+            return self._answer(record, request, unrun_trajectory(request, "user", self.state.worker_id))
+        if isinstance(request, RolloutRequest) and request.session_id and entry.stream == self.streams.keys.requests:
+            # A session's request in the shared stream (no live worker when it was sent, or requeued from a
+            # dead one): pin the session here, unless a live worker holds it already.
+            await self.streams.pin_session(request.session_id, self.state.worker_id)
+        try:
+            result = await self._run(request, record, taken_at)
+        except EngineDeadError as exc:
+            self._on_engine_dead(exc)
+            return  # unanswered, the entry stays pending: requeued when the worker exits
+        self._answer(record, request, result)
+
+    def _answer(self, record: InFlight, request: Request, result: Result) -> None:
+        self._publish(record, (request.reply_to, encode(result)))
+
+    async def _refuse(self, record: InFlight, message: str) -> None:
+        address = reply_address(record.entry.payload)
+        if address is None:
+            await self.reaper.dead_letter(record.entry, "undecodable", message, self.state.worker_id)
+            return
+        error = ErrorResult(
+            request_id=address[0], code="invalid_request", message=message, worker_id=self.state.worker_id
+        )
+        self._publish(record, (address[1], encode(error)))
+
+    async def _run(self, request: Request, record: InFlight, taken_at: float) -> Result:
+        if request.deadline is not None and request.deadline <= time.time():
+            if isinstance(request, RolloutRequest):
+                return unrun_trajectory(request, "deadline", self.state.worker_id)
+            return self._error(request, "deadline_exceeded", "the deadline passed before a worker took the request")
+        try:
+            return await self._dispatch(request, record, taken_at)
+        except InvalidRequestError as exc:
+            return self._error(request, "invalid_request", str(exc))
+        except EngineDeadError:
+            raise
+        except Exception as exc:  # one bad request never takes the worker down
+            log.exception("request %s failed", request.request_id)
+            return self._error(request, "engine_error", f"{type(exc).__name__}: {exc}", recoverable=True)
+
+    async def _dispatch(self, request: Request, record: InFlight, taken_at: float) -> Result:
+        worker_id = self.state.worker_id
+        if isinstance(request, TokenizeRequest):
+            if request.messages is not None:
+                ids = await self.engine.chat_prompt([m.model_dump() for m in request.messages])
+            else:
+                ids = await self.engine.tokenize(request.text or "", request.add_special_tokens)
+            return TokenizeResult(request_id=request.request_id, token_ids=ids, worker_id=worker_id)
+        if isinstance(request, DetokenizeRequest):
+            text = await self.engine.detokenize(request.token_ids, request.skip_special_tokens)
+            return TokenizeResult(request_id=request.request_id, text=text, worker_id=worker_id)
+        return await self._generate(request, record, taken_at)
+
+    async def _generate(self, request: RolloutRequest, record: InFlight, taken_at: float) -> Trajectory:
+        """Run a rollout request; a continuation goes on after its prior tokens and answers with the whole."""
+        if request.prompt_token_ids is not None:
+            prompt = request.prompt_token_ids
+        else:
+            prompt = await self.engine.chat_prompt([m.model_dump() for m in request.messages or []])
+        prior = request.continuation
+        params = request.sampling_params
+        prior_ids = list(prior.token_ids) if prior else []
+        if prior is not None:
+            kept = len(prior_ids)
+            params = params.model_copy(
+                update={"max_tokens": params.max_tokens - kept, "min_tokens": max(0, params.min_tokens - kept)}
+            )
+        if record.abort_cause is not None:  # stopped before it reached the engine: it never will
+            return unrun_trajectory(request, record.abort_cause, self.state.worker_id).model_copy(
+                update={"prompt_token_ids": prompt}
+            )
+        started = time.time()
+        record.in_engine = True
+        try:
+            completion = await self.engine.generate(request.request_id, prompt, params, prior_ids)
+        finally:
+            record.in_engine = False
+        self.served += 1
+        tokens = prior_ids + completion.completion_token_ids
+        text = completion.text
+        if prior is not None:  # detokenized whole: UTF-8 can split at the cut
+            text = (
+                await self.engine.detokenize(tokens, params.skip_special_tokens) if tokens != prior_ids else prior.text
+            )
+        aborted = completion.finish_reason == "abort"
+        return Trajectory(
+            request_id=request.request_id,
+            session_id=request.session_id,
+            group_id=request.group_id,
+            prompt_token_ids=prompt,
+            completion_token_ids=tokens,
+            logprobs=(list(prior.logprobs) if prior else []) + completion.logprobs,
+            finish_reason=completion.finish_reason,  # type: ignore[arg-type]
+            text=text,
+            weight_version=self.state.weight_version,
+            worker_id=self.state.worker_id,
+            queue_time_s=max(0.0, taken_at - request.submitted_at),
+            generation_time_s=time.time() - started,
+            abort_cause=(record.abort_cause or "shutdown") if aborted else None,
+            interruptions=prior.interruptions if prior else 0,
+        )
+
+    def _error(self, request: Request, code: ErrorCode, message: str, recoverable: bool = False) -> ErrorResult:
+        return ErrorResult(
+            request_id=request.request_id,
+            code=code,
+            message=message,
+            recoverable=recoverable,
+            worker_id=self.state.worker_id,
+        )

@@ -1,0 +1,47 @@
+"""A worker's own state: who it is, what it has applied of the fleet's control state, and whether it takes work."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from rollout_svc.protocol import PauseMode
+from rollout_svc.protocol import WorkerState as StateLabel
+
+
+@dataclass
+class WorkerState:
+    """Read by the take loop (`resumed`), written by the converger and the heartbeat (fencing).
+
+    `worker_id` changes when a worker presumed dead comes back as a new incarnation. `applied_epoch` is the
+    control epoch it acknowledged; `error_epoch` / `error` the last command that failed here.
+    """
+
+    base_id: str
+    incarnation: int = 0
+    label: StateLabel = "starting"
+    applied_epoch: int = 0
+    weight_version: int = 0
+    pause_mode: PauseMode | None = None
+    sleep_level: int = 0
+    error_epoch: int = 0
+    error: str = ""
+    fenced_results: int = 0
+    resumed: asyncio.Event = field(default_factory=asyncio.Event)  # set while it takes rollout requests
+
+    @property
+    def worker_id(self) -> str:
+        return self.base_id if self.incarnation == 0 else f"{self.base_id}~{self.incarnation}"
+
+    def set_label(self, label: StateLabel) -> None:
+        """Move to `label`; a draining worker stays draining. Only `serving` takes rollout requests."""
+        if self.label == "draining":
+            return
+        self.label = label
+        if label == "serving":
+            self.resumed.set()
+        else:
+            self.resumed.clear()
+
+    def fail(self, epoch: int, message: str) -> None:
+        self.error_epoch, self.error = epoch, message
