@@ -1,4 +1,5 @@
-"""`rollout-svc bench`: queue overhead (echo engine) and generation efficiency (service vs direct vLLM).
+"""`rollout-svc bench`: queue overhead (echo engine), generation efficiency (service vs direct vLLM), and the
+control path (`bench_control`).
 
 Writes BENCHMARKS.md with the command that produced every figure. Figures are compared as ratios
 within one run: these machines are shared and noisy.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from rollout_svc import dataset
+from rollout_svc import bench_control, dataset
 from rollout_svc.client import RolloutClient
 from rollout_svc.cluster import LocalCluster, cpu_sets
 from rollout_svc.config import EngineSettings, Settings
@@ -52,14 +53,27 @@ class GenerationFigures:
 
 
 def run_bench(
-    redis_url: str | None, output: Path, model: Path | None, requests: int, prompts: int, max_tokens: int, command: str
+    redis_url: str | None,
+    output: Path,
+    model: Path | None,
+    requests: int,
+    prompts: int,
+    max_tokens: int,
+    command: str,
+    control_cycles: int = 200,
 ) -> None:
     console = Console()
     queue = [_queue_overhead(redis_url, workers, requests, console) for workers in (1, 2)]
+    control = [
+        bench_control.control_latency(redis_url, workers, control_cycles, _log_dir(), console)
+        for workers in bench_control.CONTROL_WORKERS
+    ]
+    frozen = bench_control.frozen_beyond_pause(redis_url, 10, _log_dir(), console)
     generation: list[GenerationFigures] = []
     if model is not None:
         generation = _generation_efficiency(redis_url, model, prompts, max_tokens, console)
-    output.write_text(_report(command, queue, generation, prompts, max_tokens, requests))
+    text = _report(command, queue, generation, prompts, max_tokens, requests)
+    output.write_text(text + "\n".join(bench_control.report(control, frozen)) + "\n")
     console.print(f"wrote {output}")
 
 

@@ -327,14 +327,17 @@ def bench(
     requests: Annotated[int, typer.Option(min=100, help="Requests per throughput run.")] = 20_000,
     prompts: Annotated[int, typer.Option(min=1, help="ShareGPT prompts for the generation part.")] = 64,
     max_tokens: Annotated[int, typer.Option(min=1, help="Output tokens per prompt (generation part).")] = 128,
+    control_cycles: Annotated[int, typer.Option(min=10, help="Pause/resume cycles per control figure.")] = 200,
 ) -> None:
-    """Measure queue overhead (echo engine) and generation efficiency (vLLM through the service vs direct)."""
+    """Measure queue overhead and control latency (echo engine), and generation efficiency (vLLM through the
+    service vs direct)."""
     from rollout_svc.bench import run_bench
 
     _logging("WARNING")
     if not skip_vllm and model is None:
         model = _prepare_default_model(Settings())
-    run_bench(redis_url, output, model, requests, prompts, max_tokens, " ".join(["rollout-svc", *sys.argv[1:]]))
+    command = " ".join(["rollout-svc", *sys.argv[1:]])
+    run_bench(redis_url, output, model, requests, prompts, max_tokens, command, control_cycles)
 
 
 @model_app.command("prepare")

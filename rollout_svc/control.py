@@ -17,6 +17,7 @@ The only module that spells the control keys' verbs (DESIGN.md section 4, "Contr
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -148,6 +149,13 @@ class ControlPlane:
         self._issue = redis.register_script(ISSUE_LUA)
         self._reseed = redis.register_script(RESEED_LUA)
         self._cancel = redis.register_script(CANCEL_LUA)
+        self._acks: PubSub | None = None  # subscribed to the acks channel from the first command on
+        self._issuing = asyncio.Lock()  # one command at a time per plane: they share that subscription
+
+    async def close(self) -> None:
+        if self._acks is not None:
+            acks, self._acks = self._acks, None
+            await acks.aclose()
 
     async def load_scripts(self) -> None:
         """Load every script the control plane runs (its own, the registry's, the data plane's) once."""
@@ -230,11 +238,9 @@ class ControlPlane:
     async def _run(self, issue: _Issue, timeout_s: float | None, sweep: bool = False) -> int:
         """Issue a command and wait for its acknowledgements (and, for a session/all abort, sweep the queue)."""
         timeout_s = self.settings.control_timeout_s if timeout_s is None else timeout_s
-        snapshot = [w.worker_id for w in await self.registry.live_workers()]
-        pubsub = self.redis.pubsub()
-        try:
-            await pubsub.subscribe(self.keys.acks_channel)
-            await pubsub.get_message(timeout=1.0)  # the subscription is live: no announcement is missed
+        async with self._issuing:
+            acks = await self._subscribed()
+            snapshot = await self.registry.live_ids()
             command = ControlCommand(command_id=uuid.uuid4().hex, kind=issue.kind, args=issue.args)
             fields = [x for item in issue.set_fields.items() for x in item]
             args: list[bytes | str | int] = [encode(command), COMMAND_LOG_LEN, self.keys.control_channel]
@@ -242,13 +248,26 @@ class ControlPlane:
             epoch = int(await self._issue(keys=[self.keys.state, self.keys.commands], args=[*args, *issue.del_fields]))
             if sweep:
                 await self._sweep_queued(epoch, issue.args)
-            await self._await_acks(issue.kind, epoch, snapshot, pubsub, timeout_s)
-        finally:
-            await pubsub.aclose()
+            failed = await self._await_acks(issue.kind, epoch, snapshot, acks, timeout_s)
+        if failed:
+            statuses = await self.registry.statuses(sorted(failed))
+            failures = {w: s.error for w, s in statuses.items() if s is not None and s.error_epoch == epoch}
+            raise ControlCommandError(issue.kind, epoch, failures or dict.fromkeys(failed, "failed"))
         return epoch
 
-    async def _await_acks(self, kind: str, epoch: int, snapshot: list[str], pubsub: PubSub, timeout_s: float) -> None:
-        pending = set(snapshot)
+    async def _subscribed(self) -> PubSub:
+        """The acks subscription, made live before the first command (so no announcement is missed)."""
+        if self._acks is None or self._acks.connection is None or not self._acks.connection.is_connected:
+            if self._acks is not None:
+                await self._acks.aclose()
+            self._acks = self.redis.pubsub()
+            await self._acks.subscribe(self.keys.acks_channel)
+            await self._acks.get_message(timeout=1.0)  # the confirmation: the subscription is live
+        return self._acks
+
+    async def _await_acks(self, kind: str, epoch: int, snapshot: list[str], acks: PubSub, timeout_s: float) -> set[str]:
+        """Wait until each worker of `snapshot` applied `epoch` or died; returns those that reported a failure."""
+        pending, failed = set(snapshot), set()
         deadline = time.monotonic() + timeout_s
         next_poll = time.monotonic() + ACK_POLL_S
         while pending:
@@ -257,19 +276,20 @@ class ControlPlane:
                 for worker_id, status in (await self.registry.statuses(sorted(pending))).items():
                     if status is None or status.applied_epoch >= epoch:  # acked, or dead: dropped
                         pending.discard(worker_id)
+                        if status is not None and status.error_epoch == epoch:
+                            failed.add(worker_id)
                 if pending and now >= deadline:
                     raise ControlTimeoutError(kind, epoch, sorted(pending), timeout_s, self.settings.heartbeat_ttl_s)
                 next_poll = now + ACK_POLL_S
                 continue
-            message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=min(next_poll, deadline) - now)
-            if message is not None:
-                worker_id, _, applied = message["data"].decode().partition(" ")
-                if int(applied or 0) >= epoch:
+            message = await acks.get_message(ignore_subscribe_messages=True, timeout=min(next_poll, deadline) - now)
+            if message is not None:  # an announcement: "worker_id applied_epoch error_epoch" (of any command)
+                worker_id, applied, error_epoch = [*message["data"].decode().split(), "0", "0"][:3]
+                if int(applied) >= epoch and worker_id in pending:
                     pending.discard(worker_id)
-        statuses = await self.registry.statuses(snapshot)
-        failures = {w: s.error for w, s in statuses.items() if s is not None and s.error_epoch == epoch}
-        if failures:
-            raise ControlCommandError(kind, epoch, failures)
+                    if int(error_epoch) == epoch:
+                        failed.add(worker_id)
+        return failed
 
     async def _sweep_queued(self, epoch: int, args: dict[str, Any]) -> int:
         """Answer, unrun, the queued requests an abort(session_id | all) hits: enqueued before `epoch`, still

@@ -328,6 +328,7 @@ class Connection:
         for task in pending:
             task.cancel()
         try:
+            await self.control.close()
             await self.redis.delete(self.results)
         finally:
             await self.redis.aclose()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,12 +77,12 @@ class Engine(Protocol):
 
 
 class _EchoRun:
-    """One request the echo engine is generating."""
+    """One request the echo engine is generating; `aborted` is set to stop it."""
 
     __slots__ = ("aborted",)
 
     def __init__(self) -> None:
-        self.aborted = False
+        self.aborted = asyncio.Event()
 
 
 class EchoEngine:
@@ -129,7 +128,7 @@ class EchoEngine:
             if not self._runs:
                 self._idle.set()
         completion = tail[:produced]
-        if run.aborted and produced < min(params.max_tokens, len(tail)):
+        if run.aborted.is_set() and produced < min(params.max_tokens, len(tail)):
             finish_reason = "abort"
         else:
             finish_reason = "length" if len(tail) > params.max_tokens else "stop"
@@ -143,9 +142,9 @@ class EchoEngine:
         if not self._unpaused.is_set():
             await self._unfrozen(run)
         if not self.token_delay_s:
-            return 0 if run.aborted else count
+            return 0 if run.aborted.is_set() else count
         produced = 0
-        while produced < count and not run.aborted:
+        while produced < count and not run.aborted.is_set():
             await asyncio.sleep(self.token_delay_s)
             produced += 1  # a step that started completes, as in vLLM
             if not self._unpaused.is_set():
@@ -153,21 +152,25 @@ class EchoEngine:
         return produced
 
     async def _unfrozen(self, run: _EchoRun) -> None:
-        while not self._unpaused.is_set() and not run.aborted:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._unpaused.wait(), 0.05)  # an abort is seen within 50 ms
+        """Wait while paused: until resumed, or aborted."""
+        waits = [asyncio.ensure_future(self._unpaused.wait()), asyncio.ensure_future(run.aborted.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
 
     async def abort(self, request_id: str) -> None:
         run = self._runs.get(request_id)
         if run is not None:
-            run.aborted = True
+            run.aborted.set()
 
     async def pause(self, mode: PauseMode) -> None:
         if mode == "wait":
             await self._idle.wait()
         elif mode == "abort":
             for run in self._runs.values():
-                run.aborted = True
+                run.aborted.set()
         self._unpaused.clear()
 
     async def resume(self) -> None:

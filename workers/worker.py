@@ -73,6 +73,7 @@ class Worker:
         self._started_at = time.time()
         self._loops: dict[str, asyncio.Task[None]] = {}
         self._reading = False  # the take loop is in a (blocking) XREADGROUP
+        self._read_returned = asyncio.Event()
         self._take_client_id: int | None = None  # its connection's id, for CLIENT UNBLOCK
 
     @property
@@ -243,6 +244,7 @@ class Worker:
                     entries = await self._take_streams.read(self.worker_id, free, self.settings.read_block_ms)
                 finally:
                     self._reading = False
+                    self._read_returned.set()
                 failures = 0
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
@@ -287,10 +289,12 @@ class Worker:
         wait until what it returned is in the in-flight index, so that a pause applies to it too."""
         deadline = time.monotonic() + self.settings.read_block_ms / 1000 + 1
         while self._reading and time.monotonic() < deadline:
+            self._read_returned.clear()
             if self._take_client_id is not None:
                 with contextlib.suppress(ResponseError, *REDIS_ERRORS):  # an old Redis, or fakeredis: wait instead
                     await self.redis.client_unblock(self._take_client_id)
-            await asyncio.sleep(0.002)
+            with contextlib.suppress(TimeoutError):  # not blocked yet (the command not sent): unblock again
+                await asyncio.wait_for(self._read_returned.wait(), 0.005)
 
     def _start(self, entries: list[Entry], generation: bool) -> None:
         for entry in entries:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_svc import RolloutClient, dataset
+from rollout_svc import ControlCommandError, RolloutClient, dataset
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.model import prepare_model
 from tests.support import WorkerProcs, async_wait_until
@@ -136,9 +136,21 @@ async def test_sleep_wake_up_and_prefix_cache_reset_on_the_real_engine(vllm_flee
         await client.wake_up()
         assert {w.state for w in await client.workers()} == {"serving"}
         [after] = await probe
-        await client.reset_prefix_cache()  # nothing running: vLLM resets (with requests running it refuses)
+        await client.reset_prefix_cache()  # nothing running: vLLM resets
+        long_one = asyncio.create_task(client.generate([prompt], {"max_tokens": 200, "ignore_eos": True}))
+        await async_wait_until(lambda: in_flight(client), 30, "a request running")
+        with pytest.raises(ControlCommandError, match="refused") as refused:  # requests hold KV blocks
+            await client.reset_prefix_cache()
+        assert list(refused.value.failures) == [(await long_one_worker(client))]
+        await client.reset_prefix_cache(reset_running_requests=True)  # preempts and recomputes them
+        assert len((await long_one)[0].completion_token_ids) == 200
         [again] = await client.generate([prompt], params)
     assert after.completion_token_ids == again.completion_token_ids == base.completion_token_ids
+
+
+async def long_one_worker(client: RolloutClient) -> str:
+    [busy] = [w.worker_id for w in await client.workers() if w.in_flight]
+    return busy
 
 
 async def _all_in_flight(client: RolloutClient) -> bool:
