@@ -143,12 +143,18 @@ class EchoEngine:
             await self._unfrozen(run)
         if not self.token_delay_s:
             return 0 if run.aborted.is_set() else count
-        produced = 0
+        # On a schedule (token i is due i delays after the start, plus the time spent frozen), so timing noise
+        # does not accumulate: a generation takes count * token_delay_s plus its pauses.
+        loop = asyncio.get_running_loop()
+        due, produced = loop.time(), 0
         while produced < count and not run.aborted.is_set():
-            await asyncio.sleep(self.token_delay_s)
+            due += self.token_delay_s
+            await asyncio.sleep(max(0.0, due - loop.time()))
             produced += 1  # a step that started completes, as in vLLM
             if not self._unpaused.is_set():
+                frozen_at = loop.time()
                 await self._unfrozen(run)
+                due += loop.time() - frozen_at
         return produced
 
     async def _unfrozen(self, run: _EchoRun) -> None:
