@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
@@ -369,14 +369,11 @@ class ControlPlane:
         fields = [x for item in state.to_hash().items() for x in item]
         return bool(await self._reseed(keys=[self.keys.state], args=fields))
 
-    async def cancelled(self, request_ids: Iterable[str]) -> set[str]:
-        """Which of these request ids carry a live tombstone."""
-        ids = list(request_ids)
-        if not ids:
-            return set()
-        scores = await self.redis.zmscore(self.keys.cancelled, ids)
-        now_ms = time.time() * 1000
-        return {request_id for request_id, score in zip(ids, scores, strict=True) if score and score > now_ms}
+    async def tombstones(self, since: float) -> list[tuple[str, float]]:
+        """The tombstones expiring at or after `since` (unix ms), as (request id, expiry): a worker reads from
+        the latest expiry it saw, so each read returns about what was cancelled since (expiries only grow)."""
+        found: Any = await self.redis.zrangebyscore(self.keys.cancelled, since, "+inf", withscores=True)
+        return [(request_id.decode(), float(expiry)) for request_id, expiry in found]
 
 
 def _check_mode(mode: str) -> None:

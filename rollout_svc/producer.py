@@ -77,6 +77,8 @@ class Call:
 
     def merged(self, index: int, result: Trajectory, **update: Any) -> Trajectory:
         """An attempt's trajectory as the caller sees it: under the original request id, times summed."""
+        if not update and self.partial[index] is None:
+            return result  # never retried: it is the request's own answer (the common case: no copy)
         queue_s, generation_s = self.spent_s[index]
         update = {
             "request_id": self.requests[index].request_id,

@@ -92,29 +92,33 @@ end
 
 # KEYS: [1] shared requests stream, [2] token requests stream, the fleet from [3], then one session key per
 # session item, then the streams of the entries to ack. ARGV: [1] session ttl ms, [2] limit (-1: none), [3] group,
-# [4] worker count, worker ids, then the item count and 5 per item (kind 'g' or 't', session id or '', payload,
-# deliveries, epoch or '' for the current one), then the ack count and 2 per ack (key index, entry id).
-# Returns {'stale'}, {'full', stream, length} or {'ok', target key index, entry id, ...}. Placement happens before
-# the admission check, so a refused chunk may still have pinned its sessions: harmless, the pins expire.
+# [4] worker count, worker ids, then the item count and 3 per item (kind, session id or '', payload), then the ack
+# count and 2 per ack (key index, entry id). The kind is 'g' (rollout request) or 't' (tokenize), and for a requeue
+# 'g DELIVERIES EPOCH' (a new request gets the current epoch, as does an empty EPOCH, and no delivery count).
+# Returns {'stale'}, {'full', stream, length} or {'ok', entry id per item, then the target key index of each
+# session item}.
+# Placement happens before the admission check, so a refused chunk may still have pinned its sessions: harmless,
+# the pins expire.
 ENQUEUE_LUA = (
     _FLEET_LUA
     + """
 local f = fleet_at(3, 4)
 if stale(f) then return {'stale'} end
-local ttl_ms, limit, group, epoch = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], epoch_of(f)
+local ttl_ms, limit, group, epoch = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tostring(epoch_of(f))
 local k, a = f.next_key, f.next_arg
 local n = tonumber(ARGV[a])
 local first = a + 1
-local targets, counts = {}, {}
+local targets, counts, placed = {}, {}, {}
 for i = 1, n do
-  local at = first + 5 * (i - 1)
+  local at = first + 3 * (i - 1)
   local target = 1
   if ARGV[at] == 't' then
     target = 2
   elseif ARGV[at + 1] ~= '' then
-    local w = place(f, epoch, ttl_ms, KEYS[k], ARGV[at + 1], false)
+    local w = place(f, tonumber(epoch), ttl_ms, KEYS[k], ARGV[at + 1], false)
     k = k + 1
     if w then target = f.pinned[w] end
+    placed[#placed + 1] = target
   end
   targets[i] = target
   counts[target] = (counts[target] or 0) + 1
@@ -127,16 +131,27 @@ if limit >= 0 then
 end
 local reply = {'ok'}
 for i = 1, n do
-  local at = first + 5 * (i - 1)
-  local e = ARGV[at + 4]
-  if e == '' then e = tostring(epoch) end
-  local fields = {'m', ARGV[at + 2], 'e', e}
-  if ARGV[at + 1] ~= '' then fields[#fields + 1] = 's'; fields[#fields + 1] = ARGV[at + 1] end
-  if ARGV[at + 3] ~= '0' then fields[#fields + 1] = 'd'; fields[#fields + 1] = ARGV[at + 3] end
-  reply[#reply + 1] = targets[i]
-  reply[#reply + 1] = redis.call('XADD', KEYS[targets[i]], '*', unpack(fields))
+  local at = first + 3 * (i - 1)
+  local kind, sid, key = ARGV[at], ARGV[at + 1], KEYS[targets[i]]
+  local e, d = epoch, '0'
+  if #kind > 1 then
+    d, e = string.match(kind, '^%a (%d+) (%d*)$')
+    if e == '' then e = epoch end
+  end
+  local id
+  if sid == '' and d == '0' then
+    id = redis.call('XADD', key, '*', 'm', ARGV[at + 2], 'e', e)
+  elseif d == '0' then
+    id = redis.call('XADD', key, '*', 'm', ARGV[at + 2], 'e', e, 's', sid)
+  elseif sid == '' then
+    id = redis.call('XADD', key, '*', 'm', ARGV[at + 2], 'e', e, 'd', d)
+  else
+    id = redis.call('XADD', key, '*', 'm', ARGV[at + 2], 'e', e, 's', sid, 'd', d)
+  end
+  reply[i + 1] = id
 end
-a = first + 5 * n
+for _, target in ipairs(placed) do reply[#reply + 1] = target end
+a = first + 3 * n
 for _ = 1, tonumber(ARGV[a]) do
   local key, id = KEYS[tonumber(ARGV[a + 1])], ARGV[a + 2]
   redis.call('XACK', key, group, id)
@@ -235,7 +250,7 @@ return swept
 """
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Entry:
     """One request entry in a requests stream. `deliveries` counts this delivery (1 = first).
 
@@ -250,7 +265,7 @@ class Entry:
     epoch: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Enqueue:
     """A request to add to the queue: its payload and session; for a requeue, deliveries so far and its epoch.
 
@@ -264,7 +279,7 @@ class Enqueue:
     tokens: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Placed:
     """Where an enqueued request went: its stream and entry id (what a cancel needs to sweep it)."""
 
@@ -272,7 +287,7 @@ class Placed:
     entry_id: bytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Sweep:
     """An entry to delete if still undelivered, and the answer (results stream, payload) to send its producer."""
 
@@ -375,7 +390,8 @@ class RequestStreams:
         outcomes: list[list[Placed] | QueueFullError] = []
         for (first, end), limit in zip(spans, limits, strict=True):
             try:
-                outcomes.append([p for call in replies[first:end] for p in self._placed(*call, limit)])
+                placed = [self._placed(chunks[i][0], *replies[i], limit) for i in range(first, end)]
+                outcomes.append([p for chunk in placed for p in chunk])
             except QueueFullError as exc:
                 outcomes.append(exc)
         return outcomes
@@ -415,8 +431,10 @@ class RequestStreams:
             sid = "" if item.tokens else item.session_id or ""
             if sid:
                 keys.append(self.keys.session(sid))
-            epoch = "" if item.epoch is None else item.epoch
-            args += ["t" if item.tokens else "g", sid, item.payload, item.deliveries, epoch]
+            kind = "t" if item.tokens else "g"
+            if item.epoch is not None or item.deliveries:  # a requeue keeps its epoch and counts its deliveries
+                kind = f"{kind} {item.deliveries} {'' if item.epoch is None else item.epoch}"
+            args += [kind, sid, item.payload]
         index: dict[str, int] = {}
         ack_args: list[str | bytes | int] = []
         for entry in acks:
@@ -426,11 +444,20 @@ class RequestStreams:
             ack_args += [index[entry.stream], entry.entry_id]
         return keys, [*args, len(ack_args) // 2, *ack_args]
 
-    @staticmethod
-    def _placed(keys: list[str], reply: list, limit: int) -> list[Placed]:
+    def _placed(self, items: Sequence[Enqueue], keys: list[str], reply: list, limit: int) -> list[Placed]:
         if reply[0] == b"full":
             raise QueueFullError(reply[1].decode(), int(reply[2]), limit)
-        return [Placed(keys[int(reply[i]) - 1], reply[i + 1]) for i in range(1, len(reply), 2)]
+        targets = iter(reply[len(items) + 1 :])  # the target of each session item, in order
+        placed = []
+        for item, entry_id in zip(items, reply[1 : len(items) + 1], strict=True):
+            if item.tokens:
+                stream = self.keys.token_requests
+            elif item.session_id:
+                stream = keys[int(next(targets)) - 1]
+            else:
+                stream = self.keys.requests
+            placed.append(Placed(stream, entry_id))
+        return placed
 
     async def finish_session(self, session_id: str) -> bool:
         """Unpin a session; its next turn is placed anew. Returns whether it was pinned."""
@@ -559,7 +586,7 @@ class RequestStreams:
             return self._enqueue_call(items, -1, workers, done)
 
         keys, reply = await self._placement("enqueue", build)
-        return self._placed(keys, reply, -1)
+        return self._placed(items, keys, reply, -1)
 
     async def delete(self, stream: str) -> None:
         """Delete a stream (a reclaimed worker's pinned stream, once drained)."""

@@ -118,7 +118,9 @@ class EchoEngine:
             raise InvalidRequestError(
                 f"prompt has {len(prompt_token_ids) + len(prior)} tokens; this model's context is {self.max_model_len}"
             )
-        tail = list(prompt_token_ids[len(prior) :])  # what the uninterrupted echo has yet to say
+        tail = prompt_token_ids[len(prior) :] if prior else prompt_token_ids  # what the echo has yet to say
+        if not self.token_delay_s and self._unpaused.is_set():  # done at once: nothing to pause or abort
+            return self._completion(prompt_token_ids, prior, tail, min(params.max_tokens, len(tail)), params, False)
         run = self._runs[request_id] = _EchoRun()  # registered before any await: an abort always finds it
         self._idle.clear()
         try:
@@ -127,15 +129,25 @@ class EchoEngine:
             del self._runs[request_id]
             if not self._runs:
                 self._idle.set()
+        return self._completion(prompt_token_ids, prior, tail, produced, params, run.aborted.is_set())
+
+    def _completion(
+        self,
+        prompt_token_ids: list[int],
+        prior: Sequence[int],
+        tail: list[int],
+        produced: int,
+        params: SamplingParams,
+        aborted: bool,
+    ) -> Completion:
         completion = tail[:produced]
-        if run.aborted.is_set() and produced < min(params.max_tokens, len(tail)):
+        if aborted and produced < min(params.max_tokens, len(tail)):
             finish_reason = "abort"
         else:
             finish_reason = "length" if len(tail) > params.max_tokens else "stop"
-        text = await self.detokenize(completion, params.skip_special_tokens)
-        return Completion(
-            list(prompt_token_ids) + list(prior), completion, [0.0] * len(completion), finish_reason, text
-        )
+        text = _bytes_text(completion)
+        prompt = [*prompt_token_ids, *prior] if prior else prompt_token_ids
+        return Completion(prompt, completion, [0.0] * len(completion), finish_reason, text)
 
     async def _produce(self, run: _EchoRun, count: int) -> int:
         """Generate `count` tokens, one per `token_delay_s`, frozen while paused; returns how many were made."""
@@ -200,10 +212,18 @@ class EchoEngine:
         return list(text.encode())
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
-        return bytes(t for t in token_ids if t < 256).decode(errors="replace")
+        return _bytes_text(token_ids)
 
     async def close(self) -> None:
         return None
+
+
+def _bytes_text(token_ids: list[int]) -> str:
+    """The echo vocabulary: token ids are bytes (ids >= 256 have no text)."""
+    try:
+        return bytes(token_ids).decode(errors="replace")
+    except ValueError:
+        return bytes(t for t in token_ids if t < 256).decode(errors="replace")
 
 
 def vllm_engine_args(

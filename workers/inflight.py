@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -16,7 +18,7 @@ REABORT_AFTER_S = 0.2  # an abort that raced the request into the engine is sent
 RULE_TTL_S = 24 * 3600.0  # how long an explicit abort keeps hitting queued requests enqueued before it
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class InFlight:
     """One taken entry, from XREADGROUP until its result is queued for publishing.
 
@@ -36,14 +38,18 @@ class InFlight:
     def deadline(self) -> float | None:
         return self.request.deadline if self.request is not None else None
 
+    reply_to: str | None = None  # once answered: the producer's results stream (None: acknowledge only)
+    payload: bytes = b""  # once answered: the encoded result
+
     @property
-    def request_ids(self) -> set[str]:
-        """Its request id, and the one it retries (an abort of the original also hits its retries)."""
-        if self.request is None:
-            return set()
-        if isinstance(self.request, RolloutRequest):
-            return {self.request.request_id, self.request.original_request_id}
-        return {self.request.request_id}
+    def request_ids(self) -> tuple[str, ...]:
+        """Its request id, and the one it retries (an abort of that one also hits the retry)."""
+        request = self.request
+        if request is None:
+            return ()
+        if isinstance(request, RolloutRequest) and request.continuation is not None:
+            return request.request_id, request.continuation.retry_of
+        return (request.request_id,)
 
 
 class InFlightIndex:
@@ -53,24 +59,47 @@ class InFlightIndex:
         self.engine = engine
         self._by_key: dict[tuple[str, bytes], InFlight] = {}
         self._by_request: dict[str, InFlight] = {}
+        self._generating = 0
+        self._aborting: set[InFlight] = set()  # told the engine to abort, not yet returned
+        self._deadlines: list[tuple[float, int, InFlight]] = []  # a heap; entries of finished ones go lazily
+        self._pushed = itertools.count()
         self.changed = asyncio.Event()  # set whenever one finishes
 
     def add(self, entry: Entry, generation: bool) -> InFlight:
         record = InFlight(entry, generation)
         self._by_key[(entry.stream, entry.entry_id)] = record
+        self._generating += generation
         return record
 
     def decoded(self, record: InFlight, request: Request) -> None:
+        """Index a record by its request id and, for a retry, the id it retries (an abort of that hits it too)."""
         record.request = request
         for request_id in record.request_ids:
             self._by_request[request_id] = record
+        if record.generation and request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, next(self._pushed), record))
+            if len(self._deadlines) > 2 * len(self._by_key) + 1024:  # mostly finished ones: rebuild
+                self._deadlines = [d for d in self._deadlines if d[2] in self]
+                heapq.heapify(self._deadlines)
 
     def remove(self, record: InFlight) -> None:
-        self._by_key.pop((record.entry.stream, record.entry.entry_id), None)
+        if self._by_key.pop((record.entry.stream, record.entry.entry_id), None) is None:
+            return
+        self._generating -= record.generation
+        self._aborting.discard(record)
         for request_id in record.request_ids:
             if self._by_request.get(request_id) is record:
                 del self._by_request[request_id]
         self.changed.set()
+
+    def expired(self, now: float) -> list[InFlight]:
+        """In-flight rollout requests whose deadline (unix s) is <= `now`, each returned once."""
+        due = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            record = heapq.heappop(self._deadlines)[2]
+            if record in self:
+                due.append(record)
+        return due
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -84,10 +113,7 @@ class InFlightIndex:
     @property
     def generating(self) -> int:
         """Rollout requests in flight (what counts against the engine's capacity)."""
-        return sum(r.generation for r in self._by_key.values())
-
-    def request_ids(self) -> list[str]:
-        return list(self._by_request)
+        return self._generating
 
     def by_request_ids(self, request_ids: Iterable[str]) -> list[InFlight]:
         found = {id(r): r for i in request_ids if (r := self._by_request.get(i)) is not None}
@@ -101,6 +127,7 @@ class InFlightIndex:
         record.abort_cause = cause
         if record.in_engine:
             record.aborted_at = time.monotonic()
+            self._aborting.add(record)
             await self.engine.abort(_rid(record))
 
     async def cancel_all(self, records: Iterable[InFlight], cause: AbortCause) -> None:
@@ -110,8 +137,8 @@ class InFlightIndex:
     async def reabort(self) -> None:
         """Abort again what an abort may have missed: a request that entered the engine just after it."""
         now = time.monotonic()
-        for record in self.records():
-            if record.abort_cause and record.in_engine and now - record.aborted_at > REABORT_AFTER_S:
+        for record in list(self._aborting):
+            if record.in_engine and now - record.aborted_at > REABORT_AFTER_S:
                 record.aborted_at = now
                 await self.engine.abort(_rid(record))
 
@@ -129,16 +156,29 @@ def _rid(record: InFlight) -> str:
 
 @dataclass
 class AbortRules:
-    """The explicit aborts this worker applied, so a request they hit is answered unrun when it is taken later.
+    """The explicit aborts this worker applied, and the cancels producers wrote, so a request they hit is answered
+    unrun when it is taken later.
 
     A session or `all` abort with epoch E hits requests enqueued before it (entry epoch < E); a request-id
-    abort hits that request and its retries whenever they come.
+    abort hits that request and its retries whenever they come; a tombstone hits its request until it expires.
     """
 
     all_before: int = 0
     sessions: dict[str, int] = field(default_factory=dict)  # session id -> epoch of the abort
     requests: dict[str, float] = field(default_factory=dict)  # request id -> when the abort was issued
     issued: dict[str, float] = field(default_factory=dict)  # session id -> when its abort was issued
+    cancelled: dict[str, float] = field(default_factory=dict)  # request id -> its tombstone's expiry (unix ms)
+    tombstones_seen: float = 0.0  # the latest tombstone expiry read: the next read starts there
+
+    def add_tombstones(self, tombstones: list[tuple[str, float]]) -> list[str]:
+        """Record the tombstones producers wrote (request id, expiry unix ms); returns the ids new here."""
+        new = [request_id for request_id, _ in tombstones if request_id not in self.cancelled]
+        self.cancelled.update(tombstones)
+        self.tombstones_seen = max([self.tombstones_seen, *(expiry for _, expiry in tombstones)])
+        now_ms = time.time() * 1000
+        if len(self.cancelled) > 1024 and min(self.cancelled.values()) < now_ms:
+            self.cancelled = {k: expiry for k, expiry in self.cancelled.items() if expiry >= now_ms}
+        return new
 
     def add(self, command: ControlCommand) -> None:
         args = command.args
@@ -155,11 +195,15 @@ class AbortRules:
     def hits(self, record: InFlight) -> bool:
         """Whether an abort this worker applied covers `record` (decoded)."""
         entry = record.entry
+        if not (self.all_before or self.sessions or self.requests or self.cancelled):
+            return False  # the common case: no abort applied, no request cancelled
         if entry.epoch < self.all_before:
             return True
         if entry.session_id and entry.epoch < self.sessions.get(entry.session_id, 0):
             return True
-        return bool(record.request_ids & self.requests.keys())
+        return not (
+            self.requests.keys().isdisjoint(record.request_ids) and self.cancelled.keys().isdisjoint(record.request_ids)
+        )
 
     def _prune(self) -> None:
         oldest = time.time() - RULE_TTL_S
@@ -176,4 +220,4 @@ def abort_hits(command: ControlCommand, record: InFlight) -> bool:
         return entry.epoch < command.epoch
     if args.get("session_id"):
         return entry.session_id == args["session_id"] and entry.epoch < command.epoch
-    return bool(record.request_ids & set(args.get("request_ids") or []))
+    return not set(args.get("request_ids") or []).isdisjoint(record.request_ids)

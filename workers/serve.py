@@ -37,7 +37,6 @@ from workers.state import WorkerState
 log = logging.getLogger("rollout_svc.worker")
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 RETRY_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
-Reply = tuple[str, bytes]  # (results stream, encoded result)
 
 
 def backoff_s(failures: int) -> float:
@@ -45,8 +44,8 @@ def backoff_s(failures: int) -> float:
 
 
 class RequestServer:
-    """Turns taken entries into results on one engine. `publish(record, reply)` queues a result (None: ack only);
-    `on_engine_dead(exc)` stops the worker."""
+    """Turns taken entries into results on one engine. `publish(record)` queues a record once answered (its
+    `reply_to` and `payload` set; `reply_to` None: acknowledge only); `on_engine_dead(exc)` stops the worker."""
 
     def __init__(
         self,
@@ -57,7 +56,7 @@ class RequestServer:
         rules: AbortRules,
         streams: RequestStreams,
         reaper: Reaper,
-        publish: Callable[[InFlight, Reply | None], None],
+        publish: Callable[[InFlight], None],
         on_engine_dead: Callable[[EngineDeadError], None],
     ) -> None:
         self.settings, self.engine, self.state, self.index, self.rules = settings, engine, state, index, rules
@@ -107,7 +106,8 @@ class RequestServer:
         self._answer(record, request, result)
 
     def _answer(self, record: InFlight, request: Request, result: Result) -> None:
-        self._publish(record, (request.reply_to, encode(result)))
+        record.reply_to, record.payload = request.reply_to, encode(result)
+        self._publish(record)
 
     async def _refuse(self, record: InFlight, message: str) -> None:
         address = reply_address(record.entry.payload)
@@ -117,7 +117,8 @@ class RequestServer:
         error = ErrorResult(
             request_id=address[0], code="invalid_request", message=message, worker_id=self.state.worker_id
         )
-        self._publish(record, (address[1], encode(error)))
+        record.reply_to, record.payload = address[1], encode(error)
+        self._publish(record)
 
     async def _run(self, request: Request, record: InFlight, taken_at: float) -> Result:
         if request.deadline is not None and request.deadline <= time.time():
@@ -155,7 +156,7 @@ class RequestServer:
             prompt = await self.engine.chat_prompt([m.model_dump() for m in request.messages or []])
         prior = request.continuation
         params = request.sampling_params
-        prior_ids = list(prior.token_ids) if prior else []
+        prior_ids = prior.token_ids if prior else []
         if prior is not None:
             kept = len(prior_ids)
             params = params.model_copy(
@@ -172,20 +173,20 @@ class RequestServer:
         finally:
             record.in_engine = False
         self.served += 1
-        tokens = prior_ids + completion.completion_token_ids
-        text = completion.text
-        if prior is not None:  # detokenized whole: UTF-8 can split at the cut
-            text = (
-                await self.engine.detokenize(tokens, params.skip_special_tokens) if tokens != prior_ids else prior.text
-            )
+        tokens, logprobs, text = completion.completion_token_ids, completion.logprobs, completion.text
+        if prior is not None:  # the whole completion, detokenized whole: UTF-8 can split at the cut
+            tokens, logprobs = prior.token_ids + tokens, prior.logprobs + logprobs
+            new = bool(completion.completion_token_ids)
+            text = await self.engine.detokenize(tokens, params.skip_special_tokens) if new else prior.text
         aborted = completion.finish_reason == "abort"
-        return Trajectory(
+        # Built from this engine's own output, not validated again: the producer validates what it decodes.
+        return Trajectory.model_construct(
             request_id=request.request_id,
             session_id=request.session_id,
             group_id=request.group_id,
             prompt_token_ids=prompt,
             completion_token_ids=tokens,
-            logprobs=(list(prior.logprobs) if prior else []) + completion.logprobs,
+            logprobs=logprobs,
             finish_reason=completion.finish_reason,  # type: ignore[arg-type]
             text=text,
             weight_version=self.state.weight_version,
