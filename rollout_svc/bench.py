@@ -82,13 +82,9 @@ def run_bench(
 
 def _queue_overhead(redis_url: str | None, workers: int, requests: int, console: Console) -> QueueFigures:
     settings = private_settings(redis_url, "bench")
-    cluster = LocalCluster(settings, workers, EngineSettings(engine="echo", max_num_seqs=4096), log_dir=_log_dir())
-    try:
-        cluster.start()
-        cluster.wait_ready(timeout_s=60)
+    engine = EngineSettings(engine="echo", max_num_seqs=4096)
+    with LocalCluster(settings, workers, engine, log_dir=_log_dir()).running(ready_timeout_s=60):
         figures = asyncio.run(_measure_queue(settings, workers, requests))
-    finally:
-        cluster.stop()
     console.print(figures)
     return figures
 
@@ -164,13 +160,8 @@ def _service_run(
     redis_url: str | None, engine: EngineSettings, conversations: list[list[dict]], max_tokens: int
 ) -> tuple[float, list[list[int]]]:
     settings = private_settings(redis_url, "bench")
-    cluster = LocalCluster(settings, 1, engine, log_dir=_log_dir())
-    try:
-        cluster.start()
-        cluster.wait_ready(timeout_s=900)
+    with LocalCluster(settings, 1, engine, log_dir=_log_dir()).running(ready_timeout_s=900):
         return asyncio.run(_measure_service(settings, conversations, max_tokens))
-    finally:
-        cluster.stop()
 
 
 async def _measure_service(

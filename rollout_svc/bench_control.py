@@ -52,13 +52,8 @@ def control_latency(
 ) -> ControlFigures:
     settings = private_settings(redis_url, "bench-control")
     engine = EngineSettings(engine="echo", max_num_seqs=1024, echo_token_delay_s=0.001)
-    cluster = LocalCluster(settings, workers, engine, log_dir=log_dir)
-    try:
-        cluster.start()
-        cluster.wait_ready(timeout_s=60)
+    with LocalCluster(settings, workers, engine, log_dir=log_dir).running(ready_timeout_s=60):
         figures = asyncio.run(_measure_control(settings, workers, cycles))
-    finally:
-        cluster.stop()
     console.print(figures)
     return figures
 
@@ -116,13 +111,8 @@ async def _steady_load(client: RolloutClient, stop: asyncio.Event) -> None:
 def frozen_beyond_pause(redis_url: str | None, runs: int, log_dir: Path, console: Console) -> FrozenFigures:
     settings = private_settings(redis_url, "bench-frozen")
     engine = EngineSettings(engine="echo", echo_token_delay_s=FROZEN_DELAY_S)
-    cluster = LocalCluster(settings, 1, engine, log_dir=log_dir)
-    try:
-        cluster.start()
-        cluster.wait_ready(timeout_s=60)
+    with LocalCluster(settings, 1, engine, log_dir=log_dir).running(ready_timeout_s=60):
         figures = asyncio.run(_measure_frozen(settings, runs))
-    finally:
-        cluster.stop()
     console.print(figures)
     return figures
 

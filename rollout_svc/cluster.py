@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -182,6 +183,16 @@ class LocalCluster:
         finally:
             if out is not None:
                 out.close()  # the child has its own descriptor now
+
+    @contextlib.contextmanager
+    def running(self, ready_timeout_s: float) -> Iterator[LocalCluster]:
+        """Start, wait until every worker heartbeats, and stop on leaving (whatever happened inside)."""
+        try:
+            self.start()
+            self.wait_ready(timeout_s=ready_timeout_s)
+            yield self
+        finally:
+            self.stop()
 
     @property
     def processes(self) -> list[subprocess.Popen[bytes]]:

@@ -63,15 +63,11 @@ def run_demo(
     log_dir = Path(tempfile.mkdtemp(prefix="rollout-demo-"))
     cluster = LocalCluster(settings, workers, engine, log_dir=log_dir)
     console.print(f"starting {workers} {engine.engine} workers on {settings.redis_url} (logs: {log_dir})")
-    try:
-        cluster.start()
-        cluster.wait_ready(timeout_s=900)
+    with cluster.running(ready_timeout_s=900):
         params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=max_tokens, seed=0)
         started = time.perf_counter()
         record = asyncio.run(_drive(settings, first_turns, session_turns, params))
         elapsed_s = time.perf_counter() - started
-    finally:
-        cluster.stop()
     _report(console, record, elapsed_s, workers)
     return record
 

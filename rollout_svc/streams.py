@@ -11,7 +11,8 @@ Protocol (DESIGN.md section 3):
 - A dead worker's pending entries are requeued (same payload, session, epoch; delivery count in field `d`)
   by the same script that acks them; its pinned stream is drained the same way, sessions re-placed.
 
-Every script declares every key it touches in KEYS, built by `Keys` (Redis Cluster needs exactly this).
+Every script (in `stream_scripts.py`) declares every key it touches in KEYS, built by `Keys` (Redis Cluster needs
+exactly this).
 The placement scripts take the registered workers' keys (`Keys.fleet`); if the set of workers changed
 since this process last read it, the script answers `stale` and the call is rebuilt with the new set.
 """
@@ -28,226 +29,17 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from rollout_svc.errors import QueueFullError
 from rollout_svc.keys import DELIVERIES_FIELD, EPOCH_FIELD, PAYLOAD_FIELD, SESSION_FIELD, WORKERS_GROUP, Keys
+from rollout_svc.stream_scripts import (
+    DEAD_LETTER_LUA,
+    ENQUEUE_LUA,
+    FINISH_SESSION_LUA,
+    PIN_LUA,
+    PUBLISH_LUA,
+    SWEEP_LUA,
+)
 
 ENQUEUE_CHUNK = 1000  # entries per script call: bounds how long one call blocks Redis
 STALE_RETRIES = 5  # rebuilds of a placement call whose worker set changed under it
-
-# Shared by the placement scripts. fleet_at(kf, af): the fleet block of KEYS from index kf (Keys.fleet: state,
-# workers set, then heartbeat, session set and pinned stream per worker) and of ARGV from index af (the worker
-# count, then the ids). place(): a live pin stays unless its worker sleeps or drains; otherwise the preferred
-# worker, if serving or paused, takes the session; otherwise the converged (applied the current epoch) serving
-# or paused worker with the fewest unexpired sessions. No such worker: false (the shared stream).
-_FLEET_LUA = """
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local function fleet_at(kf, af)
-  local f = {state = KEYS[kf], set = KEYS[kf + 1], ids = {}, hb = {}, zs = {}, pinned = {}}
-  local n = tonumber(ARGV[af])
-  for i = 1, n do
-    local id, k = ARGV[af + i], kf + 2 + 3 * (i - 1)
-    f.ids[i] = id
-    f.hb[id], f.zs[id], f.pinned[id] = KEYS[k], KEYS[k + 1], k + 2
-  end
-  f.next_key, f.next_arg = kf + 2 + 3 * n, af + n + 1
-  return f
-end
-local function stale(f)
-  if redis.call('SCARD', f.set) ~= #f.ids then return true end
-  for _, id in ipairs(f.ids) do
-    if redis.call('SISMEMBER', f.set, id) == 0 then return true end
-  end
-  return false
-end
-local function epoch_of(f) return tonumber(redis.call('HGET', f.state, 'epoch') or '0') end
-local function place(f, epoch, ttl_ms, skey, sid, preferred)
-  local function pin(w)
-    redis.call('SET', skey, w, 'PX', ttl_ms)
-    redis.call('ZADD', f.zs[w], now_ms + ttl_ms, sid)
-    return w
-  end
-  local w = redis.call('GET', skey)
-  if w and f.hb[w] then
-    local state = redis.call('HGET', f.hb[w], 'state')
-    if state and state ~= 'sleeping' and state ~= 'draining' then return pin(w) end
-    redis.call('ZREM', f.zs[w], sid)
-  end
-  if w then redis.call('DEL', skey) end
-  if preferred and f.hb[preferred] then
-    local state = redis.call('HGET', f.hb[preferred], 'state')
-    if state == 'serving' or state == 'paused' then return pin(preferred) end
-  end
-  local best, best_load = false, 0
-  for _, id in ipairs(f.ids) do
-    local h = redis.call('HMGET', f.hb[id], 'state', 'applied_epoch')
-    if (h[1] == 'serving' or h[1] == 'paused') and tonumber(h[2] or '0') >= epoch then
-      redis.call('ZREMRANGEBYSCORE', f.zs[id], '-inf', now_ms)
-      local load = redis.call('ZCARD', f.zs[id])
-      if not best or load < best_load or (load == best_load and id < best) then best, best_load = id, load end
-    end
-  end
-  if best then return pin(best) end
-  return false
-end
-"""
-
-# KEYS: [1] shared requests stream, [2] token requests stream, the fleet from [3], then one session key per
-# session item, then the streams of the entries to ack. ARGV: [1] session ttl ms, [2] limit (-1: none), [3] group,
-# [4] worker count, worker ids, then the item count and 3 per item (kind, session id or '', payload), then the ack
-# count and 2 per ack (key index, entry id). The kind is 'g' (rollout request) or 't' (tokenize), and for a requeue
-# 'g DELIVERIES EPOCH' (a new request gets the current epoch, as does an empty EPOCH, and no delivery count).
-# Returns {'stale'}, {'full', stream, length} or {'ok', entry id per item, then the target key index of each
-# session item}.
-# Placement happens before the admission check, so a refused chunk may still have pinned its sessions: harmless,
-# the pins expire.
-ENQUEUE_LUA = (
-    _FLEET_LUA
-    + """
-local f = fleet_at(3, 4)
-if stale(f) then return {'stale'} end
-local ttl_ms, limit, group, epoch = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tostring(epoch_of(f))
-local k, a = f.next_key, f.next_arg
-local n = tonumber(ARGV[a])
-local first = a + 1
-local targets, counts, placed = {}, {}, {}
-for i = 1, n do
-  local at = first + 3 * (i - 1)
-  local target = 1
-  if ARGV[at] == 't' then
-    target = 2
-  elseif ARGV[at + 1] ~= '' then
-    local w = place(f, tonumber(epoch), ttl_ms, KEYS[k], ARGV[at + 1], false)
-    k = k + 1
-    if w then target = f.pinned[w] end
-    placed[#placed + 1] = target
-  end
-  targets[i] = target
-  counts[target] = (counts[target] or 0) + 1
-end
-if limit >= 0 then
-  for target, c in pairs(counts) do
-    local len = redis.call('XLEN', KEYS[target])
-    if len + c > limit then return {'full', KEYS[target], len} end
-  end
-end
-local reply = {'ok'}
-for i = 1, n do
-  local at = first + 3 * (i - 1)
-  local kind, sid, key = ARGV[at], ARGV[at + 1], KEYS[targets[i]]
-  local e, d = epoch, '0'
-  if #kind > 1 then
-    d, e = string.match(kind, '^%a (%d+) (%d*)$')
-    if e == '' then e = epoch end
-  end
-  local id
-  if sid == '' and d == '0' then
-    id = redis.call('XADD', key, '*', 'm', ARGV[at + 2], 'e', e)
-  elseif d == '0' then
-    id = redis.call('XADD', key, '*', 'm', ARGV[at + 2], 'e', e, 's', sid)
-  elseif sid == '' then
-    id = redis.call('XADD', key, '*', 'm', ARGV[at + 2], 'e', e, 'd', d)
-  else
-    id = redis.call('XADD', key, '*', 'm', ARGV[at + 2], 'e', e, 's', sid, 'd', d)
-  end
-  reply[i + 1] = id
-end
-for _, target in ipairs(placed) do reply[#reply + 1] = target end
-a = first + 3 * n
-for _ = 1, tonumber(ARGV[a]) do
-  local key, id = KEYS[tonumber(ARGV[a + 1])], ARGV[a + 2]
-  redis.call('XACK', key, group, id)
-  redis.call('XDEL', key, id)
-  a = a + 2
-end
-return reply
-"""
-)
-
-# KEYS: the fleet, then the session key. ARGV: session ttl ms, worker count, worker ids, session id, worker id.
-# A worker that took a session's request from the shared stream pins the session to itself unless a live
-# worker holds it. Returns {'stale'} or {'ok', the pinned worker or ''}.
-PIN_LUA = (
-    _FLEET_LUA
-    + """
-local f = fleet_at(1, 2)
-if stale(f) then return {'stale'} end
-local w = place(f, epoch_of(f), tonumber(ARGV[1]), KEYS[f.next_key], ARGV[f.next_arg], ARGV[f.next_arg + 1])
-return {'ok', w or ''}
-"""
-)
-
-# KEYS: the fleet, then the session key. ARGV: worker count, worker ids, session id. Unpins a session so its
-# next turn is placed anew. Returns {'stale'} or {'ok', 1 if it was pinned}.
-FINISH_SESSION_LUA = (
-    _FLEET_LUA
-    + """
-local f = fleet_at(1, 1)
-if stale(f) then return {'stale'} end
-local skey, sid = KEYS[f.next_key], ARGV[f.next_arg]
-local w = redis.call('GET', skey)
-if w and f.zs[w] then redis.call('ZREM', f.zs[w], sid) end
-return {'ok', redis.call('DEL', skey)}
-"""
-)
-
-# KEYS: the streams named (results and requests streams), each once. ARGV: [1] results ttl s, [2] group, then 4 per
-# item: results key index (0: no result), payload, requests key index, entry id. An item's result is added only if
-# its XACK returned 1, that is if the entry was still pending here; 0 means it was requeued while this worker was
-# presumed dead, and the worker that takes the requeued copy answers it. Returns how many were fenced.
-PUBLISH_LUA = """
-local fenced, touched = 0, {}
-for a = 3, #ARGV, 4 do
-  local stream, id = KEYS[tonumber(ARGV[a + 2])], ARGV[a + 3]
-  if redis.call('XACK', stream, ARGV[2], id) == 1 then
-    redis.call('XDEL', stream, id)
-    local r = tonumber(ARGV[a])
-    if r > 0 then
-      redis.call('XADD', KEYS[r], '*', 'm', ARGV[a + 1])
-      touched[KEYS[r]] = true
-    end
-  else
-    fenced = fenced + 1
-  end
-end
-for key in pairs(touched) do redis.call('EXPIRE', key, ARGV[1]) end
-return fenced
-"""
-
-# KEYS: [1] the entry's stream, [2] the dead-letter stream, [3] the producer's results stream (or [2] again).
-# ARGV: [1] group, [2] entry id, [3] dead-letter maxlen, [4] results ttl s, [5] reply payload or '', then the dead
-# letter's field/value pairs. Fenced like a publish. Returns 1, or 0 if the entry was no longer pending here.
-DEAD_LETTER_LUA = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('XDEL', KEYS[1], ARGV[2])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 6))
-if ARGV[5] ~= '' then
-  redis.call('XADD', KEYS[3], '*', 'm', ARGV[5])
-  redis.call('EXPIRE', KEYS[3], ARGV[4])
-end
-return 1
-"""
-
-# KEYS: [1] a requests stream, then results streams. ARGV: [1] group, [2] results ttl s, then 3 per entry (entry
-# id, results key index or 0, result payload). Deletes each entry that is still undelivered (it exists and no
-# consumer holds it) and answers it; an entry a worker took meanwhile is that worker's to answer.
-SWEEP_LUA = """
-local swept = 0
-for a = 3, #ARGV, 3 do
-  local id = ARGV[a]
-  if #redis.call('XRANGE', KEYS[1], id, id) == 1 then
-    local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], id, id, 1)
-    if not ok or #pending == 0 then
-      redis.call('XDEL', KEYS[1], id)
-      local r = tonumber(ARGV[a + 1])
-      if r > 0 then
-        redis.call('XADD', KEYS[r], '*', 'm', ARGV[a + 2])
-        redis.call('EXPIRE', KEYS[r], ARGV[2])
-      end
-      swept = swept + 1
-    end
-  end
-end
-return swept
-"""
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,8 +69,15 @@ def pending(rds: redis.Redis, stream: str) -> int:
 
 
 def queued(rds: redis.Redis, stream: str) -> int:
-    """How many entries of a requests stream wait to be taken (acked entries are deleted)."""
-    return int(rds.xlen(stream)) - pending(rds, stream)
+    """How many entries of a requests stream wait to be taken (acked entries are deleted). One MULTI: an entry
+    answered between the two reads would otherwise count as queued."""
+    if not rds.exists(stream):
+        return 0
+    pipe = rds.pipeline(transaction=True)
+    pipe.xlen(stream)
+    pipe.xpending(stream, WORKERS_GROUP)
+    length, summary = pipe.execute()
+    return int(length) - int(summary["pending"])
 
 
 class Results:

@@ -10,7 +10,8 @@ import sys
 
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.errors import EngineDeadError
-from workers.engine import EchoEngine, Engine
+from workers.echo import EchoEngine
+from workers.engine import Engine
 from workers.worker import Worker
 
 

@@ -40,6 +40,7 @@ class InFlight:
 
     reply_to: str | None = None  # once answered: the producer's results stream (None: acknowledge only)
     payload: bytes = b""  # once answered: the encoded result
+    publishing: bool = False  # answered: in flight until the result is published
 
     @property
     def request_ids(self) -> tuple[str, ...]:

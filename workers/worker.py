@@ -311,10 +311,17 @@ class Worker:
             record.task.add_done_callback(lambda _t, r=record: self._finished(r))
 
     def _finished(self, record: InFlight) -> None:
+        """A serve task ended. An answered request stays in flight until its result is published (its entry is
+        pending until then), so an acknowledgement that waits for in-flight requests also waits for their answers."""
+        if not record.publishing:
+            self._release(record)
+
+    def _release(self, record: InFlight) -> None:
         self.index.remove(record)
         self._slot_freed.set()
 
     def _queue_result(self, record: InFlight) -> None:
+        record.publishing = True
         self._results.put_nowait(record)
 
     # --- publishing results ---------------------------------------------------------------------------------
@@ -343,6 +350,8 @@ class Worker:
                     log.warning(
                         "dropped %d results: their requests were requeued while this worker was stalled", fenced
                     )
+                for record in batch:
+                    self._release(record)
                 return
             except REDIS_ERRORS as exc:
                 failures += 1

@@ -138,7 +138,7 @@ async def test_undecodable_entry_goes_to_dead_letters_and_worker_keeps_serving(s
     dead = rds.xrange(keys.dead)
     assert len(dead) == 3
     assert {fields[b"reason"] for _, fields in dead} == {b"undecodable"}
-    assert dead[0][1][b"payload"] == b"\xc1 not msgpack"
+    assert b"\xc1 not msgpack" in {fields[b"payload"] for _, fields in dead}  # each served concurrently: any order
     assert rds.xlen(keys.requests) == 0
 
 

@@ -1,0 +1,161 @@
+"""EchoEngine: a deterministic, zero-compute engine with vLLM's pause, abort and sleep (queue tests, benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from rollout_svc.errors import InvalidRequestError
+from rollout_svc.protocol import PauseMode, SamplingParams
+from workers.engine import Completion
+
+
+class _EchoRun:
+    """One request the echo engine is generating; `aborted` is set to stop it."""
+
+    __slots__ = ("aborted",)
+
+    def __init__(self) -> None:
+        self.aborted = asyncio.Event()
+
+
+class EchoEngine:
+    """Deterministic, zero-compute engine for queue tests and overhead benchmarks. Never the default.
+
+    Its vocabulary is bytes: text tokenizes to its UTF-8 bytes. A completion echoes the prompt back,
+    cut at `max_tokens` (finish reason `length`, else `stop`), each token with logprob 0.0; a continuation
+    (`prior` tokens already generated) goes on where the uninterrupted echo would be, so a retried request
+    equals an uninterrupted one token for token. `token_delay_s` makes it generate one token per that many
+    seconds, to stand in for a long generation; pause, abort, sleep and wake-up behave as vLLM's do.
+    """
+
+    memory_released = False
+
+    def __init__(
+        self, model_name: str = "echo", capacity: int = 1024, max_model_len: int = 2048, token_delay_s: float = 0.0
+    ) -> None:
+        self.model_name, self.capacity = model_name, capacity
+        self.max_model_len, self.token_delay_s = max_model_len, token_delay_s
+        self._runs: dict[str, _EchoRun] = {}
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self._idle = asyncio.Event()  # no run in progress
+        self._idle.set()
+
+    async def start(self) -> None:
+        return None
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prior: Sequence[int] = ()
+    ) -> Completion:
+        if len(prompt_token_ids) + len(prior) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt_token_ids) + len(prior)} tokens; this model's context is {self.max_model_len}"
+            )
+        tail = prompt_token_ids[len(prior) :] if prior else prompt_token_ids  # what the echo has yet to say
+        if not self.token_delay_s and self._unpaused.is_set():  # done at once: nothing to pause or abort
+            return self._completion(prompt_token_ids, prior, tail, min(params.max_tokens, len(tail)), params, False)
+        run = self._runs[request_id] = _EchoRun()  # registered before any await: an abort always finds it
+        self._idle.clear()
+        try:
+            produced = await self._produce(run, min(params.max_tokens, len(tail)))
+        finally:
+            del self._runs[request_id]
+            if not self._runs:
+                self._idle.set()
+        return self._completion(prompt_token_ids, prior, tail, produced, params, run.aborted.is_set())
+
+    def _completion(
+        self,
+        prompt_token_ids: list[int],
+        prior: Sequence[int],
+        tail: list[int],
+        produced: int,
+        params: SamplingParams,
+        aborted: bool,
+    ) -> Completion:
+        completion = tail[:produced]
+        if aborted and produced < min(params.max_tokens, len(tail)):
+            finish_reason = "abort"
+        else:
+            finish_reason = "length" if len(tail) > params.max_tokens else "stop"
+        text = _bytes_text(completion)
+        prompt = [*prompt_token_ids, *prior] if prior else prompt_token_ids
+        return Completion(prompt, completion, [0.0] * len(completion), finish_reason, text)
+
+    async def _produce(self, run: _EchoRun, count: int) -> int:
+        """Generate `count` tokens, one per `token_delay_s`, frozen while paused; returns how many were made."""
+        if not self._unpaused.is_set():
+            await self._unfrozen(run)
+        if not self.token_delay_s:
+            return 0 if run.aborted.is_set() else count
+        # On a schedule (token i is due i delays after the start, plus the time spent frozen), so timing noise
+        # does not accumulate: a generation takes count * token_delay_s plus its pauses.
+        loop = asyncio.get_running_loop()
+        due, produced = loop.time(), 0
+        while produced < count and not run.aborted.is_set():
+            due += self.token_delay_s
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            produced += 1  # a step that started completes, as in vLLM
+            if not self._unpaused.is_set():
+                frozen_at = loop.time()
+                await self._unfrozen(run)
+                due += loop.time() - frozen_at
+        return produced
+
+    async def _unfrozen(self, run: _EchoRun) -> None:
+        """Wait while paused: until resumed, or aborted."""
+        waits = [asyncio.ensure_future(self._unpaused.wait()), asyncio.ensure_future(run.aborted.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+
+    async def abort(self, request_id: str) -> None:
+        run = self._runs.get(request_id)
+        if run is not None:
+            run.aborted.set()
+
+    async def pause(self, mode: PauseMode) -> None:
+        if mode == "wait":
+            await self._idle.wait()
+        elif mode == "abort":
+            for run in self._runs.values():
+                run.aborted.set()
+        self._unpaused.clear()
+
+    async def resume(self) -> None:
+        self._unpaused.set()
+
+    async def sleep(self, level: int, mode: PauseMode) -> None:
+        await self.pause(mode)
+
+    async def wake_up(self, tags: list[str] | None) -> bool:
+        await self.resume()
+        return True
+
+    async def reset_prefix_cache(self, reset_running_requests: bool) -> bool:
+        return True
+
+    async def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        rendered = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + "<|assistant|>"
+        return await self.tokenize(rendered, add_special_tokens=False)
+
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(text.encode())
+
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        return _bytes_text(token_ids)
+
+    async def close(self) -> None:
+        return None
+
+
+def _bytes_text(token_ids: list[int]) -> str:
+    """The echo vocabulary: token ids are bytes (ids >= 256 have no text)."""
+    try:
+        return bytes(token_ids).decode(errors="replace")
+    except ValueError:
+        return bytes(t for t in token_ids if t < 256).decode(errors="replace")
