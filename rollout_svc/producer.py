@@ -27,7 +27,7 @@ from rollout_svc.errors import ProtocolError, QueueFullError
 from rollout_svc.keys import PAYLOAD_FIELD
 from rollout_svc.protocol import Continuation, Request, Result, RolloutRequest, Trajectory, decode, encode
 from rollout_svc.registry import Registry
-from rollout_svc.streams import ENQUEUE_CHUNK, Enqueue, RequestStreams
+from rollout_svc.streams import ENQUEUE_CHUNK, Enqueue, Placed, RequestStreams
 
 log = logging.getLogger("rollout_svc.client")
 RETRIED_CAUSES = ("pause", "shutdown")  # aborts the client hides by retrying
@@ -135,7 +135,7 @@ class Connection:
         self.producer_id = uuid.uuid4().hex
         self.results = settings.keys.results(self.producer_id)
         self.waiting: dict[str, tuple[Call, int]] = {}  # request id -> its call and position
-        self.placed: dict[str, Any] = {}  # request id -> where it was enqueued (what a cancel sweeps)
+        self.placed: dict[str, Placed] = {}  # request id -> where it was enqueued (what a cancel sweeps)
         self._cancelling: set[str] = set()  # cancelled, their cancel not yet sent: their placements are kept
         self.stats = ClientStats()
         self._request_numbers = itertools.count()

@@ -16,7 +16,7 @@ from rollout_svc.control import ControlPlane, FleetState
 from rollout_svc.errors import EngineDeadError
 from rollout_svc.protocol import ControlCommand, PauseMode
 from workers.engine import Engine
-from workers.inflight import AbortRules, InFlight, InFlightIndex, abort_hits
+from workers.inflight import AbortRules, InFlight, InFlightIndex
 from workers.state import WorkerState
 
 log = logging.getLogger("rollout_svc.worker")
@@ -78,7 +78,7 @@ class Converger:
     async def _one_shot(self, command: ControlCommand) -> None:
         try:
             if command.kind == "abort":
-                hit = [r for r in self.index.records() if r.generation and abort_hits(command, r)]
+                hit = self.index.hit_by(command)
                 await self.index.cancel_all(hit, "user")
                 self._awaiting.update(hit)
             elif command.kind == "reset_prefix_cache" and not await self.engine.reset_prefix_cache(

@@ -1,4 +1,4 @@
-"""The requests a worker is running, indexed by entry, request id and session, and the one way to cancel them."""
+"""The requests a worker is running, indexed by entry, request id and session id, and the one way to cancel them."""
 
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ RULE_TTL_S = 24 * 3600.0  # how long an explicit abort keeps hitting queued requ
 
 @dataclass(eq=False, slots=True)
 class InFlight:
-    """One taken entry, from XREADGROUP until its result is queued for publishing.
+    """One taken entry, from XREADGROUP until its result is published (its entry is pending until then).
 
     `abort_cause` set means: stop it (the serve path checks it before entering the engine; `in_engine` means
-    the engine must be told). `request` is set once the payload is decoded.
+    the engine must be told). `request` is set once the payload is decoded; `reply_to` and `payload` once it
+    is answered (`reply_to` None: acknowledge only).
     """
 
     entry: Entry
@@ -33,14 +34,9 @@ class InFlight:
     abort_cause: AbortCause | None = None
     in_engine: bool = False
     aborted_at: float = 0.0  # monotonic time of the last abort sent to the engine
-
-    @property
-    def deadline(self) -> float | None:
-        return self.request.deadline if self.request is not None else None
-
-    reply_to: str | None = None  # once answered: the producer's results stream (None: acknowledge only)
-    payload: bytes = b""  # once answered: the encoded result
-    publishing: bool = False  # answered: in flight until the result is published
+    reply_to: str | None = None
+    payload: bytes = b""
+    publishing: bool = False  # answered, its result queued: released once published
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -60,6 +56,7 @@ class InFlightIndex:
         self.engine = engine
         self._by_key: dict[tuple[str, bytes], InFlight] = {}
         self._by_request: dict[str, InFlight] = {}
+        self._by_session: dict[str, set[InFlight]] = {}
         self._generating = 0
         self._aborting: set[InFlight] = set()  # told the engine to abort, not yet returned
         self._deadlines: list[tuple[float, int, InFlight]] = []  # a heap; entries of finished ones go lazily
@@ -70,6 +67,8 @@ class InFlightIndex:
         record = InFlight(entry, generation)
         self._by_key[(entry.stream, entry.entry_id)] = record
         self._generating += generation
+        if entry.session_id:  # an entry field: known before the payload is decoded
+            self._by_session.setdefault(entry.session_id, set()).add(record)
         return record
 
     def decoded(self, record: InFlight, request: Request) -> None:
@@ -88,6 +87,11 @@ class InFlightIndex:
             return
         self._generating -= record.generation
         self._aborting.discard(record)
+        session_id = record.entry.session_id
+        if session_id and (records := self._by_session.get(session_id)) is not None:
+            records.discard(record)
+            if not records:
+                del self._by_session[session_id]
         for request_id in record.request_ids:
             if self._by_request.get(request_id) is record:
                 del self._by_request[request_id]
@@ -116,9 +120,23 @@ class InFlightIndex:
         """Rollout requests in flight (what counts against the engine's capacity)."""
         return self._generating
 
+    def by_session(self, session_id: str) -> list[InFlight]:
+        return list(self._by_session.get(session_id, ()))
+
     def by_request_ids(self, request_ids: Iterable[str]) -> list[InFlight]:
         found = {id(r): r for i in request_ids if (r := self._by_request.get(i)) is not None}
         return list(found.values())
+
+    def hit_by(self, command: ControlCommand) -> list[InFlight]:
+        """The in-flight rollout requests an abort command covers (looked up by its scope, then checked)."""
+        args = command.args
+        if args.get("all"):
+            candidates = self.records()
+        elif args.get("session_id"):
+            candidates = self.by_session(str(args["session_id"]))
+        else:
+            candidates = self.by_request_ids(args.get("request_ids") or [])
+        return [r for r in candidates if r.generation and abort_hits(command, r)]
 
     async def cancel(self, record: InFlight, cause: AbortCause) -> None:
         """Stop one request, for `cause`: the first cause sticks. One not yet in the engine never enters it
@@ -215,7 +233,7 @@ class AbortRules:
 
 
 def abort_hits(command: ControlCommand, record: InFlight) -> bool:
-    """Whether the abort `command` covers the in-flight `record` (see `AbortRules`)."""
+    """Whether the abort `command` covers the in-flight `record` (see `AbortRules`, and `InFlightIndex.hit_by`)."""
     args, entry = command.args, record.entry
     if args.get("all"):
         return entry.epoch < command.epoch
