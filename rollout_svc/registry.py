@@ -65,10 +65,14 @@ class Registry:
     async def live_ids(self) -> list[str]:
         """The ids of the workers whose heartbeat has not expired, sorted (cheaper than `live_workers`)."""
         ids = await self.worker_ids()
+        return [worker_id for worker_id, alive in zip(ids, await self._alive(ids), strict=True) if alive]
+
+    async def _alive(self, worker_ids: Sequence[str]) -> list[bool]:
+        """Whether each worker's heartbeat hash still exists (one round trip)."""
         pipe = self.redis.pipeline(transaction=False)
-        for worker_id in ids:
+        for worker_id in worker_ids:
             pipe.exists(self.keys.worker(worker_id))
-        return [worker_id for worker_id, alive in zip(ids, await pipe.execute(), strict=True) if alive]
+        return [bool(n) for n in await pipe.execute()]
 
     async def statuses(self, worker_ids: Sequence[str]) -> dict[str, WorkerStatus | None]:
         """Each worker's heartbeat, or None where it has expired."""
@@ -85,11 +89,7 @@ class Registry:
     async def dead_workers(self) -> list[str]:
         """Registered worker ids whose heartbeat expired and whose requests are not yet reclaimed."""
         ids = await self.worker_ids()
-        live = set(await self.live_ids()) if ids else set()
-        return [worker_id for worker_id in ids if worker_id not in live]
-
-    async def is_alive(self, worker_id: str) -> bool:
-        return bool(await self.redis.exists(self.keys.worker(worker_id)))
+        return [worker_id for worker_id, alive in zip(ids, await self._alive(ids), strict=True) if not alive]
 
     async def try_reap_lock(self, dead_worker_id: str, reaper_id: str, ttl_s: float) -> bool:
         """Only one live worker reclaims a dead worker's requests at a time; the lock expires if it dies."""

@@ -10,7 +10,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from redis.asyncio import Redis
@@ -77,6 +77,7 @@ class Worker:
         self._reading = False  # the take loop is in a (blocking) XREADGROUP
         self._read_returned = asyncio.Event()
         self._take_client_id: int | None = None  # its connection's id, for CLIENT UNBLOCK
+        self._read_failures: dict[str, int] = {}  # loop name -> reads failed in a row
 
     @property
     def worker_id(self) -> str:
@@ -174,6 +175,11 @@ class Worker:
         await self.control.load_scripts()  # the same scripts the worker's other handles run
         await self._ensure_groups()
         await self.reaper.reclaim(self.worker_id, backlog=False)
+        await self._register()
+
+    async def _register(self) -> None:
+        """Register under the current id (state `starting`), then converge, and acknowledge if that completed
+        (otherwise the control loop does, once in-flight requests have finished)."""
         await self._beat(renew=False)
         if await self.converger.converge():
             await self._beat(announce=True)
@@ -232,7 +238,6 @@ class Worker:
     # --- taking requests ----------------------------------------------------------------------------------
 
     async def _take_loop(self) -> None:
-        failures = 0
         while not self._stopping.is_set():
             if not self.state.resumed.is_set() or self._fenced or not self._lease_ok():
                 with contextlib.suppress(TimeoutError):
@@ -243,54 +248,56 @@ class Worker:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            try:
-                if self._take_client_id is None:
-                    self._take_client_id = int(await self._take_redis.client_id())
-                # No await between the `resumed` check and here: a pause sees `_reading` and unblocks the read.
-                self._reading = True
-                try:
-                    entries = await self._take_streams.read(self.worker_id, free, self.settings.read_block_ms)
-                finally:
-                    self._reading = False
-                    self._read_returned.set()
-                failures = 0
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                await self._ensure_groups()  # Redis lost its data (restart without persistence)
-                continue
-            except REDIS_ERRORS as exc:
-                failures += 1
-                self._take_client_id = None  # a new connection has a new id
-                log.warning("reading requests failed (%s); retrying", exc)
-                await asyncio.sleep(backoff_s(failures))
+            entries = await self._read("take", self._take(free))
+            if entries is None:
+                self._take_client_id = None  # after a failure the connection may be a new one, with a new id
                 continue
             self._start(entries, generation=True)
             if entries:
                 await asyncio.sleep(0)  # start the new requests before sending the next read
 
+    async def _take(self, free: int) -> list[Entry]:
+        """One blocking read of rollout requests, on the connection a pause can unblock."""
+        if self._take_client_id is None:
+            self._take_client_id = int(await self._take_redis.client_id())
+        # No await between the take loop's `resumed` check and here: a pause sees `_reading` and unblocks the read.
+        self._reading = True
+        try:
+            return await self._take_streams.read(self.worker_id, free, self.settings.read_block_ms)
+        finally:
+            self._reading = False
+            self._read_returned.set()
+
     async def _token_loop(self) -> None:
         """Tokenize, detokenize and chat-template requests: served while paused or asleep too."""
-        failures = 0
         while not self._stopping.is_set():
             free = TOKEN_CONCURRENCY - (len(self.index) - self.index.generating)
             if self._fenced or not self._lease_ok() or free <= 0:
                 await self._idle(self.settings.read_block_ms / 1000)
                 continue
-            try:
-                entries = await self.streams.read_tokens(self.worker_id, free, self.settings.read_block_ms)
-                failures = 0
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                await self._ensure_groups()
-                continue
-            except REDIS_ERRORS as exc:
-                failures += 1
-                log.warning("reading tokenize requests failed (%s); retrying", exc)
-                await asyncio.sleep(backoff_s(failures))
-                continue
-            self._start(entries, generation=False)
+            entries = await self._read(
+                "tokens", self.streams.read_tokens(self.worker_id, free, self.settings.read_block_ms)
+            )
+            if entries is not None:
+                self._start(entries, generation=False)
+
+    async def _read(self, loop: str, read: Awaitable[list[Entry]]) -> list[Entry] | None:
+        """One read of a take loop. None after an error it recovered from: consumer groups recreated (Redis lost
+        its data: a restart without persistence), or Redis away (backed off, longer after each failure)."""
+        try:
+            entries = await read
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            await self._ensure_groups()
+            return None
+        except REDIS_ERRORS as exc:
+            self._read_failures[loop] = failures = self._read_failures.get(loop, 0) + 1
+            log.warning("%s loop: reading requests failed (%s); retrying", loop, exc)
+            await asyncio.sleep(backoff_s(failures))
+            return None
+        self._read_failures[loop] = 0
+        return entries
 
     async def _stop_taking(self) -> None:
         """Make the take loop stop at once (the state already says not to take): unblock a read in progress and
@@ -403,9 +410,7 @@ class Worker:
             self.state.applied_epoch = 0
             self.converger.restart()
             await self._ensure_groups()
-            await self._beat(renew=False)
-            if await self.converger.converge():
-                await self._beat(announce=True)
+            await self._register()
             log.warning("worker %s is back as %s", old_id, self.worker_id)
         finally:
             self._fenced = False
