@@ -1,4 +1,7 @@
-"""rollout-svc: a Redis-Streams rollout service for RL of LLMs. Never imports vllm or torch."""
+"""rollout-svc: a Redis-Streams rollout service for RL of LLMs. Never imports vllm or torch (`WeightSender` and
+`SyncReport`, which need torch, are imported from `rollout_svc.weights` on first use)."""
+
+from typing import TYPE_CHECKING, Any
 
 from rollout_svc.client import RolloutClient, SyncRolloutClient
 from rollout_svc.config import Settings
@@ -12,8 +15,12 @@ from rollout_svc.errors import (
     QueueFullError,
     RequestTimeoutError,
     RolloutError,
+    WeightSyncError,
 )
 from rollout_svc.protocol import SamplingParams, Trajectory, WorkerStatus
+
+if TYPE_CHECKING:  # torch is imported only when WeightSender is used
+    from rollout_svc.weights import SyncReport, WeightSender
 
 __all__ = [
     "ControlCommandError",
@@ -28,8 +35,21 @@ __all__ = [
     "RolloutError",
     "SamplingParams",
     "Settings",
+    "SyncReport",
     "SyncRolloutClient",
     "Trajectory",
+    "WeightSender",
+    "WeightSyncError",
     "WorkerStatus",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("WeightSender", "SyncReport"):
+        from rollout_svc import weights
+
+        return getattr(weights, name)
+    raise AttributeError(f"module 'rollout_svc' has no attribute {name!r}")
+
+
 __version__ = "0.1.0"

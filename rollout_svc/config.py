@@ -35,12 +35,29 @@ class Settings(BaseSettings):
     session_ttl_s: float = Field(3600.0, gt=0, description="a session's pin expires this long after its last turn")
     results_ttl_s: float = Field(3600.0, gt=0, description="a results stream nobody reads expires after this")
     max_abort_retries: int = Field(16, ge=0, description="client: token-exact retries of one request cut by aborts")
+    max_staleness: int | None = Field(
+        None, ge=0, description="client: drop trajectories staler than this many weight versions (None: keep all)"
+    )
+    stale_policy: Literal["regenerate", "mark"] = Field(
+        "regenerate", description="client: a too-stale trajectory is generated again, or returned with its staleness"
+    )
 
     heartbeat_interval_s: float = Field(1.0, gt=0)
     heartbeat_ttl_s: float = Field(10.0, gt=0, description="a worker silent this long is dead")
     control_timeout_s: float = Field(60.0, gt=0, description="how long a control command waits for every ack")
     max_deliveries: int = Field(3, ge=1, description="deliveries before an entry becomes a dead letter")
     read_block_ms: int = Field(100, ge=1, description="XREADGROUP / XREAD block time")
+
+    checkpoint_root: Path | None = Field(
+        None, description="workers: the only directory whose checkpoints they load (env ROLLOUT_CHECKPOINT_ROOT)"
+    )
+    weight_bucket_bytes: int = Field(256 * MiB, ge=1, description="weight sync: bytes per broadcast bucket")
+    weight_sync_timeout_s: float = Field(
+        120.0, gt=0, description="weight sync: each barrier's and each collective's timeout"
+    )
+    advertise_addr: str = Field(
+        "", description="weight sync: the address peers reach this process at ('': the one that routes to Redis)"
+    )
     dead_letter_maxlen: int = Field(10_000, ge=1, description="approximate cap of the dead-letter stream")
 
     @property
@@ -69,6 +86,7 @@ class EngineSettings(BaseModel):
     seed: int = Field(0, description="engine seed")
     enable_sleep_mode: bool | None = Field(None, description="vLLM sleep mode (default: where supported)")
     echo_token_delay_s: float = Field(0.0, ge=0, description="echo engine: seconds per generated token")
+    echo_load_delay_s: float = Field(0.0, ge=0, description="echo engine: seconds a weight load takes")
 
     @property
     def capacity(self) -> int:
@@ -102,7 +120,7 @@ class EngineSettings(BaseModel):
     def add_arguments(cls, parser: argparse.ArgumentParser, *, engine: bool = True) -> None:
         """Add one option per field (`--max-num-seqs`, ...) to an argparse parser; `from_args` reads them back."""
         for name, info in cls.model_fields.items():
-            if name in ("engine", "echo_token_delay_s") and not engine:
+            if name in ("engine", "echo_token_delay_s", "echo_load_delay_s") and not engine:
                 continue
             flag, help_text = "--" + name.replace("_", "-"), info.description
             if name == "engine":

@@ -88,6 +88,8 @@ class FleetState:
     sleep_level: int = 0
     sleep_mode: PauseMode = "abort"
     awake_tags: frozenset[str] = frozenset()
+    weight_version: int = 0
+    weight_checkpoint: str = ""  # the checkpoint directory the committed version was loaded from ("": broadcast)
 
     @property
     def paused(self) -> bool:
@@ -111,10 +113,13 @@ class FleetState:
             sleep_level=int(values.get("sleep_level", 0)),
             sleep_mode=values.get("sleep_mode", "abort"),  # type: ignore[arg-type]
             awake_tags=frozenset(k[len(AWAKE_PREFIX) :] for k in values if k.startswith(AWAKE_PREFIX)),
+            weight_version=int(values.get("weight_version", 0)),
+            weight_checkpoint=values.get("weight_checkpoint", ""),
         )
 
     def to_hash(self) -> dict[str, str]:
         fields = {"epoch": str(self.epoch), "sleep_level": str(self.sleep_level), "sleep_mode": self.sleep_mode}
+        fields |= {"weight_version": str(self.weight_version), "weight_checkpoint": self.weight_checkpoint}
         fields |= {HOLDER_PREFIX + holder: mode for holder, mode in self.holders.items()}
         return fields | {AWAKE_PREFIX + tag: "1" for tag in self.awake_tags}
 
@@ -229,6 +234,16 @@ class ControlPlane:
         KV blocks, and the command fails naming those workers (`ControlCommandError`). Returns the epoch."""
         issue = _Issue("reset_prefix_cache", {"reset_running_requests": reset_running_requests})
         return await self._run(issue, timeout_s)
+
+    async def commit_weights(self, version: int, checkpoint: str = "") -> None:
+        """Record `version` as the fleet's committed weight version (loaded from `checkpoint`, "" for a broadcast)
+        and nudge the workers: one whose version differs takes no work until it has this one. No barrier: the
+        weight sync waited for its loads already, and resumes (a command, acknowledged) right after."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.keys.state, mapping={"weight_version": str(version), "weight_checkpoint": checkpoint})
+        pipe.publish(self.keys.weights_channel, b"commit")
+        pipe.publish(self.keys.control_channel, NUDGE_COMMAND)
+        await pipe.execute()
 
     async def state(self) -> FleetState:
         """The desired state now."""

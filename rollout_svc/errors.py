@@ -108,3 +108,14 @@ class ControlCommandError(RolloutError):
         self.kind, self.epoch, self.failures = kind, epoch, failures
         detail = "; ".join(f"{w}: {message}" for w, message in sorted(failures.items()))
         super().__init__(f"{kind} (epoch {epoch}) failed on {len(failures)} worker(s): {detail}")
+
+
+class WeightSyncError(RolloutError):
+    """A weight sync failed: no live worker loaded the new weights (the old version stays committed), or the
+    trainer's side of the transfer failed. `failures` maps each worker to what went wrong there ("dead" for one
+    whose heartbeat expired during the sync)."""
+
+    def __init__(self, version: int, message: str, failures: dict[str, str] | None = None) -> None:
+        self.version, self.failures = version, dict(failures or {})
+        named = "; ".join(f"{w}: {why}" for w, why in sorted(self.failures.items()))
+        super().__init__(f"weight sync to version {version} failed: {message}" + (f" ({named})" if named else ""))

@@ -98,6 +98,28 @@ class Keys:
         """Pub/sub channel that nudges workers to re-read the control state (at most once: a nudge only)."""
         return f"{self.prefix}:control"
 
+    # --- weight sync ------------------------------------------------------------------------------------------
+    # The committed weight version (and the checkpoint it came from) are fields of `state`.
+
+    @property
+    def weight_sync(self) -> str:
+        """String: the current weight sync order (msgpack `WeightSyncOrder`), kept until the next one."""
+        return f"{self.prefix}:weight-sync"
+
+    def weight_manifest(self, sync_id: str) -> str:
+        """String, with TTL: the tensors a broadcast sync announces (msgpack `WeightManifest`)."""
+        return f"{self.prefix}:weight-sync:{sync_id}:manifest"
+
+    def weight_barrier(self, sync_id: str, phase: str) -> str:
+        """Hash, with TTL: one field per worker that reached `phase` (joined, loaded) of a sync; value "ok" or
+        the error it met."""
+        return f"{self.prefix}:weight-sync:{sync_id}:{phase}"
+
+    @property
+    def weights_channel(self) -> str:
+        """Pub/sub channel: a nudge that a weight sync order, manifest or commit was written (at most once)."""
+        return f"{self.prefix}:weights"
+
     @property
     def acks_channel(self) -> str:
         """Pub/sub channel on which workers announce the epoch they applied (issuers also poll the hashes)."""

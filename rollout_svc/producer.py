@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,17 +31,21 @@ from rollout_svc.registry import Registry
 from rollout_svc.streams import ENQUEUE_CHUNK, Enqueue, Placed, RequestStreams
 
 log = logging.getLogger("rollout_svc.client")
-RETRIED_CAUSES = ("pause", "shutdown")  # aborts the client hides by retrying
+RETRIED_CAUSES = ("pause", "shutdown", "stale")  # aborts the client hides by retrying
 
 
 @dataclass
 class ClientStats:
     """What a connection has seen. `duplicates`: results no caller awaited (an at-least-once redelivery, or the
-    answer to a cancelled request); `retries`: token-exact resubmissions; `cancelled`: requests cancelled."""
+    answer to a cancelled request); `retries`: token-exact resubmissions; `cancelled`: requests cancelled;
+    `regenerated`: trajectories dropped as staler than `max_staleness` and generated again; `staleness`: how many
+    trajectories arrived at each staleness (committed weight version at receipt minus their first token's)."""
 
     duplicates: int = 0
     retries: int = 0
     cancelled: int = 0
+    regenerated: int = 0
+    staleness: Counter[int] = field(default_factory=Counter)
 
 
 class Call:
@@ -62,6 +67,7 @@ class Call:
         self.attempts = [r.request_id for r in self.requests]
         self.partial: list[Trajectory | None] = [None] * count
         self.spent_s: list[tuple[float, float]] = [(0.0, 0.0)] * count  # earlier attempts' (queue, generation) s
+        self.regenerations: dict[int, int] = {}  # position -> times dropped as stale and generated again
 
     def set(self, index: int, result: Any) -> None:
         if self.results[index] is not None:
@@ -138,6 +144,7 @@ class Connection:
         self.placed: dict[str, Placed] = {}  # request id -> where it was enqueued (what a cancel sweeps)
         self._cancelling: set[str] = set()  # cancelled, their cancel not yet sent: their placements are kept
         self.stats = ClientStats()
+        self.committed_version = 0  # the fleet's committed weight version, read with every batch of results
         self._request_numbers = itertools.count()
         self._closing = False
         self.outbox: asyncio.Queue[_EnqueueOp | _CancelOp | None] = asyncio.Queue()
@@ -234,8 +241,11 @@ class Connection:
         done_ids: list[bytes] = []
         while not self._closing:
             try:
-                records = await self.streams.read_results(self.results, last_id, done_ids, self.settings.read_block_ms)
+                records, committed = await self.streams.read_results(
+                    self.results, last_id, done_ids, self.settings.read_block_ms, self.settings.keys.state
+                )
                 done_ids, failures = [], 0
+                self.committed_version = committed
             except (RedisError, OSError) as exc:  # the reader must outlive any Redis trouble
                 failures += 1
                 log.warning("reading results failed (%s); retrying", exc)
@@ -264,7 +274,41 @@ class Connection:
             if self._retry(call, index, result):
                 return
             result = self._final(call, index, result)
+            staleness = max(0, self.committed_version - first_version(result))
+            self.stats.staleness[staleness] += 1
+            result = result.model_copy(update={"staleness": staleness, "request_id": call.requests[index].request_id})
+            if self._too_stale(call, index, result):
+                return
         call.set(index, result)
+
+    def _too_stale(self, call: Call, index: int, result: Trajectory) -> bool:
+        """Drop a trajectory staler than `max_staleness` and generate it again (policy `regenerate`, at most
+        `max_abort_retries` times per request); False if the caller gets it (fresh enough, or marked)."""
+        limit = self.settings.max_staleness
+        if limit is None or result.staleness is None or result.staleness <= limit:
+            return False
+        request = call.requests[index]
+        if self.settings.stale_policy != "regenerate" or not isinstance(request, RolloutRequest):
+            return False
+        if call.regenerations.get(index, 0) >= self.settings.max_abort_retries:
+            return False
+        if request.deadline is not None and request.deadline <= time.time():
+            return False
+        call.regenerations[index] = call.regenerations.get(index, 0) + 1
+        again = request.model_copy(update={"request_id": self.new_id()})
+        call.partial[index], call.attempts[index] = None, again.request_id
+        call.spent_s[index] = (0.0, 0.0)
+        self.waiting[again.request_id] = (call, index)
+        self.stats.regenerated += 1
+        self._enqueue([again], -1).add_done_callback(lambda f: self._regenerate_enqueued(f, call, index, result))
+        return True
+
+    def _regenerate_enqueued(self, future: asyncio.Future[None], call: Call, index: int, stale: Trajectory) -> None:
+        """A regeneration that could not be enqueued (Redis away): the caller gets the stale trajectory, marked."""
+        if future.cancelled() or future.exception() is None:
+            return
+        if self.waiting.pop(call.attempts[index], None) is not None:
+            call.set(index, stale)
 
     def _final(self, call: Call, index: int, result: Trajectory) -> Trajectory:
         if result.finish_reason != "abort" or result.abort_cause not in RETRIED_CAUSES:
@@ -294,6 +338,7 @@ class Connection:
             logprobs=result.logprobs,
             text=result.text,
             interruptions=result.interruptions + 1,
+            weight_versions=result.weight_versions,
         )
         retry = RolloutRequest(
             request_id=self.new_id(),
@@ -340,3 +385,8 @@ def _enqueue_item(request: Request) -> Enqueue:
     if isinstance(request, RolloutRequest):
         return Enqueue(encode(request), request.session_id)
     return Enqueue(encode(request), tokens=True)
+
+
+def first_version(trajectory: Trajectory) -> int:
+    """The weight version of a trajectory's first token (of its engine, if it has none)."""
+    return trajectory.weight_versions[0][0] if trajectory.weight_versions else trajectory.weight_version

@@ -25,10 +25,12 @@ SCHEMA_VERSION = 1
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 # Why a request stopped early (finish_reason "abort"): a pause in abort mode, an explicit abort or cancel, its
-# deadline, or its worker shutting down. "pause" and "shutdown" are retried token-exact by RolloutClient.
-AbortCause = Literal["pause", "user", "deadline", "shutdown"]
+# deadline, its worker shutting down, or its worker found stale (it missed a weight sync). "pause", "shutdown" and
+# "stale" are retried token-exact by RolloutClient.
+AbortCause = Literal["pause", "user", "deadline", "shutdown", "stale"]
 PauseMode = Literal["keep", "abort", "wait"]
-WorkerState = Literal["starting", "serving", "paused", "sleeping", "draining"]
+WorkerState = Literal["starting", "serving", "paused", "sleeping", "draining", "stale"]
+WeightSpan = tuple[int, int]  # (weight version, index of the first completion token generated under it)
 ErrorCode = Literal[
     "invalid_request",  # bad input: fix it, retrying will not help
     "deadline_exceeded",  # the request's deadline passed before it finished
@@ -101,6 +103,7 @@ class Continuation(_Message):
     logprobs: list[float] = Field(default_factory=list)
     text: str = ""
     interruptions: int = Field(0, ge=0)
+    weight_versions: list[WeightSpan] = Field(default_factory=list)
 
 
 class RolloutRequest(_Message):
@@ -182,6 +185,11 @@ class Trajectory(_Message):
     inside the engine (summed over retries). `finish_reason == "error"` marks a request that failed; `error`
     says why. `finish_reason == "abort"` marks one stopped early; `abort_cause` says why. `interruptions`
     counts the aborts (pauses, worker shutdowns) it was retried through, token-exact.
+
+    Weights: `weight_versions` lists the versions the completion spanned as `(version, first_token_index)` pairs,
+    in order (a keep-pause across a weight sync gives two); `weight_version` is the version of the last token
+    (of the engine, for a trajectory without tokens). `staleness` is set by the client: the committed version when
+    it received the trajectory minus the version of its first token (None until then).
     """
 
     request_id: str
@@ -200,6 +208,8 @@ class Trajectory(_Message):
     error_code: ErrorCode | None = None
     abort_cause: AbortCause | None = None
     interruptions: int = 0
+    weight_versions: list[WeightSpan] = Field(default_factory=list)
+    staleness: int | None = None
 
 
 def unrun_trajectory(request: RolloutRequest, cause: AbortCause, worker_id: str = "") -> Trajectory:
@@ -216,6 +226,8 @@ def unrun_trajectory(request: RolloutRequest, cause: AbortCause, worker_id: str 
         finish_reason="abort",
         abort_cause=cause,
         interruptions=prior.interruptions if prior else 0,
+        weight_versions=list(prior.weight_versions) if prior else [],
+        weight_version=prior.weight_versions[-1][0] if prior and prior.weight_versions else 0,
         worker_id=worker_id,
         queue_time_s=max(0.0, time.time() - request.submitted_at),
     )
@@ -254,6 +266,61 @@ class ControlCommand(_Message):
     epoch: int = 0
 
 
+class TransferGroup(_Message):
+    """A weight-transfer process group (`torch.distributed`, built from a `TCPStore`): rank 0 is the trainer,
+    listening at `master_addr:master_port`; `ranks` maps each member worker to its first rank (it takes
+    `weight_ranks` consecutive ones). `token` is a one-time secret, the store's key prefix: only a process that
+    read it from Redis finds the rendezvous. `timeout_s` bounds every collective. `backend`: gloo or nccl."""
+
+    group_id: str
+    master_addr: str
+    master_port: int
+    token: str
+    world_size: int
+    backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_s: float = 60.0
+    ranks: dict[str, int] = Field(default_factory=dict)
+
+
+class WeightSyncOrder(_Message):
+    """One weight sync, as the trainer publishes it (`Keys.weight_sync`). `transport` broadcast: the members of
+    `group` receive the announced tensors from rank 0; checkpoint: every member loads `path` (a directory holding
+    `model.safetensors`, under its checkpoint root). `members`: the workers expected at the barriers."""
+
+    sync_id: str
+    version: int
+    transport: Literal["broadcast", "checkpoint"]
+    members: list[str]
+    group: TransferGroup | None = None
+    path: str | None = None
+    issued_at: float = Field(default_factory=time.time)
+
+
+class TensorSpec(_Message):
+    """One tensor inside a bucket: bytes `[offset, offset + nbytes)` viewed as `dtype` (torch's name, say
+    "float32") and reshaped to `shape`."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+class WeightManifest(_Message):
+    """The tensors of one broadcast sync, announced before the transfer: bucket i is one broadcast of
+    `bucket_nbytes[i]` bytes (uint8) holding `buckets[i]`."""
+
+    sync_id: str
+    version: int
+    bucket_nbytes: list[int]
+    buckets: list[list[TensorSpec]]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bucket_nbytes)
+
+
 Request = RolloutRequest | TokenizeRequest | DetokenizeRequest
 Result = Trajectory | ErrorResult | TokenizeResult
 _TYPES: dict[str, type[_Message]] = {
@@ -266,6 +333,8 @@ _TYPES: dict[str, type[_Message]] = {
         ErrorResult,
         TokenizeResult,
         ControlCommand,
+        WeightSyncOrder,
+        WeightManifest,
     )
 }
 
@@ -354,6 +423,7 @@ class WorkerStatus(BaseModel):
     incarnation: int = 0
     error_epoch: int = 0
     error: str = ""
+    weight_ranks: int = 1
 
     def to_hash(self) -> dict[str, str]:
         """The heartbeat hash's fields: every value as a string (bools as 1/0)."""

@@ -2,7 +2,7 @@
 
 # Shared by the placement scripts. fleet_at(kf, af): the fleet block of KEYS from index kf (Keys.fleet: state,
 # workers set, then heartbeat, session set and pinned stream per worker) and of ARGV from index af (the worker
-# count, then the ids). place(): a live pin stays unless its worker sleeps or drains; otherwise the preferred
+# count, then the ids). place(): a live pin stays unless its worker sleeps, drains or is stale; otherwise the preferred
 # worker, if serving or paused, takes the session; otherwise the converged (applied the current epoch) serving
 # or paused worker with the fewest unexpired sessions. No such worker: false (the shared stream).
 _FLEET_LUA = """
@@ -36,7 +36,7 @@ local function place(f, epoch, ttl_ms, skey, sid, preferred)
   local w = redis.call('GET', skey)
   if w and f.hb[w] then
     local state = redis.call('HGET', f.hb[w], 'state')
-    if state and state ~= 'sleeping' and state ~= 'draining' then return pin(w) end
+    if state and state ~= 'sleeping' and state ~= 'draining' and state ~= 'stale' then return pin(w) end
     redis.call('ZREM', f.zs[w], sid)
   end
   if w then redis.call('DEL', skey) end

@@ -390,15 +390,20 @@ class RequestStreams:
 
     # --- results and inspection -------------------------------------------------------------------------
 
-    async def read_results(self, stream: str, last_id: bytes, done_ids: list[bytes], block_ms: int) -> list[Any]:
-        """XDEL the results already consumed, then XREAD new ones after `last_id`: one round trip."""
+    async def read_results(
+        self, stream: str, last_id: bytes, done_ids: list[bytes], block_ms: int, state: str
+    ) -> tuple[list[Any], int]:
+        """XDEL the results already consumed, XREAD new ones after `last_id`, and read the committed weight version
+        from the state hash `state` as it is right after they arrived (Redis runs a connection's commands in
+        order, so the HGET waits behind the blocking read): one round trip. Returns (records, committed)."""
         pipe = self.redis.pipeline(transaction=False)
         if done_ids:
             pipe.xdel(stream, *done_ids)
         pipe.xread({stream: last_id}, count=1000, block=block_ms)
+        pipe.hget(state, "weight_version")
         replies = await pipe.execute()
-        reply = replies[-1]
-        return reply[0][1] if reply else []
+        reply, committed = replies[-2], replies[-1]
+        return (reply[0][1] if reply else []), int(committed or 0)
 
     async def depth(self, stream: str) -> dict[str, int]:
         """Length (queued + in flight, since acked entries are deleted) and pending count of a requests stream."""

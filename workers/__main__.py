@@ -28,7 +28,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_engine(engine: EngineSettings, settings: Settings) -> Engine:
     if engine.engine == "echo":
         return EchoEngine(
-            capacity=engine.capacity, max_model_len=engine.max_model_len, token_delay_s=engine.echo_token_delay_s
+            capacity=engine.capacity,
+            max_model_len=engine.max_model_len,
+            token_delay_s=engine.echo_token_delay_s,
+            load_delay_s=engine.echo_load_delay_s,
         )
     from rollout_svc.model import prepare_model
     from workers.engine import VLLMEngine

@@ -102,6 +102,8 @@ class Converger:
             if desired.paused:
                 assert desired.pause_mode is not None
                 return await self._pause(desired.pause_mode)
+            if self.state.weight_version != desired.weight_version:
+                return await self._stale()
             if self._engine_paused is not None:
                 await self.engine.resume()
                 self._engine_paused = None
@@ -132,6 +134,15 @@ class Converger:
             await self.engine.pause(mode)
             self._engine_paused = mode
         return mode == "keep" or self.index.generating == 0
+
+    async def _stale(self) -> bool:
+        """This worker's weights are not the committed version: take no work, and cut what it runs (the client
+        resubmits it, token-exact, to a worker with the committed weights). It never serves an old version."""
+        self.state.set_label("stale")
+        self.state.pause_mode = None
+        await self._stop_taking()
+        await self.index.cancel_all([r for r in self.index.records() if r.generation], "stale")
+        return True
 
     async def _sleep(self, desired: FleetState) -> bool:
         self.state.set_label("sleeping")

@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rollout_svc.errors import InvalidRequestError
-from rollout_svc.protocol import PauseMode, SamplingParams
+from rollout_svc.protocol import PauseMode, SamplingParams, TransferGroup, WeightManifest
 from workers.engine import Completion
 
 
 class _EchoRun:
     """One request the echo engine is generating; `aborted` is set to stop it."""
 
-    __slots__ = ("aborted",)
+    __slots__ = ("aborted", "produced")
 
     def __init__(self) -> None:
         self.aborted = asyncio.Event()
+        self.produced = 0
 
 
 class EchoEngine:
@@ -28,15 +32,27 @@ class EchoEngine:
     (`prior` tokens already generated) goes on where the uninterrupted echo would be, so a retried request
     equals an uninterrupted one token for token. `token_delay_s` makes it generate one token per that many
     seconds, to stand in for a long generation; pause, abort, sleep and wake-up behave as vLLM's do.
+
+    Weight sync is real up to the model: it joins the transfer group (gloo, in a thread), receives every announced
+    bucket, and "loads" them by keeping their SHA-256 (`weights_digest`); a checkpoint is read whole the same way.
+    Its output does not depend on the weights. `load_delay_s` stands in for a slow load.
     """
 
     memory_released = False
+    weight_ranks = 1
 
     def __init__(
-        self, model_name: str = "echo", capacity: int = 1024, max_model_len: int = 2048, token_delay_s: float = 0.0
+        self,
+        model_name: str = "echo",
+        capacity: int = 1024,
+        max_model_len: int = 2048,
+        token_delay_s: float = 0.0,
+        load_delay_s: float = 0.0,
     ) -> None:
         self.model_name, self.capacity = model_name, capacity
-        self.max_model_len, self.token_delay_s = max_model_len, token_delay_s
+        self.max_model_len, self.token_delay_s, self.load_delay_s = max_model_len, token_delay_s, load_delay_s
+        self.weights_digest = ""
+        self._group: Any = None
         self._runs: dict[str, _EchoRun] = {}
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -98,6 +114,7 @@ class EchoEngine:
             due += self.token_delay_s
             await asyncio.sleep(max(0.0, due - loop.time()))
             produced += 1  # a step that started completes, as in vLLM
+            run.produced = produced
             if not self._unpaused.is_set():
                 frozen_at = loop.time()
                 await self._unfrozen(run)
@@ -150,7 +167,49 @@ class EchoEngine:
         return _bytes_text(token_ids)
 
     async def close(self) -> None:
-        return None
+        self._group = None
+
+    async def join_weight_group(self, spec: TransferGroup, first_rank: int, host: str) -> None:
+        from rollout_svc.weights import join_group
+
+        self._group = None
+        self._group = await asyncio.to_thread(join_group, spec, first_rank, host)
+
+    async def leave_weight_group(self) -> None:
+        self._group = None
+
+    async def receive_weights(self, manifest: WeightManifest) -> dict[str, float]:
+        import torch
+
+        from rollout_svc.weights import receive_buckets, receive_device
+
+        if self._group is None:
+            raise RuntimeError("not in a weight transfer group: join one first")
+        started = time.perf_counter()
+        try:
+            tensors = await asyncio.to_thread(receive_buckets, self._group, manifest, receive_device("gloo"))
+        except Exception:
+            self._group = None
+            raise
+        received = time.perf_counter()
+        digest = hashlib.sha256()
+        for name, tensor in tensors:
+            digest.update(name.encode())
+            digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        await asyncio.sleep(self.load_delay_s)
+        self.weights_digest = digest.hexdigest()
+        return {"receive_s": received - started, "load_s": time.perf_counter() - received}
+
+    async def load_checkpoint(self, path: str) -> dict[str, float]:
+        started = time.perf_counter()
+        data = await asyncio.to_thread((Path(path) / "model.safetensors").read_bytes)
+        await asyncio.sleep(self.load_delay_s)
+        self.weights_digest = hashlib.sha256(data).hexdigest()
+        return {"load_s": time.perf_counter() - started}
+
+    def output_tokens(self, request_id: str) -> int | None:
+        run = self._runs.get(request_id)
+        return None if run is None else run.produced
 
 
 def _bytes_text(token_ids: list[int]) -> str:

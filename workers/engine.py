@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rollout_svc.errors import EngineDeadError, InvalidRequestError
-from rollout_svc.protocol import PauseMode, SamplingParams
+from rollout_svc.protocol import PauseMode, SamplingParams, TransferGroup, WeightManifest
+from workers.weight_extension import WORKER_EXTENSION
 
 if TYPE_CHECKING:  # vllm is imported lazily: a worker running EchoEngine must not pay its import
     from vllm import RequestOutput
@@ -75,6 +76,28 @@ class Engine(Protocol):
 
     async def close(self) -> None: ...
 
+    # --- weight sync (the receiving end; see rollout_svc.weights) ---
+
+    weight_ranks: int  # ranks it takes in a weight transfer group (vLLM: tensor x pipeline parallel size)
+
+    async def join_weight_group(self, spec: TransferGroup, first_rank: int, host: str) -> None:
+        """Join the trainer's transfer group (blocks until every rank has; raises on its timeout)."""
+        ...
+
+    async def leave_weight_group(self) -> None: ...
+
+    async def receive_weights(self, manifest: WeightManifest) -> dict[str, float]:
+        """Receive the announced buckets from rank 0, then load them (nothing loads unless all arrived)."""
+        ...
+
+    async def load_checkpoint(self, path: str) -> dict[str, float]:
+        """Load the safetensors of checkpoint directory `path` (the caller checked it is allowed)."""
+        ...
+
+    def output_tokens(self, request_id: str) -> int | None:
+        """Tokens generated so far by a request the engine holds (None: it holds no such request)."""
+        ...
+
 
 def vllm_engine_args(
     model: str,
@@ -115,6 +138,7 @@ def vllm_engine_args(
         "seed": seed,
         "logprobs_mode": "processed_logprobs",
         "disable_log_stats": True,
+        "worker_extension_cls": WORKER_EXTENSION,
         "enable_sleep_mode": current_platform.is_sleep_mode_available()
         if enable_sleep_mode is None
         else enable_sleep_mode,
@@ -165,6 +189,9 @@ class VLLMEngine:
         self.model_name = Path(model).name
         self.capacity = max_num_seqs
         self.memory_released = False  # known once started: sleep frees memory only where sleep mode is on
+        self.weight_ranks = int(engine_settings.get("tensor_parallel_size", 1)) * int(
+            engine_settings.get("pipeline_parallel_size", 1)
+        )
         self._engine_kwargs: dict[str, Any] = {"max_num_seqs": max_num_seqs, **engine_settings}
         self._model = model
         self._llm: AsyncLLM | None = None
@@ -269,6 +296,34 @@ class VLLMEngine:
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self._running().get_tokenizer().decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    async def join_weight_group(self, spec: TransferGroup, first_rank: int, host: str) -> None:
+        """Every engine rank joins (`WeightSyncExtension.rollout_join_group`, in vLLM's worker processes)."""
+        await self._running().collective_rpc("rollout_join_group", args=(spec.model_dump(), first_rank, host))
+
+    async def leave_weight_group(self) -> None:
+        await self._running().collective_rpc("rollout_leave_group")
+
+    async def receive_weights(self, manifest: WeightManifest) -> dict[str, float]:
+        """Receive and load in vLLM's worker processes (`reload_weights(weights_iterator=...)`); the engine does not
+        step meanwhile. Returns the first rank's seconds receiving and loading."""
+        results = await self._running().collective_rpc("rollout_receive", args=(manifest.model_dump(),))
+        return dict(results[0])
+
+    async def load_checkpoint(self, path: str) -> dict[str, float]:
+        """`reload_weights(weights_path=path)` on every engine rank."""
+        results = await self._running().collective_rpc("rollout_load_checkpoint", args=(path,))
+        return dict(results[0])
+
+    def output_tokens(self, request_id: str) -> int | None:
+        """Output tokens vLLM's output processor has seen for `request_id` (in this process: exact once a pause
+        returned, since the engine core sends every step's output before the pause's reply)."""
+        processor: Any = self._running().output_processor
+        internal = processor.external_req_ids.get(request_id)
+        if not internal:
+            return None
+        states = [processor.request_states.get(i) for i in internal]
+        return sum(s.detokenizer.num_output_tokens() for s in states if s is not None)
 
     def num_unfinished_requests(self) -> int:
         """Requests vLLM holds now (waiting or running); 0 after every `generate` returned or was cancelled."""

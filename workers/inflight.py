@@ -37,6 +37,8 @@ class InFlight:
     reply_to: str | None = None
     payload: bytes = b""
     publishing: bool = False  # answered, its result queued: released once published
+    start_version: int = 0  # the weight version when it entered the engine
+    version_marks: list[tuple[int, int]] = field(default_factory=list)  # weight syncs while in it: (version, token)
 
     @property
     def request_ids(self) -> tuple[str, ...]:

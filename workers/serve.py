@@ -167,7 +167,7 @@ class RequestServer:
                 update={"prompt_token_ids": prompt}
             )
         started = time.time()
-        record.in_engine = True
+        record.in_engine, record.start_version = True, self.state.weight_version
         try:
             completion = await self.engine.generate(request.request_id, prompt, params, prior_ids)
         finally:
@@ -179,6 +179,7 @@ class RequestServer:
             new = bool(completion.completion_token_ids)
             text = await self.engine.detokenize(tokens, params.skip_special_tokens) if new else prior.text
         aborted = completion.finish_reason == "abort"
+        spans = weight_spans(prior.weight_versions if prior else [], record, len(tokens))
         # Built from this engine's own output, not validated again: the producer validates what it decodes.
         return Trajectory.model_construct(
             request_id=request.request_id,
@@ -189,7 +190,8 @@ class RequestServer:
             logprobs=logprobs,
             finish_reason=completion.finish_reason,  # type: ignore[arg-type]
             text=text,
-            weight_version=self.state.weight_version,
+            weight_version=spans[-1][0],
+            weight_versions=spans,
             worker_id=self.state.worker_id,
             queue_time_s=max(0.0, taken_at - request.submitted_at),
             generation_time_s=time.time() - started,
@@ -205,3 +207,26 @@ class RequestServer:
             recoverable=recoverable,
             worker_id=self.state.worker_id,
         )
+
+
+def weight_spans(prior: list[tuple[int, int]], record: InFlight, total: int) -> list[tuple[int, int]]:
+    """The `(weight version, first token index)` spans of a completion of `total` tokens: those of its earlier
+    attempts (`prior`), then the version it entered the engine with (at the first token this attempt made), then
+    each weight sync while it ran (`record.version_marks`, token indices counted over the whole completion).
+
+    A span that holds no token is dropped (a sync at the very end, or two at one token), and so is a repeated
+    version; a completion without tokens keeps one span, the version its engine had last.
+    """
+    request = record.request
+    kept = len(request.continuation.token_ids) if isinstance(request, RolloutRequest) and request.continuation else 0
+    spans: list[tuple[int, int]] = []
+    for version, first in [*prior, (record.start_version, kept), *record.version_marks]:
+        first = max(first, spans[-1][1] if spans else 0)
+        if spans and spans[-1][1] == first:  # the span before holds no token: this one replaces it
+            spans.pop()
+        if spans and spans[-1][0] == version:
+            continue
+        spans.append((version, first))
+    while len(spans) > 1 and spans[-1][1] >= total:
+        spans.pop()
+    return spans

@@ -23,11 +23,13 @@ from rollout_svc.protocol import WorkerStatus
 from rollout_svc.reaper import Reaper
 from rollout_svc.registry import Registry
 from rollout_svc.streams import Entry, RequestStreams
+from rollout_svc.weight_sync import WeightSyncPlane
 from workers.converge import Converger
 from workers.engine import Engine
 from workers.inflight import AbortRules, InFlight, InFlightIndex
 from workers.serve import REDIS_ERRORS, RequestServer, backoff_s
 from workers.state import WorkerState
+from workers.weights import WeightReceiver
 
 log = logging.getLogger("rollout_svc.worker")
 SWEEP_INTERVAL_S = 0.1  # deadlines and missed aborts are checked this often (not a timer per request)
@@ -51,7 +53,8 @@ class Worker:
     Its loops, by name: `take` (rollout requests, while serving), `tokens` (tokenize requests, always),
     `publish` (results + acks, batched), `heartbeat` (liveness; fencing), `control` (converge on the desired
     state, acknowledge), `listen` (pub/sub nudges), `reap` (requeue dead workers' requests), `sweep`
-    (deadlines, missed aborts). If one fails unexpectedly, the worker exits (crash-only).
+    (deadlines, missed aborts), `weights` (weight sync orders, catch-up). If one fails unexpectedly, the worker
+    exits (crash-only).
     """
 
     def __init__(
@@ -102,6 +105,10 @@ class Worker:
         self.control = ControlPlane(self.redis, self.settings)
         self.reaper = Reaper(self.redis, self.settings)
         self.converger = Converger(self.control, self.engine, self.index, self.state, self.rules, self._stop_taking)
+        self.weight_plane = WeightSyncPlane(self.redis, self.settings)
+        self.receiver = WeightReceiver(
+            self.settings, self.weight_plane, self.control, self.engine, self.state, self.index, self._wake.set
+        )
         self.server = RequestServer(
             self.settings, self.engine, self.state, self.index, self.rules, self.streams, self.reaper,
             self._queue_result, self._engine_died,
@@ -137,6 +144,7 @@ class Worker:
             ("listen", self._listen_loop),
             ("reap", self._reap_loop),
             ("sweep", self._sweep_loop),
+            ("weights", self._weights_loop),
         ]
 
     async def _guarded(self, name: str, loop: Coroutine[Any, Any, None]) -> None:
@@ -207,6 +215,7 @@ class Worker:
             incarnation=state.incarnation,
             error_epoch=state.error_epoch,
             error=state.error,
+            weight_ranks=self.engine.weight_ranks,
         )
 
     async def _beat(self, *, renew: bool = True, announce: bool = False) -> bool:
@@ -469,6 +478,35 @@ class Worker:
                     await self._beat(announce=True)
             except REDIS_ERRORS as exc:
                 log.warning("reading the control state failed (%s); retrying", exc)
+
+    async def _weights_loop(self) -> None:
+        """Follow weight sync orders and catch up to the committed version: on every nudge on the weights
+        channel, and every heartbeat interval (a nudge may be lost)."""
+        pubsub = None
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                if pubsub is None:
+                    pubsub = await self.weight_plane.subscribe()
+                if not self._fenced:
+                    await self.receiver.step()
+                failures = 0
+                await pubsub.get_message(timeout=self.settings.heartbeat_interval_s)
+                while await pubsub.get_message(timeout=0) is not None:
+                    pass  # nudges that came meanwhile: one step covers them all
+            except EngineDeadError as exc:
+                self._engine_died(exc)
+                return
+            except REDIS_ERRORS as exc:
+                failures += 1
+                log.warning("weight sync: Redis failed (%s); retrying", exc)
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()
+                pubsub = None
+                await asyncio.sleep(backoff_s(failures))
+        if pubsub is not None:
+            await pubsub.aclose()
 
     async def _cancel_tombstoned(self) -> None:
         """Read the tombstones written since the last read; abort the in-flight requests they name (those taken

@@ -1,0 +1,437 @@
+"""Weight sync, the trainer's side (`WeightSender`) and the tensor code both ends share. Imports torch.
+
+`import rollout_svc` never imports this module's torch: `rollout_svc.WeightSender` is exported lazily.
+
+A sync (DESIGN.md section 5): pause the fleet (keep or abort, the trainer's choice) -> publish the sync order ->
+barrier `joined` -> announce the tensors -> transfer -> workers load and reset their prefix cache -> barrier
+`loaded` -> commit the version in the state hash -> resume. The transfer is a `torch.distributed` process group
+made for it alone from a `TCPStore` (never the default group): gloo for CPU tensors, NCCL for CUDA ones, one code
+path. Rank 0 is the trainer; each worker takes as many ranks as its engine has (TP x PP), assigned here and
+published in Redis. The group is built once and reused; it is rebuilt when the live workers change, and after a
+failed collective. Each build listens on a fresh port behind a one-time token (the store's key prefix) that only
+readers of Redis know: `TCPStore` and gloo are unauthenticated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from redis.asyncio import Redis
+
+from rollout_svc.config import Settings
+from rollout_svc.control import ControlPlane
+from rollout_svc.errors import InvalidRequestError, ProtocolError, WeightSyncError
+from rollout_svc.protocol import PauseMode, TensorSpec, TransferGroup, WeightManifest, WeightSyncOrder
+from rollout_svc.weight_sync import JOINED, LOADED, BarrierOutcome, WeightSyncPlane, advertise_address
+
+log = logging.getLogger("rollout_svc.weights")
+ALIGN_BYTES = 64  # every tensor starts at a multiple of this inside its bucket (any dtype's view is aligned)
+SYNC_HOLDER = "weight-sync"  # the pause holder of a sync: `rollout-svc resume --holder weight-sync` if a trainer died
+MAX_ATTEMPTS = 3  # a sync whose group failed is retried with the members still alive, this many times in all
+
+
+# --- tensors <-> buckets ------------------------------------------------------------------------------------------
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype called `name` ("float32", "bfloat16", ...). Raises `ProtocolError` for anything else."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ProtocolError(f"unknown tensor dtype {name!r} in a weight manifest")
+    return dtype
+
+
+def plan_buckets(
+    tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> tuple[list[list[TensorSpec]], list[int]]:
+    """Pack tensors, in order, into buckets of at most `bucket_bytes` bytes (a larger tensor gets one of its own).
+
+    Returns each bucket's tensor specs and its size in bytes. Offsets are aligned to `ALIGN_BYTES`.
+    """
+    buckets: list[list[TensorSpec]] = [[]]
+    sizes = [0]
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        offset = -(-sizes[-1] // ALIGN_BYTES) * ALIGN_BYTES
+        if buckets[-1] and offset + nbytes > bucket_bytes:
+            buckets.append([])
+            sizes.append(0)
+            offset = 0
+        spec = TensorSpec(
+            name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), offset=offset, nbytes=nbytes
+        )
+        buckets[-1].append(spec)
+        sizes[-1] = offset + nbytes
+    if not buckets[-1]:
+        buckets.pop()
+        sizes.pop()
+    return buckets, sizes
+
+
+def fill_bucket(
+    specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor], nbytes: int, device: torch.device
+) -> torch.Tensor:
+    """One bucket's bytes: the tensors' raw bytes at their offsets, as a uint8 tensor on `device`."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for spec, tensor in zip(specs, tensors, strict=True):
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        buffer[spec.offset : spec.offset + spec.nbytes].copy_(raw)
+    return buffer
+
+
+def unpack_bucket(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a received bucket holds, as views of `buffer` (named, typed and shaped by the manifest)."""
+    out = []
+    for spec in specs:
+        raw = buffer[spec.offset : spec.offset + spec.nbytes]
+        out.append((spec.name, raw.view(torch_dtype(spec.dtype)).reshape(spec.shape)))
+    return out
+
+
+# --- the transfer group ---------------------------------------------------------------------------------------
+
+
+def open_store(host: str, world_size: int, timeout_s: float) -> Any:
+    """The trainer's rendezvous: a `TCPStore` listening on a fresh port of `host` (read it from `.port`)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return torch.distributed.TCPStore(host, 0, world_size, True, timeout=timeout, wait_for_workers=False)
+
+
+def join_group(spec: TransferGroup, rank: int, host: str, store: Any = None) -> Any:
+    """Join the transfer group as `rank` (blocks until every rank has; at most `spec.timeout_s`).
+
+    `host`: this process's own address (gloo binds there). `store`: the trainer passes the one it opened; the
+    other ranks connect to `spec.master_addr:spec.master_port`. Returns the process group (its `broadcast`).
+    Raises what torch raises when a peer does not come (a `DistStoreError` or `RuntimeError` naming a timeout).
+    """
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    dist: Any = torch.distributed
+    if store is None:
+        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout=timeout)
+    prefixed = dist.PrefixStore(f"rollout-svc/{spec.token}/", store)
+    if spec.backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(prefixed, rank, spec.world_size, options)
+
+
+def receive_buckets(group: Any, manifest: WeightManifest, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """Receive every bucket of `manifest` from rank 0 (one broadcast each); the named tensors, in order."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    for nbytes, specs in zip(manifest.bucket_nbytes, manifest.buckets, strict=True):
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        group.broadcast(buffer, 0).wait()
+        tensors += unpack_bucket(buffer, specs)
+    return tensors
+
+
+def receive_device(backend: str) -> torch.device:
+    """Where a receiver puts what it receives: its CUDA device for NCCL, the CPU for gloo."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# --- the trainer --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SyncReport:
+    """What one sync did. Times in seconds; `transfer_s` runs from the first bucket to the last (its GB/s is
+    `bytes / transfer_s / 1e9`), `pause_s` is the pause command, `load_s` the wait for every load after the
+    transfer, `total_s` the whole `update` call. `loaded`: workers now serving `version`; `stale`: live workers
+    that failed (with why; they take no work until a later sync includes them); `dead`: left out, dead."""
+
+    version: int
+    transport: Literal["broadcast", "checkpoint"]
+    loaded: list[str]
+    stale: dict[str, str] = field(default_factory=dict)
+    dead: list[str] = field(default_factory=list)
+    bytes: int = 0
+    buckets: int = 0
+    pause_s: float = 0.0
+    join_s: float = 0.0
+    transfer_s: float = 0.0
+    load_s: float = 0.0
+    total_s: float = 0.0
+    attempts: int = 1
+    group_rebuilt: bool = False
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.transfer_s / 1e9 if self.transfer_s > 0 else 0.0
+
+
+@dataclass
+class _Group:
+    spec: TransferGroup
+    members: dict[str, int]  # worker id -> its rank count
+    process_group: Any
+
+
+class WeightSender:
+    """Pushes new weights from a torch training loop into every rollout worker, and commits their version.
+
+    Example::
+
+        sender = WeightSender(redis_url="redis://127.0.0.1:6379/0")
+        await sender.init()
+        report = await sender.update(model.named_parameters(), version=step + 1)   # pause, send, load, resume
+        await sender.update_from_checkpoint("/ckpts/step-7", version=8)             # holds model.safetensors
+        await sender.close()
+
+    Nothing needs calling on the workers: they follow the orders in Redis. `update` raises `InvalidRequestError`
+    for a version not above the committed one, `WeightSyncError` if no live worker loaded the weights (the old
+    version stays committed) and `ControlTimeoutError` if the fleet did not pause. Workers that failed are named
+    in the returned `SyncReport` (`stale`): they take no work until a later sync includes them.
+
+    `bucket_bytes` (default `Settings.weight_bucket_bytes`) sizes the broadcasts; `timeout_s` (default
+    `Settings.weight_sync_timeout_s`) bounds each barrier and collective.
+    """
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        settings: Settings | None = None,
+        bucket_bytes: int | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        settings = settings or Settings()
+        if redis_url is not None:
+            settings = settings.model_copy(update={"redis_url": redis_url})
+        self.settings = settings
+        self.bucket_bytes = bucket_bytes or settings.weight_bucket_bytes
+        self.timeout_s = timeout_s or settings.weight_sync_timeout_s
+        self._redis: Redis | None = None
+        self._group: _Group | None = None
+        self._lock: asyncio.Lock | None = None
+
+    async def __aenter__(self) -> WeightSender:
+        await self.init()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def init(self) -> None:
+        """Connect to Redis (idempotent). Workers need no matching call: the group is built at the first update."""
+        if self._redis is not None:
+            return
+        self._redis = Redis.from_url(self.settings.redis_url, decode_responses=False)
+        await self._redis.ping()
+        self.control = ControlPlane(self._redis, self.settings)
+        self.plane = WeightSyncPlane(self._redis, self.settings)
+        await self.control.load_scripts()
+        self._lock = asyncio.Lock()
+
+    async def committed_version(self) -> int:
+        """The fleet's committed weight version (0 before the first sync)."""
+        await self.init()
+        return (await self.control.state()).weight_version
+
+    async def update(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, pause_mode: PauseMode = "keep"
+    ) -> SyncReport:
+        """Broadcast `named_tensors` (names as in the model's checkpoint; any dtype; CPU or CUDA) as `version`.
+
+        `pause_mode` keep freezes in-flight requests during the sync (they go on afterwards, and their
+        `weight_versions` record the switch); abort cuts them (the client resubmits them token-exact).
+        """
+        tensors = [(name, tensor.detach()) for name, tensor in named_tensors]
+        if not tensors:
+            raise InvalidRequestError("update() got no tensors; pass model.named_parameters() or a state dict's items")
+        return await self._sync(version, pause_mode, tensors=tensors)
+
+    async def update_from_checkpoint(self, path: str, version: int, pause_mode: PauseMode = "keep") -> SyncReport:
+        """Make every worker load the checkpoint at `path` (a directory holding `model.safetensors`, under the
+        workers' `checkpoint_root`) as `version`. Workers refuse a path outside their root."""
+        return await self._sync(version, pause_mode, path=str(path))
+
+    async def close(self) -> None:
+        """Leave the transfer group and disconnect. The committed version stays."""
+        self._group = None
+        if self._redis is not None:
+            await self.control.close()
+            await self._redis.aclose()
+            self._redis = None
+
+    # --- one sync ------------------------------------------------------------------------------------------
+
+    async def _sync(
+        self,
+        version: int,
+        pause_mode: PauseMode,
+        tensors: list[tuple[str, torch.Tensor]] | None = None,
+        path: str | None = None,
+    ) -> SyncReport:
+        await self.init()
+        assert self._lock is not None
+        async with self._lock:
+            started = time.monotonic()
+            committed = await self.committed_version()
+            if version <= committed:
+                raise InvalidRequestError(f"weight version {version} is not above the committed version {committed}")
+            await self.control.pause(pause_mode, holder=SYNC_HOLDER, timeout_s=self.timeout_s)
+            pause_s = time.monotonic() - started
+            try:
+                if tensors is not None:
+                    report = await self._broadcast(version, tensors)
+                else:
+                    assert path is not None
+                    report = await self._checkpoint(version, path)
+                if not report.loaded:
+                    raise WeightSyncError(version, "no worker loaded the weights; the old version stays committed", {
+                        **report.stale, **dict.fromkeys(report.dead, "dead")
+                    })  # fmt: skip
+                await self.control.commit_weights(version, path or "")
+            finally:
+                await self.control.resume(holder=SYNC_HOLDER, timeout_s=self.timeout_s)
+            report.pause_s, report.total_s = pause_s, time.monotonic() - started
+            if report.stale or report.dead:
+                log.warning(
+                    "weight version %d: stale %s, dead %s", version, report.stale or "none", report.dead or "none"
+                )
+            return report
+
+    async def _members(self) -> dict[str, int]:
+        """The live workers that can take part, with their rank counts."""
+        statuses = await self.control.registry.statuses(await self.control.registry.live_ids())
+        return {w: s.weight_ranks for w, s in statuses.items() if s is not None and s.state != "draining"}
+
+    async def _checkpoint(self, version: int, path: str) -> SyncReport:
+        members = sorted(await self._members())
+        if not members:
+            raise WeightSyncError(version, "no live worker")
+        sync_id = f"v{version}-{uuid.uuid4().hex[:8]}"
+        await self.plane.publish(
+            WeightSyncOrder(sync_id=sync_id, version=version, transport="checkpoint", members=members, path=path)
+        )
+        started = time.monotonic()
+        outcome = await self.plane.await_barrier(sync_id, LOADED, members, self.timeout_s)
+        report = _report(version, "checkpoint", outcome)
+        report.load_s = time.monotonic() - started
+        return report
+
+    async def _broadcast(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> SyncReport:
+        buckets, sizes = plan_buckets(tensors, self.bucket_bytes)
+        lost: dict[str, str] = {}  # failed or died in an earlier attempt of this sync
+        dead: list[str] = []
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            members = {w: n for w, n in (await self._members()).items() if w not in lost}
+            if not members:
+                raise WeightSyncError(version, "no live worker to send to", lost)
+            sync_id = f"v{version}-{uuid.uuid4().hex[:8]}"
+            started = time.monotonic()
+            rebuilt = self._group is None or self._group.members != members
+            if rebuilt:
+                self._group = None
+                backend: Literal["gloo", "nccl"] = "nccl" if tensors[0][1].is_cuda else "gloo"
+                spec, store = await self._open_group(members, backend)
+                group_task = asyncio.ensure_future(asyncio.to_thread(join_group, spec, 0, spec.master_addr, store))
+            else:
+                assert self._group is not None
+                spec = self._group.spec
+            names = sorted(members)
+            await self.plane.publish(
+                WeightSyncOrder(sync_id=sync_id, version=version, transport="broadcast", members=names, group=spec)
+            )
+            joined = await self.plane.await_barrier(sync_id, JOINED, names, self.timeout_s)
+            if rebuilt:
+                try:
+                    self._group = _Group(spec, dict(members), await group_task)
+                except Exception as exc:  # a member did not come: rebuild without it
+                    log.warning("building the weight transfer group failed (%s)", exc)
+                    self._group = None
+            dead += joined.dead
+            lost |= {
+                w: f"did not join the transfer group: {why}"
+                for w, why in joined.failures.items()
+                if w not in joined.dead
+            }
+            if self._group is None or joined.failures:
+                self._group = None
+                continue
+            join_s = time.monotonic() - started
+            manifest = WeightManifest(sync_id=sync_id, version=version, bucket_nbytes=sizes, buckets=buckets)
+            await self.plane.announce(manifest)
+            try:
+                transfer_s = await asyncio.to_thread(self._send, self._group, buckets, sizes, tensors)
+            except Exception as exc:  # a peer died mid-transfer: the group is broken
+                log.warning("weight transfer of version %d failed (%s); rebuilding the group", version, exc)
+                self._group = None
+                outcome = await self.plane.await_barrier(sync_id, LOADED, names, min(self.timeout_s, 10.0))
+                dead += outcome.dead
+                continue
+            loading = time.monotonic()
+            outcome = await self.plane.await_barrier(sync_id, LOADED, names, self.timeout_s)
+            report = _report(version, "broadcast", outcome)
+            report.stale |= lost
+            report.dead = sorted(set(report.dead) | set(dead))
+            report.bytes, report.buckets = sum(sizes), len(sizes)
+            report.join_s, report.transfer_s, report.load_s = join_s, transfer_s, time.monotonic() - loading
+            report.attempts, report.group_rebuilt = attempt, rebuilt
+            if outcome.dead or outcome.missing:
+                self._group = None  # its membership changed: the next sync builds a new one
+            return report
+        raise WeightSyncError(
+            version, f"the transfer group failed {MAX_ATTEMPTS} times", lost | dict.fromkeys(dead, "dead")
+        )
+
+    async def _open_group(self, members: dict[str, int], backend: Literal["gloo", "nccl"]) -> tuple[TransferGroup, Any]:
+        """A fresh rendezvous (new port, new token) for `members`, ranks assigned in worker-id order."""
+        host = advertise_address(self.settings)
+        world_size = 1 + sum(members.values())
+        store = await asyncio.to_thread(open_store, host, world_size, self.timeout_s)
+        ranks, next_rank = {}, 1
+        for worker_id in sorted(members):
+            ranks[worker_id], next_rank = next_rank, next_rank + members[worker_id]
+        spec = TransferGroup(
+            group_id=uuid.uuid4().hex,
+            master_addr=host,
+            master_port=int(store.port),
+            token=secrets.token_hex(16),
+            world_size=world_size,
+            backend=backend,
+            timeout_s=self.timeout_s,
+            ranks=ranks,
+        )
+        return spec, store
+
+    @staticmethod
+    def _send(
+        group: _Group, buckets: list[list[TensorSpec]], sizes: list[int], tensors: list[tuple[str, torch.Tensor]]
+    ) -> float:
+        """Broadcast every bucket from rank 0 (runs in a thread); returns seconds from first bucket to last."""
+        by_position = iter(t for _, t in tensors)
+        device = tensors[0][1].device if group.spec.backend == "nccl" else torch.device("cpu")
+        filled = [
+            fill_bucket(specs, [next(by_position) for _ in specs], nbytes, device)
+            for specs, nbytes in zip(buckets, sizes, strict=True)
+        ]
+        started = time.perf_counter()
+        for buffer in filled:
+            group.process_group.broadcast(buffer, 0).wait()
+        return time.perf_counter() - started
+
+
+def _report(version: int, transport: Literal["broadcast", "checkpoint"], outcome: BarrierOutcome) -> SyncReport:
+    stale = {w: why for w, why in outcome.failures.items() if w not in outcome.dead}
+    return SyncReport(version=version, transport=transport, loaded=outcome.ok, stale=stale, dead=list(outcome.dead))
