@@ -33,7 +33,8 @@ def free_port() -> int:
 def settings_env(settings: Settings) -> dict[str, str]:
     env = dict(os.environ)
     for name, value in settings.model_dump().items():
-        env[f"ROLLOUT_{name.upper()}"] = str(value)
+        if value is not None:  # unset: the default
+            env[f"ROLLOUT_{name.upper()}"] = str(value)
     return env
 
 

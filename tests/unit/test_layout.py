@@ -18,6 +18,15 @@ def test_import_rollout_svc_pulls_in_neither_vllm_nor_torch():
     assert out.stdout.strip() == "[]"
 
 
+def test_weight_sender_is_exported_lazily_and_workers_import_torch_only_to_sync():
+    code = (
+        "import sys, workers.worker, workers.echo, rollout_svc.weight_sync; before = 'torch' in sys.modules; "
+        "from rollout_svc import WeightSender; print(before, 'torch' in sys.modules, WeightSender.__module__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split() == ["False", "True", "rollout_svc.weights"]
+
+
 def test_no_pickle_in_service_code():
     pattern = re.compile(r"\bpickle\.(loads?|Unpickler)|cloudpickle")
     sources = [p for d in ("rollout_svc", "workers") for p in (ROOT / d).rglob("*.py")]

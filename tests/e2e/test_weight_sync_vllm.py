@@ -1,0 +1,125 @@
+"""Weight sync on the real engine: two float32 vLLM workers, the trainer sends SmolLM2's own tensors.
+
+One module fixture: two workers (one CPU core each) under a checkpoint root. Greedy float32 outputs are compared
+token for token: perturbed weights change them on both workers, the original weights restore them, a checkpoint
+of the perturbed weights gives the same output as their broadcast, and a keep-pause across a sync splits a
+generation exactly at the token it was frozen at.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rollout_svc import RolloutClient
+from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.model import prepare_model
+from rollout_svc.weights import WeightSender
+from tests.support import WorkerProcs, async_wait_until
+
+pytestmark = pytest.mark.vllm
+
+MiB = 2**20
+GREEDY = {"temperature": 0.0, "max_tokens": 16}
+SESSIONS = [f"s{i}" for i in range(4)]  # least-loaded placement spreads 4 sessions over both workers
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return prepare_model(Settings().cache_dir)
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_url: str, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    settings = Settings(
+        redis_url=redis_url,
+        key_prefix="e2e-weights",
+        heartbeat_ttl_s=30,
+        request_timeout_s=600,
+        control_timeout_s=120,
+        checkpoint_root=root,
+    )
+    engine = EngineSettings(model=str(model_dir), dtype="float32", max_num_seqs=16, kv_cache_memory_bytes=256 * MiB)
+    procs = WorkerProcs(settings, tmp_path_factory.mktemp("vllm-workers"))
+    for i in range(2):
+        procs.start(f"vllm-{i}", *engine.to_args(), env={"VLLM_CPU_OMP_THREADS_BIND": str(i)})
+    try:
+        procs.wait_live("vllm-0", "vllm-1", timeout_s=600)
+        yield settings
+    finally:
+        procs.stop_all()
+
+
+@pytest.fixture(scope="module")
+def weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    original = load_file(str(model_dir / "model.safetensors"))
+    noise = torch.Generator().manual_seed(0)
+    perturbed = {n: t + 0.1 * t.std() * torch.randn(t.shape, generator=noise) for n, t in original.items()}
+    return original, perturbed
+
+
+async def outputs(client: RolloutClient, prompt: list[int], version: int) -> list[list[int]]:
+    trajectories = await client.generate([prompt] * 4, GREEDY, session_ids=SESSIONS)
+    assert len({t.worker_id for t in trajectories}) == 2, "the sessions did not reach both workers"
+    assert all(t.weight_version >= version and t.weight_versions == [(version, 0)] for t in trajectories)
+    return [t.completion_token_ids for t in trajectories]
+
+
+async def test_updates_change_and_restore_greedy_output_by_broadcast_and_by_checkpoint(fleet, weights):
+    original, perturbed = weights
+    async with WeightSender(settings=fleet) as sender, RolloutClient(fleet) as client:
+        [prompt] = await client.apply_chat_template([[{"role": "user", "content": "What is the capital of France?"}]])
+        version = await sender.committed_version()
+        base = await outputs(client, prompt, version)
+        assert all(o == base[0] for o in base)
+        report = await sender.update(perturbed.items(), version=version + 1)
+        assert sorted(report.loaded) == ["vllm-0", "vllm-1"] and report.bytes > 500 * MiB and report.gb_per_s > 0
+        changed = await outputs(client, prompt, version + 1)
+        assert all(c != b for c, b in zip(changed, base, strict=True)), "perturbed weights did not change both"
+        await sender.update(original.items(), version=version + 2)
+        assert await outputs(client, prompt, version + 2) == base, "the original weights did not restore the output"
+
+        checkpoint = fleet.checkpoint_root / "perturbed"
+        checkpoint.mkdir()
+        save_file(perturbed, str(checkpoint / "model.safetensors"))
+        report = await sender.update_from_checkpoint(str(checkpoint), version=version + 3)
+        assert report.transport == "checkpoint" and sorted(report.loaded) == ["vllm-0", "vllm-1"]
+        assert await outputs(client, prompt, version + 3) == changed, "checkpoint and broadcast of one set differ"
+        await sender.update(original.items(), version=version + 4)
+        assert await outputs(client, prompt, version + 4) == base
+
+
+async def test_a_keep_pause_across_a_sync_splits_the_generation_at_the_frozen_token(fleet, weights):
+    """A greedy generation frozen by the sync's keep-pause goes on with the new weights from the token it reached:
+    its first `cut` tokens are the old weights' greedy output, the rest is exactly what the new weights generate
+    after the prompt and those `cut` tokens. An index off by one would fail one half or the other."""
+    original, perturbed = weights
+    long = {"temperature": 0.0, "max_tokens": 96, "ignore_eos": True}
+    async with WeightSender(settings=fleet) as sender, RolloutClient(fleet) as client:
+        [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Tell me a long story."}]])
+        old = await sender.committed_version()
+        [reference] = await client.generate([prompt], long)
+        running = asyncio.ensure_future(client.generate([prompt], long))
+
+        async def generating() -> bool:
+            return any(w.in_flight for w in await client.workers())
+
+        await async_wait_until(generating, 60, "the long request in flight")
+        await asyncio.sleep(1.0)  # some tokens in
+        await sender.update(perturbed.items(), version=old + 1, pause_mode="keep")
+        [split] = await running
+        [(v0, zero), (v1, cut)] = split.weight_versions
+        assert (v0, zero, v1) == (old, 0, old + 1) and 0 < cut < 96, split.weight_versions
+        assert split.staleness == 1 and split.weight_version == old + 1
+        tokens = split.completion_token_ids
+        assert tokens[:cut] == reference.completion_token_ids[:cut], "the tokens before the cut are the old model's"
+        after = {**long, "max_tokens": 96 - cut}
+        [continued] = await client.generate([prompt + tokens[:cut]], after)
+        assert continued.completion_token_ids == tokens[cut:], "the tokens after the cut are the new model's"
+        await sender.update(original.items(), version=old + 2)

@@ -1,0 +1,199 @@
+"""Weight sync on echo workers: real gloo transfers, real Redis barriers, real processes; the model is not the point.
+
+Echo workers receive every bucket over the transfer group and keep a digest of what they got; they load a
+checkpoint by reading it whole. What these tests check is the protocol: versions committed and carried on every
+token, keep-pauses split at the right token, dead and stale workers, catch-up, staleness on the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+from safetensors.torch import save_file
+
+from rollout_svc import InvalidRequestError, RolloutClient, WeightSyncError
+from rollout_svc.config import Settings
+from rollout_svc.weights import WeightSender
+from tests.support import WorkerProcs, async_wait_until
+
+PROMPT = list(range(1, 41))  # the echo engine answers with the prompt: 40 tokens at most
+
+
+def tensors(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(300, 64, generator=generator),
+        "model.norm.weight": torch.randn(64, generator=generator).to(torch.bfloat16),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(128, 64, generator=generator),
+    }
+
+
+@pytest.fixture
+def ws_settings(settings: Settings, tmp_path: Path) -> Settings:
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    return settings.model_copy(
+        update={"checkpoint_root": root, "weight_sync_timeout_s": 15.0, "control_timeout_s": 15.0}
+    )
+
+
+@pytest.fixture
+def procs(ws_settings: Settings, tmp_path: Path):
+    workers = WorkerProcs(ws_settings, tmp_path)
+    yield workers
+    workers.stop_all()
+
+
+def start(procs: WorkerProcs, *ids: str, args: tuple[str, ...] = ()) -> None:
+    for worker_id in ids:
+        procs.start(worker_id, "--engine", "echo", *args)
+    procs.wait_live(*ids)
+
+
+async def statuses(client: RolloutClient) -> dict[str, object]:
+    return {w.worker_id: w for w in await client.workers()}
+
+
+@pytest.mark.timeout(60)
+async def test_broadcast_commits_a_version_that_every_token_carries(ws_settings, procs, rds):
+    start(procs, "w0", "w1")
+    async with WeightSender(settings=ws_settings) as sender, RolloutClient(ws_settings) as client:
+        before = await client.generate([PROMPT] * 4, {"max_tokens": 8})
+        assert {t.weight_version for t in before} == {0} and all(t.weight_versions == [(0, 0)] for t in before)
+        first = await sender.update(tensors(1).items(), version=1)
+        assert first.loaded == ["w0", "w1"] and not first.stale and not first.dead and first.group_rebuilt
+        assert first.bytes >= sum(t.numel() * t.element_size() for t in tensors(1).values()) and first.transfer_s > 0
+        second = await sender.update(tensors(2).items(), version=2)
+        assert not second.group_rebuilt, "the same members: the group is reused"
+        assert await sender.committed_version() == 2
+        assert {w.weight_version for w in await client.workers()} == {2}
+        after = await client.generate([PROMPT] * 8, {"max_tokens": 8}, session_ids=[f"s{i}" for i in range(8)])
+        assert {t.worker_id for t in after} == {"w0", "w1"}
+        assert all(t.weight_version == 2 and t.weight_versions == [(2, 0)] and t.staleness == 0 for t in after)
+        with pytest.raises(InvalidRequestError, match="not above the committed version 2"):
+            await sender.update(tensors(3).items(), version=2)
+        assert client.stats.staleness[0] == 12
+
+
+@pytest.mark.timeout(60)
+async def test_keep_pause_across_a_sync_splits_the_versions_at_the_frozen_token(ws_settings, procs):
+    start(procs, "w0", args=("--echo-token-delay-s", "0.05"))
+    async with WeightSender(settings=ws_settings) as sender, RolloutClient(ws_settings) as client:
+        running = asyncio.ensure_future(client.generate([PROMPT], {"max_tokens": 40}))
+        await asyncio.sleep(0.6)
+        await client.pause("keep", holder="test")  # frozen: no token is generated until "test" resumes
+        frozen = (await client.workers())[0]
+        assert frozen.state == "paused" and frozen.in_flight == 1
+        await asyncio.sleep(0.3)
+        await sender.update(tensors(1).items(), version=1, pause_mode="keep")
+        await client.resume(holder="test")
+        [trajectory] = await running
+        assert len(trajectory.completion_token_ids) == 40 and trajectory.finish_reason == "stop"
+        [(old, zero), (new, cut)] = trajectory.weight_versions
+        assert (old, zero, new) == (0, 0, 1) and 0 < cut < 40, trajectory.weight_versions
+        assert trajectory.weight_version == 1 and trajectory.staleness == 1
+        # The cut is the token the pause froze it at: 0.05 s per token, ~0.6 s in, the pause itself a few ms.
+        assert 6 <= cut <= 16, cut
+
+
+@pytest.mark.timeout(60)
+async def test_max_staleness_drops_and_regenerates_or_marks(ws_settings, procs):
+    start(procs, "w0", args=("--echo-token-delay-s", "0.02"))
+    async with WeightSender(settings=ws_settings) as sender:
+        for policy, expect_regenerated in (("regenerate", 1), ("mark", 0)):
+            version = await sender.committed_version() + 1
+            async with RolloutClient(ws_settings, max_staleness=0, stale_policy=policy) as client:
+                running = asyncio.ensure_future(client.generate([PROMPT], {"max_tokens": 30}))
+                await asyncio.sleep(0.2)
+                await sender.update(tensors(version).items(), version=version, pause_mode="keep")
+                [trajectory] = await running
+                assert client.stats.regenerated == expect_regenerated
+                if policy == "regenerate":  # generated again, from its first token on the new version
+                    assert trajectory.weight_versions == [(version, 0)] and trajectory.staleness == 0
+                else:  # returned, marked by its staleness
+                    assert trajectory.weight_versions[0][0] == version - 1 and trajectory.staleness == 1
+                assert len(trajectory.completion_token_ids) == 30
+
+
+@pytest.mark.timeout(90)
+async def test_a_worker_killed_during_a_sync_is_left_out_and_named(ws_settings, procs, rds: redis.Redis):
+    start(procs, "w0", "w1", args=("--echo-load-delay-s", "3"))
+    async with WeightSender(settings=ws_settings) as sender, RolloutClient(ws_settings) as client:
+        syncing = asyncio.ensure_future(sender.update(tensors(1).items(), version=1))
+
+        def both_joined() -> bool:
+            return any(len(rds.hkeys(k)) == 2 for k in rds.keys(f"{ws_settings.key_prefix}:weight-sync:*:joined"))
+
+        await async_wait_until(both_joined, 20, "both workers joined the transfer group")
+        procs.kill("w1")  # while it loads
+        report = await syncing
+        assert report.loaded == ["w0"] and report.dead == ["w1"] and not report.stale
+        assert await sender.committed_version() == 1
+        # A worker started afterwards: version 0 where 1 is committed by broadcast, so it is stale and idle.
+        start(procs, "w2")
+        await async_wait_until(
+            lambda: rds.hget(ws_settings.keys.worker("w2"), "state") == b"stale", 10, "w2 labelled stale"
+        )
+        served = await client.generate([PROMPT] * 6, {"max_tokens": 4}, session_ids=[f"k{i}" for i in range(6)])
+        assert {t.worker_id for t in served} == {"w0"} and {t.weight_version for t in served} == {1}
+        assert (await statuses(client))["w2"].served == 0
+
+
+@pytest.mark.timeout(120)
+async def test_a_late_worker_stays_stale_until_included_and_catches_up_from_a_checkpoint(ws_settings, procs, rds):
+    start(procs, "w0")
+    async with WeightSender(settings=ws_settings) as sender, RolloutClient(ws_settings) as client:
+        for version in (1, 2, 3):
+            await sender.update(tensors(version).items(), version=version)
+        start(procs, "late")
+        await async_wait_until(
+            lambda: rds.hget(ws_settings.keys.worker("late"), "state") == b"stale", 10, "the late worker stale"
+        )
+        served = await client.generate([PROMPT] * 6, {"max_tokens": 4}, session_ids=[f"a{i}" for i in range(6)])
+        assert {t.worker_id for t in served} == {"w0"}, "a stale worker took work"
+        report = await sender.update(tensors(4).items(), version=4)
+        assert report.loaded == ["late", "w0"] and report.group_rebuilt, "the next update includes it"
+        workers = await statuses(client)
+        assert {w.state for w in workers.values()} == {"serving"} and {w.weight_version for w in workers.values()} == {
+            4
+        }
+        served = await client.generate([PROMPT] * 8, {"max_tokens": 4}, session_ids=[f"b{i}" for i in range(8)])
+        assert {t.worker_id for t in served} == {"w0", "late"} and {t.weight_version for t in served} == {4}
+
+        checkpoint = ws_settings.checkpoint_root / "step-5"
+        checkpoint.mkdir()
+        save_file(tensors(5), str(checkpoint / "model.safetensors"))
+        report = await sender.update_from_checkpoint(str(checkpoint), version=5)
+        assert report.loaded == ["late", "w0"] and report.transport == "checkpoint"
+        start(procs, "fresh")  # loads the committed checkpoint on its own, then serves
+        await async_wait_until(
+            lambda: rds.hmget(ws_settings.keys.worker("fresh"), "state", "weight_version") == [b"serving", b"5"],
+            15,
+            "the fresh worker serving version 5",
+        )
+
+
+@pytest.mark.timeout(60)
+async def test_a_checkpoint_outside_the_root_is_refused_and_the_version_kept(ws_settings, procs, tmp_path):
+    start(procs, "w0", "w1")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    save_file(tensors(1), str(outside / "model.safetensors"))
+    escape = ws_settings.checkpoint_root / "escape"
+    escape.symlink_to(outside)  # a link inside the root to a directory outside it
+    async with WeightSender(settings=ws_settings) as sender, RolloutClient(ws_settings) as client:
+        await sender.update(tensors(1).items(), version=1)
+        for path in (outside, escape, ws_settings.checkpoint_root / "missing"):
+            with pytest.raises(WeightSyncError) as raised:
+                await sender.update_from_checkpoint(str(path), version=2)
+            assert set(raised.value.failures) == {"w0", "w1"}
+            assert "outside" in str(raised.value) or "no model.safetensors" in str(raised.value)
+        assert await sender.committed_version() == 1
+        workers = await statuses(client)
+        assert {w.state for w in workers.values()} == {"serving"} and {w.weight_version for w in workers.values()} == {
+            1
+        }
