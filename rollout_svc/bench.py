@@ -1,5 +1,5 @@
-"""`rollout-svc bench`: queue overhead (echo engine), generation efficiency (service vs direct vLLM), and the
-control path (`bench_control`).
+"""`rollout-svc bench`: queue overhead (echo engine), generation efficiency (service vs direct vLLM), the
+control path (`bench_control`) and weight sync (`bench_weights`).
 
 Writes BENCHMARKS.md with the command that produced every figure. Figures are compared as ratios
 within one run: these machines are shared and noisy.
@@ -70,10 +70,14 @@ def run_bench(
     ]
     frozen = bench_control.frozen_beyond_pause(redis_url, 10, _log_dir(), console)
     generation: list[GenerationFigures] = []
+    weights: list[str] = []
     if model is not None:
         generation = _generation_efficiency(redis_url, model, prompts, max_tokens, console)
+        from rollout_svc import bench_weights  # imports torch
+
+        weights = bench_weights.report(bench_weights.weight_sync(redis_url, model, _log_dir(), console))
     text = _report(command, queue, generation, prompts, max_tokens, requests)
-    output.write_text(text + "\n".join(bench_control.report(control, frozen)) + "\n")
+    output.write_text(text + "\n".join(bench_control.report(control, frozen) + weights) + "\n")
     console.print(f"wrote {output}")
 
 

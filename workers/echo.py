@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,6 +54,7 @@ class EchoEngine:
         self.max_model_len, self.token_delay_s, self.load_delay_s = max_model_len, token_delay_s, load_delay_s
         self.weights_digest = ""
         self._group: Any = None
+        self._buffers: Any = None
         self._runs: dict[str, _EchoRun] = {}
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -170,6 +172,8 @@ class EchoEngine:
         self._group = None
 
     async def join_weight_group(self, spec: TransferGroup, first_rank: int, host: str) -> None:
+        # Importing torch takes seconds: in a thread, or the heartbeat would stall past its TTL.
+        await asyncio.to_thread(importlib.import_module, "rollout_svc.weights")
         from rollout_svc.weights import join_group
 
         self._group = None
@@ -181,13 +185,16 @@ class EchoEngine:
     async def receive_weights(self, manifest: WeightManifest) -> dict[str, float]:
         import torch
 
-        from rollout_svc.weights import receive_buckets, receive_device
+        from rollout_svc.weights import BucketBuffers, receive_buckets, receive_device
 
         if self._group is None:
             raise RuntimeError("not in a weight transfer group: join one first")
         started = time.perf_counter()
         try:
-            tensors = await asyncio.to_thread(receive_buckets, self._group, manifest, receive_device("gloo"))
+            if self._buffers is None:
+                self._buffers = BucketBuffers()
+            device = receive_device("gloo")
+            tensors = await asyncio.to_thread(receive_buckets, self._group, manifest, device, self._buffers)
         except Exception:
             self._group = None
             raise

@@ -19,6 +19,7 @@ class WeightSyncExtension:
 
     _rollout_group: Any = None
     _rollout_backend: str = "gloo"
+    _rollout_buffers: Any = None
 
     def rollout_join_group(self, spec: dict[str, Any], first_rank: int, host: str) -> int:
         """Join the transfer group `spec` (a `TransferGroup`) as `first_rank` + this engine rank; blocks until
@@ -40,14 +41,17 @@ class WeightSyncExtension:
         """Receive every bucket of `manifest` (a `WeightManifest`), then load them all. Nothing is loaded unless
         everything arrived. Returns seconds spent receiving and loading."""
         from rollout_svc.protocol import WeightManifest
-        from rollout_svc.weights import receive_buckets, receive_device
+        from rollout_svc.weights import BucketBuffers, receive_buckets, receive_device
 
         if self._rollout_group is None:
             raise RuntimeError("not in a weight transfer group: join one first")
         announced = WeightManifest.model_validate(manifest)
         started = time.perf_counter()
         try:
-            tensors = receive_buckets(self._rollout_group, announced, receive_device(self._rollout_backend))
+            if self._rollout_buffers is None:
+                self._rollout_buffers = BucketBuffers()  # kept: the next sync of this model reuses them
+            device = receive_device(self._rollout_backend)
+            tensors = receive_buckets(self._rollout_group, announced, device, self._rollout_buffers)
         except Exception:
             self._rollout_group = None  # a failed collective leaves the group unusable: the trainer rebuilds it
             raise
