@@ -179,7 +179,11 @@ def _print_status(report: dict) -> None:
         fleet = "fleet: asleep" if report["sleep_level"] else "fleet: serving"
     console = Console()
     console.print(
-        f"{fleet}; control epoch {report['epoch']}", workers, streams, f"dead letters: {report['dead_letters']}"
+        f"{fleet}; control epoch {report['epoch']}; weight version {report['weight_version']}"
+        + (f" (from {report['weight_checkpoint']})" if report["weight_checkpoint"] else ""),
+        workers,
+        streams,
+        f"dead letters: {report['dead_letters']}",
     )
 
 

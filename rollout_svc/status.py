@@ -14,8 +14,9 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
     """The fleet as JSON-ready data.
 
     Returns `{"paused": bool, "pause_mode": "keep"|"abort"|"wait"|None, "pause_holders": {holder: mode},
-    "sleep_level": n, "epoch": n, "workers": [WorkerStatus dict], "streams": {name: {length, pending, queued}},
-    "dead_letters": n}`. Each worker's `state` is starting, serving, paused, sleeping or draining, and
+    "sleep_level": n, "epoch": n, "weight_version": n (committed), "weight_checkpoint": path or None,
+    "workers": [WorkerStatus dict], "streams": {name: {length, pending, queued}}, "dead_letters": n}`. Each worker's
+    `state` is starting, serving, paused, sleeping, draining or stale (its weights are not the committed ones), and
     `applied_epoch` the control epoch it acknowledged (right after a command returns, every worker's is >= it).
     """
     redis = Redis.from_url(settings.redis_url, decode_responses=False)
@@ -36,6 +37,8 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
         "pause_holders": desired.holders,
         "sleep_level": desired.sleep_level if desired.sleeping else 0,
         "epoch": desired.epoch,
+        "weight_version": desired.weight_version,
+        "weight_checkpoint": desired.weight_checkpoint or None,
         "workers": [w.model_dump() for w in workers],
         "streams": depths,
         "dead_letters": dead_letters,

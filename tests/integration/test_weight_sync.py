@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from rollout_svc import InvalidRequestError, RolloutClient, WeightSyncError
 from rollout_svc.config import Settings
+from rollout_svc.status import fleet_status
 from rollout_svc.weights import WeightSender
 from tests.support import WorkerProcs, async_wait_until
 
@@ -147,6 +148,9 @@ async def test_a_worker_killed_during_a_sync_is_left_out_and_named(ws_settings, 
         served = await client.generate([PROMPT] * 6, {"max_tokens": 4}, session_ids=[f"k{i}" for i in range(6)])
         assert {t.worker_id for t in served} == {"w0"} and {t.weight_version for t in served} == {1}
         assert (await statuses(client))["w2"].served == 0
+        report = await fleet_status(ws_settings)  # what `rollout-svc status --json` prints
+        assert report["weight_version"] == 1 and report["weight_checkpoint"] is None
+        assert {w["worker_id"]: w["state"] for w in report["workers"]} == {"w0": "serving", "w2": "stale"}
 
 
 @pytest.mark.timeout(120)
