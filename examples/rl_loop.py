@@ -2,18 +2,24 @@
 
 The loop (one-step off-policy, as in PipelineRL / AReaL with a staleness bound of 1)::
 
-    batch 0 = sample(prompts 0)                                  # under version v0
+    pending = sample(batch 0)                                # under version v0
     for step s = 1 .. N:
-        1. start sampling batch s in the background              # under version v0+s-1 (or v0+s once synced)
-        2. train on batch s-1 in a thread (the client keeps reading results)
-        3. sender.update(model.named_parameters(), v0+s)        # pause (keep), broadcast, load, commit, resume
-        4. await batch s
+        batch = await pending                                # batch s-1
+        1. pending = sample(batch s), in the background      # under v0+s-1, or v0+s once step s has synced
+        2. train on batch s-1 in a thread                    # the event loop keeps reading results meanwhile
+        3. sender.update(model.named_parameters(), v0+s)     # pause (keep), broadcast, load, commit, resume
 
 So batch s is generated while the trainer works on batch s-1, and a sync may land in the middle of it: a request
 in flight then finishes under the new weights (its `weight_versions` record the switch). Every trajectory of
-batch s starts at version v0+s-1 or later and is received after at most one more commit, so its staleness is at
-most 1; the client (`max_staleness=1`) would regenerate any staler one. Step s trains on versions within
-{v0+s-2, v0+s-1}, and from step 3 on never on v0: the newest version per step rises.
+batch s starts at version v0+s-1 or later and is received after at most one more commit, so its staleness (the
+client's: the committed version at receipt minus its first token's) is at most 1; the client (`max_staleness=1`)
+would regenerate any staler one. Step s trains on versions within {v0+s-2, v0+s-1} ({v0} at step 1), so from
+step 3 on never on v0: the newest version per step rises. On a 2-core machine a batch (~8 s) is done long before
+training (~15-25 s), so it usually arrives at staleness 0 and is one version behind the trainer when trained on.
+
+Each step line shows `|logprob gap|`: the mean |trainer log-prob - sampling log-prob| per completion token, before
+the step. At step 1 both sides hold the same float32 weights and it is ~1e-5 (a wrong sync would show at once);
+later it measures how far one update moved the policy.
 
 Task: "What is 7 + 5? Answer with only the number." (digits 1..9), with the assistant's turn prefilled with
 "The answer is"; reward 1 if the first integer of the completion is the answer. Each prompt is sampled n times (a
@@ -53,13 +59,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-from rollout_svc import RolloutClient, RolloutError, Trajectory, WeightSender
+from rollout_svc import RolloutClient, RolloutError, SyncReport, Trajectory, WeightSender
 from rollout_svc.config import EngineSettings, Settings
 
 MiB = 2**20
-# The assistant's turn starts with this (a prefill): SmolLM2-135M answers ~4% of these problems right when left
-# to start its reply, ~30% after "The answer is" (measured), and a group with mixed rewards has a gradient.
+# The assistant's turn starts with this (a prefill): sampled at temperature 1, SmolLM2-135M answered 2 of 48 of these
+# problems right when left to start its reply, 16 of 48 after "The answer is"; only a group with mixed rewards
+# has a gradient.
 ASSISTANT_PREFIX = "The answer is"
 CLIP_EPSILON = 0.2  # PPO's clip range of the importance ratio
 READY_TIMEOUT_S = 600.0  # two vLLM engines start in ~60 s on 2 cores; the first start after boot is slower
@@ -76,7 +84,7 @@ class Problem:
 class TrainStats:
     loss: float
     logprob_gap: float  # mean |trainer log-prob - sampling log-prob| per token, before the step
-    clipped: float  # fraction of tokens whose ratio was clipped
+    clipped: float  # fraction of tokens whose ratio was outside [1 - CLIP_EPSILON, 1 + CLIP_EPSILON]
     train_s: float
 
 
@@ -117,6 +125,11 @@ def load_trainer(model_dir: Path) -> torch.nn.Module:
     """The float32 Hugging Face model the workers serve. Exits with a message if it cannot be loaded."""
     from transformers import AutoModelForCausalLM
 
+    if not (model_dir / "config.json").is_file():
+        raise SystemExit(
+            f"rl_loop: {model_dir} holds no Hugging Face model (no config.json): run `rollout-svc model prepare`, "
+            "or pass --model with the folder the workers serve"
+        )
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     except (OSError, ValueError) as exc:
@@ -138,7 +151,9 @@ def completion_logprobs(model: Any, trajectories: list[Trajectory]) -> list[torc
     length = max(len(s) for s in sequences)
     input_ids = torch.zeros(len(sequences), length, dtype=torch.long)
     attention_mask = torch.zeros(len(sequences), length, dtype=torch.long)
-    rows, positions, targets = [], [], []
+    rows: list[int] = []
+    positions: list[int] = []
+    targets: list[int] = []
     for i, (sequence, t) in enumerate(zip(sequences, trajectories, strict=True)):
         input_ids[i, : len(sequence)] = torch.tensor(sequence)
         attention_mask[i, : len(sequence)] = 1
@@ -164,6 +179,8 @@ def train_step(
         if t.completion_token_ids
     ]
     trajectories = [t for t, _ in pairs]
+    if not trajectories:  # nothing generated: no step
+        return TrainStats(0.0, 0.0, 0.0, time.monotonic() - started)
     new = completion_logprobs(model, trajectories)
     total = torch.zeros(())
     gaps, clipped, tokens = 0.0, 0, 0
@@ -213,36 +230,35 @@ async def rl_loop(settings: Settings, model: Any, args: argparse.Namespace) -> L
             return problems, asyncio.create_task(sample_batch(client, problems, args.n, args.max_tokens, seed))
 
         problems, pending = start_batch(0)
-        next_task: asyncio.Task[list[list[Trajectory]]] | None = pending
         try:
             for step in range(1, args.steps + 1):
                 waited = time.monotonic()
-                groups = await pending  # batch step-1: generated while step-1 trained
+                groups, batch_problems = await pending, problems  # batch step-1, sampled while step-1 trained
                 wait_s = time.monotonic() - waited
                 # 1. Sample the next batch while this one trains: the overlap that makes the loop asynchronous.
                 if step < args.steps:
-                    next_problems, pending = start_batch(step)
-                    next_task = pending
-                else:
-                    next_task = None
+                    problems, pending = start_batch(step)
                 # 2. Train on this batch in a thread: the event loop keeps reading the next batch's results.
-                rewards = [[reward(t.text, p.answer) for t in g] for g, p in zip(groups, problems, strict=True)]
+                rewards = [[reward(t.text, p.answer) for t in g] for g, p in zip(groups, batch_problems, strict=True)]
                 stats = await asyncio.to_thread(train_step, model, optimizer, groups, rewards)
                 # 3. Push the new weights: in-flight requests of the next batch freeze, then go on under them.
                 report = await sender.update(model.named_parameters(), version=base_version + step)
                 rewards_per_step.append(report_step(step, groups, rewards, stats, report, wait_s))
-                if step < args.steps:
-                    problems = next_problems
         finally:
-            if next_task is not None and not next_task.done():
-                next_task.cancel()  # cancels its requests on the workers, queued and in flight
-                await asyncio.gather(next_task, return_exceptions=True)
+            if not pending.done():
+                pending.cancel()  # cancels its requests on the workers, queued and in flight
+                await asyncio.gather(pending, return_exceptions=True)
         stats_seen = client.stats
     return LoopResult(rewards_per_step, dict(sorted(stats_seen.staleness.items())), stats_seen.regenerated)
 
 
 def report_step(
-    step: int, groups: list[list[Trajectory]], rewards: list[list[float]], stats: TrainStats, report: Any, wait_s: float
+    step: int,
+    groups: list[list[Trajectory]],
+    rewards: list[list[float]],
+    stats: TrainStats,
+    report: SyncReport,
+    wait_s: float,
 ) -> float:
     """Print the step's human line and JSON line; return its mean reward."""
     trajectories = [t for g in groups for t in g]
@@ -281,15 +297,16 @@ def free_port() -> int:
 
 
 class LocalFleet(AbstractContextManager[Settings]):
-    """A private Redis and two float32 vLLM workers (one core each) for the loop; stopped on leaving."""
+    """A private Redis and `workers` float32 vLLM workers (the CPUs split among them); stopped on leaving."""
 
     def __init__(self, model_dir: Path, workers: int, log_dir: Path) -> None:
         from rollout_svc.cluster import LocalCluster
 
-        # Workers read their settings from the environment (LocalCluster forwards only the URL and key prefix):
-        # a longer heartbeat TTL keeps a worker starved of CPU by the trainer from being taken for dead.
-        os.environ.setdefault("ROLLOUT_HEARTBEAT_TTL_S", "30")
-        self.settings = Settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", control_timeout_s=120)
+        # A longer heartbeat TTL keeps a worker starved of CPU by the trainer from being taken for dead
+        # (LocalCluster hands these settings to the workers).
+        self.settings = Settings(
+            redis_url=f"redis://127.0.0.1:{free_port()}/0", control_timeout_s=120, heartbeat_ttl_s=30
+        )
         engine = EngineSettings(model=str(model_dir), dtype="float32", max_num_seqs=64, kv_cache_memory_bytes=256 * MiB)
         self.cluster = LocalCluster(self.settings, workers=workers, engine=engine, log_dir=log_dir)
 
@@ -350,18 +367,24 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model_dir = model_folder(args)
     model = load_trainer(model_dir)  # before the fleet: a model that cannot load fails in seconds, not minutes
-    log_dir = Path(tempfile.mkdtemp(prefix="rl_loop-logs-"))
-    if args.redis_url:
-        fleet: AbstractContextManager[Settings] = nullcontext(Settings(redis_url=args.redis_url))
+    log_dir = None if args.redis_url else Path(tempfile.mkdtemp(prefix="rl_loop-logs-"))
+    fleet: AbstractContextManager[Settings]
+    if log_dir is None:
+        fleet = nullcontext(Settings(redis_url=args.redis_url))
     else:
         fleet = LocalFleet(model_dir, args.workers, log_dir)
     try:
         with fleet as settings:
             result = asyncio.run(rl_loop(settings, model, args))
-    except RolloutError as exc:
-        print(f"rl_loop: {type(exc).__name__}: {exc} (worker logs: {log_dir})", file=sys.stderr)
+    except RedisConnectionError as exc:
+        print(f"rl_loop: cannot reach Redis ({exc}); is --redis-url right?", file=sys.stderr)
         return 1
-    shutil.rmtree(log_dir, ignore_errors=True)
+    except RolloutError as exc:
+        where = f" (worker logs: {log_dir})" if log_dir else ""
+        print(f"rl_loop: {type(exc).__name__}: {exc}{where}", file=sys.stderr)
+        return 1
+    if log_dir is not None:
+        shutil.rmtree(log_dir, ignore_errors=True)  # kept after a failure
     summarize(result, time.monotonic() - started)
     return 0
 

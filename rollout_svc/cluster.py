@@ -151,17 +151,16 @@ class LocalCluster:
             self.redis = PrivateRedis(self.settings.redis_url)
             self.redis.start()
             log.info("started a private Redis at %s", self.settings.redis_url)
-        env = {
-            **os.environ,
-            "ROLLOUT_REDIS_URL": self.settings.redis_url,
-            "ROLLOUT_KEY_PREFIX": self.settings.key_prefix,
-        }
+        env = {**os.environ, **settings_env(self.settings)}
         binds = cpu_sets(self.worker_count)
         for i in range(self.worker_count):
             worker_env = dict(env)
             if self.engine.engine == "vllm" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 worker_env["VLLM_CPU_OMP_THREADS_BIND"] = binds[i]
-            args = [sys.executable, "-m", "workers", "--engine", self.engine.engine, *self.engine.to_args()]
+            # A seed of its own per worker: with one seed, unseeded samples of one group spread over two workers
+            # would draw the same random numbers.
+            engine = self.engine.model_copy(update={"seed": self.engine.seed + i})
+            args = [sys.executable, "-m", "workers", "--engine", engine.engine, *engine.to_args()]
             self.children.append(_Child(f"worker-{i}", args, worker_env))
         if self.api_port is not None:
             args = [sys.executable, "-m", "rollout_svc", "serve", "--host", self.api_host, "--port", str(self.api_port)]
@@ -254,3 +253,13 @@ class LocalCluster:
 def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, sig)
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The env vars (`ROLLOUT_*`) that give a child process these settings: every field that is not its default
+    (the redis URL and key prefix always), so what the caller configured in Python reaches the workers."""
+    values = settings.model_dump(exclude_defaults=True) | {
+        "redis_url": settings.redis_url,
+        "key_prefix": settings.key_prefix,
+    }
+    return {f"ROLLOUT_{name.upper()}": str(value) for name, value in values.items() if value is not None}
