@@ -31,8 +31,8 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -m "not vllm and not gpu" $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check rollout_svc workers tests
-	$(VENV)/bin/ruff format --check rollout_svc workers tests
+	$(VENV)/bin/ruff check rollout_svc workers tests examples
+	$(VENV)/bin/ruff format --check rollout_svc workers tests examples
 	$(VENV)/bin/mypy
 
 demo: $(STAMP) model
