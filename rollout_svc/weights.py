@@ -184,8 +184,9 @@ def receive_device(backend: str) -> torch.device:
 @dataclass
 class SyncReport:
     """What one sync did. Times in seconds; `transfer_s` runs from the first bucket to the last (its GB/s is
-    `bytes / transfer_s / 1e9`), `pause_s` is the pause command, `load_s` the wait for every load after the
-    transfer, `total_s` the whole `update` call. `loaded`: workers now serving `version`; `stale`: live workers
+    `bytes / transfer_s / 1e9`), `pause_s` is the pause command, `join_s` the join barrier (building the group
+    if it changed), `pack_s` packing the buckets, `load_s` the wait for every load and prefix-cache reset after
+    the transfer, `total_s` the whole `update` call. `loaded`: workers now serving `version`; `stale`: live workers
     that failed (with why; they take no work until a later sync includes them); `dead`: left out, dead."""
 
     version: int
@@ -197,6 +198,7 @@ class SyncReport:
     buckets: int = 0
     pause_s: float = 0.0
     join_s: float = 0.0
+    pack_s: float = 0.0
     transfer_s: float = 0.0
     load_s: float = 0.0
     total_s: float = 0.0
@@ -403,7 +405,9 @@ class WeightSender:
             manifest = WeightManifest(sync_id=sync_id, version=version, bucket_nbytes=sizes, buckets=buckets)
             await self.plane.announce(manifest)
             try:
-                transfer_s = await asyncio.to_thread(self._send, self._group, buckets, sizes, tensors, self._buffers)
+                pack_s, transfer_s = await asyncio.to_thread(
+                    self._send, self._group, buckets, sizes, tensors, self._buffers
+                )
             except Exception as exc:  # a peer died mid-transfer: the group is broken
                 log.warning("weight transfer of version %d failed (%s); rebuilding the group", version, exc)
                 self._group = None
@@ -416,7 +420,8 @@ class WeightSender:
             report.stale |= lost
             report.dead = sorted(set(report.dead) | set(dead))
             report.bytes, report.buckets = sum(sizes), len(sizes)
-            report.join_s, report.transfer_s, report.load_s = join_s, transfer_s, time.monotonic() - loading
+            report.join_s, report.pack_s, report.transfer_s = join_s, pack_s, transfer_s
+            report.load_s = time.monotonic() - loading
             report.attempts, report.group_rebuilt = attempt, rebuilt
             if outcome.dead or outcome.missing:
                 self._group = None  # its membership changed: the next sync builds a new one
@@ -452,31 +457,25 @@ class WeightSender:
         sizes: list[int],
         tensors: list[tuple[str, torch.Tensor]],
         buffers: BucketBuffers,
-    ) -> float:
-        """Broadcast every bucket from rank 0 (runs in a thread); returns seconds from the first bucket to the last.
-
-        A bucket holding one contiguous tensor is sent from the tensor's own memory; the others are packed into
-        kept buffers, the next while the current one is on the wire."""
+    ) -> tuple[float, float]:
+        """Pack, then broadcast every bucket from rank 0 (runs in a thread). Returns (seconds packing, seconds from
+        the first bucket to the last). A bucket holding one contiguous tensor is sent from the tensor's own memory;
+        the others are packed into buffers kept from the last sync (no page faults)."""
+        started = time.perf_counter()
         device = tensors[0][1].device if group.spec.backend == "nccl" else torch.device("cpu")
         targets = buffers.get(sizes, device)
         by_position = iter(t for _, t in tensors)
-        members = [[next(by_position) for _ in specs] for specs in buckets]
-
-        def packed(index: int) -> torch.Tensor:
-            specs, held = buckets[index], members[index]
+        packed = []
+        for specs, target in zip(buckets, targets, strict=True):
+            held = [next(by_position) for _ in specs]
             if len(held) == 1 and held[0].is_contiguous() and held[0].device == device:
-                return held[0].reshape(-1).view(torch.uint8)
-            return fill_into(targets[index], specs, held)
-
-        current = packed(0)
-        started = time.perf_counter()
-        for index in range(len(buckets)):
-            work = group.process_group.broadcast(current, 0)
-            upcoming = packed(index + 1) if index + 1 < len(buckets) else None
-            work.wait()
-            if upcoming is not None:
-                current = upcoming
-        return time.perf_counter() - started
+                packed.append(held[0].reshape(-1).view(torch.uint8))
+            else:
+                packed.append(fill_into(target, specs, held))
+        sending = time.perf_counter()
+        for buffer in packed:
+            group.process_group.broadcast(buffer, 0).wait()
+        return sending - started, time.perf_counter() - sending
 
 
 def _report(version: int, transport: Literal["broadcast", "checkpoint"], outcome: BarrierOutcome) -> SyncReport:
