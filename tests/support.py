@@ -11,13 +11,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import redis
 
-from rollout_svc.config import Settings
+from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.keys import PAYLOAD_FIELD, WORKERS_GROUP
 from rollout_svc.protocol import decode
 
@@ -155,3 +155,17 @@ class WorkerProcs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@contextlib.contextmanager
+def vllm_workers(settings: Settings, engine: EngineSettings, log_dir: Path, count: int = 2) -> Iterator[WorkerProcs]:
+    """`count` vLLM workers `vllm-0`, `vllm-1`, ... (one CPU core each), live on entering, stopped on leaving."""
+    procs = WorkerProcs(settings, log_dir)
+    ids = [f"vllm-{i}" for i in range(count)]
+    for i, worker_id in enumerate(ids):
+        procs.start(worker_id, *engine.to_args(), env={"VLLM_CPU_OMP_THREADS_BIND": str(i)})
+    try:
+        procs.wait_live(*ids, timeout_s=600)
+        yield procs
+    finally:
+        procs.stop_all()

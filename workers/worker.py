@@ -439,12 +439,8 @@ class Worker:
                 failures = 0
             except REDIS_ERRORS as exc:
                 failures += 1
-                log.warning("control subscription failed (%s); reconnecting", exc)
-                if pubsub is not None:
-                    with contextlib.suppress(Exception):
-                        await pubsub.aclose()
+                await self._drop_subscription(pubsub, "control subscription", exc, failures)
                 pubsub = None
-                await asyncio.sleep(backoff_s(failures))
                 continue
             if message is None:
                 continue
@@ -453,6 +449,15 @@ class Worker:
             self._wake.set()
         if pubsub is not None:
             await pubsub.aclose()
+
+    @staticmethod
+    async def _drop_subscription(pubsub: Any, what: str, exc: BaseException, failures: int) -> None:
+        """After a Redis error: close the pub/sub connection (a new one subscribes again) and back off."""
+        log.warning("%s failed (%s); reconnecting", what, exc)
+        if pubsub is not None:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
+        await asyncio.sleep(backoff_s(failures))
 
     async def _control_loop(self) -> None:
         """Converge on every nudge and at every heartbeat interval (level-triggered); while a pause waits for
@@ -499,12 +504,8 @@ class Worker:
                 return
             except REDIS_ERRORS as exc:
                 failures += 1
-                log.warning("weight sync: Redis failed (%s); retrying", exc)
-                if pubsub is not None:
-                    with contextlib.suppress(Exception):
-                        await pubsub.aclose()
+                await self._drop_subscription(pubsub, "weight sync", exc, failures)
                 pubsub = None
-                await asyncio.sleep(backoff_s(failures))
         if pubsub is not None:
             await pubsub.aclose()
 

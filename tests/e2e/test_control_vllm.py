@@ -16,7 +16,7 @@ import pytest
 from rollout_svc import ControlCommandError, RolloutClient, dataset
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.model import prepare_model
-from tests.support import WorkerProcs, async_wait_until
+from tests.support import async_wait_until, vllm_workers
 
 pytestmark = pytest.mark.vllm
 
@@ -34,14 +34,8 @@ def vllm_fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     )
     model = str(prepare_model(Settings().cache_dir))
     engine = EngineSettings(model=model, dtype="float32", max_num_seqs=64, kv_cache_memory_bytes=256 * MiB)
-    procs = WorkerProcs(settings, tmp_path_factory.mktemp("vllm-workers"))
-    for i in range(2):
-        procs.start(f"vllm-{i}", *engine.to_args(), env={"VLLM_CPU_OMP_THREADS_BIND": str(i)})
-    try:
-        procs.wait_live("vllm-0", "vllm-1", timeout_s=600)
+    with vllm_workers(settings, engine, tmp_path_factory.mktemp("vllm-workers")):
         yield settings
-    finally:
-        procs.stop_all()
 
 
 async def prompts(client: RolloutClient, count: int) -> list[list[int]]:

@@ -20,7 +20,7 @@ from rollout_svc import RolloutClient
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.model import prepare_model
 from rollout_svc.weights import WeightSender
-from tests.support import WorkerProcs, async_wait_until
+from tests.support import async_wait_until, vllm_workers
 
 pytestmark = pytest.mark.vllm
 
@@ -46,14 +46,8 @@ def fleet(redis_url: str, model_dir: Path, tmp_path_factory: pytest.TempPathFact
         checkpoint_root=root,
     )
     engine = EngineSettings(model=str(model_dir), dtype="float32", max_num_seqs=16, kv_cache_memory_bytes=256 * MiB)
-    procs = WorkerProcs(settings, tmp_path_factory.mktemp("vllm-workers"))
-    for i in range(2):
-        procs.start(f"vllm-{i}", *engine.to_args(), env={"VLLM_CPU_OMP_THREADS_BIND": str(i)})
-    try:
-        procs.wait_live("vllm-0", "vllm-1", timeout_s=600)
+    with vllm_workers(settings, engine, tmp_path_factory.mktemp("vllm-workers")):
         yield settings
-    finally:
-        procs.stop_all()
 
 
 @pytest.fixture(scope="module")
