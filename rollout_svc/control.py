@@ -352,13 +352,14 @@ class ControlPlane:
     # --- the worker's side -----------------------------------------------------------------------------------
 
     async def subscribe(self) -> PubSub:
-        """A pub/sub connection subscribed to the nudges on the control channel (`NUDGE_COMMAND`, `NUDGE_CANCEL`).
+        """A worker's one pub/sub connection: the nudges on the control channel (`NUDGE_COMMAND`, `NUDGE_CANCEL`)
+        and on the weights channel (a sync order, announcement or commit).
 
         redis-py reconnects it after a dropped connection and subscribes again; that confirmation arrives as a
         `subscribe` message, on which the worker converges (a nudge may have been lost meanwhile).
         """
         pubsub = self.redis.pubsub()
-        await pubsub.subscribe(self.keys.control_channel)
+        await pubsub.subscribe(self.keys.control_channel, self.keys.weights_channel)
         return pubsub
 
     async def read(self, after_epoch: int | None) -> tuple[FleetState | None, list[ControlCommand]]:

@@ -179,9 +179,3 @@ class WeightSyncPlane:
         pipe.hset(key, worker_id, outcome)
         pipe.expire(key, SYNC_KEYS_TTL_S)
         await pipe.execute()
-
-    async def subscribe(self) -> Any:
-        """A pub/sub connection subscribed to the weight-sync nudges."""
-        pubsub = self.redis.pubsub()
-        await pubsub.subscribe(self.keys.weights_channel)
-        return pubsub

@@ -69,6 +69,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._wake = asyncio.Event()  # a nudge, a reconnect, or a stop: the control loop converges
+        self._weights_wake = asyncio.Event()  # a weights nudge, a reconnect, or a stop: the weights loop looks
         self._cancel_nudged = False
         self._results: asyncio.Queue[InFlight | None] = asyncio.Queue()  # answered requests; None: stop
         self._beat_lock = asyncio.Lock()
@@ -91,6 +92,7 @@ class Worker:
         self._stopping.set()
         self._slot_freed.set()  # a take loop waiting for capacity sees the stop at once
         self._wake.set()
+        self._weights_wake.set()
 
     async def run(self) -> None:
         """Start the engine, serve until stopped, then drain. Raises `EngineDeadError` if the engine died."""
@@ -428,7 +430,8 @@ class Worker:
     # --- control ----------------------------------------------------------------------------------------------
 
     async def _listen_loop(self) -> None:
-        """Pub/sub nudges wake the control loop; a (re)subscription does too, since a nudge may have been lost."""
+        """Pub/sub nudges wake the control loop (control channel) or the weights loop (weights channel); a
+        (re)subscription wakes both, since a nudge may have been lost."""
         pubsub = None
         failures = 0
         while not self._stopping.is_set():
@@ -439,25 +442,26 @@ class Worker:
                 failures = 0
             except REDIS_ERRORS as exc:
                 failures += 1
-                await self._drop_subscription(pubsub, "control subscription", exc, failures)
+                log.warning("control subscription failed (%s); reconnecting", exc)
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()
                 pubsub = None
+                await asyncio.sleep(backoff_s(failures))
                 continue
             if message is None:
+                continue
+            weights = message["channel"] == self.keys.weights_channel.encode()
+            if message["type"] == "message" and weights:
+                self._weights_wake.set()
                 continue
             if message["type"] == "message" and message["data"] == NUDGE_CANCEL:
                 self._cancel_nudged = True
             self._wake.set()
+            if message["type"] != "message":  # a (re)subscription: nudges may have been lost on both channels
+                self._weights_wake.set()
         if pubsub is not None:
             await pubsub.aclose()
-
-    @staticmethod
-    async def _drop_subscription(pubsub: Any, what: str, exc: BaseException, failures: int) -> None:
-        """After a Redis error: close the pub/sub connection (a new one subscribes again) and back off."""
-        log.warning("%s failed (%s); reconnecting", what, exc)
-        if pubsub is not None:
-            with contextlib.suppress(Exception):
-                await pubsub.aclose()
-        await asyncio.sleep(backoff_s(failures))
 
     async def _control_loop(self) -> None:
         """Converge on every nudge and at every heartbeat interval (level-triggered); while a pause waits for
@@ -485,29 +489,25 @@ class Worker:
                 log.warning("reading the control state failed (%s); retrying", exc)
 
     async def _weights_loop(self) -> None:
-        """Follow weight sync orders and catch up to the committed version: on every nudge on the weights
-        channel, and every heartbeat interval (a nudge may be lost)."""
-        pubsub = None
+        """Follow weight sync orders and catch up to the committed version: on every nudge on the weights channel
+        (the listen loop wakes it), and every heartbeat interval (a nudge may be lost)."""
         failures = 0
         while not self._stopping.is_set():
+            self._weights_wake.clear()
             try:
-                if pubsub is None:
-                    pubsub = await self.weight_plane.subscribe()
                 if not self._fenced:
                     await self.receiver.step()
                 failures = 0
-                await pubsub.get_message(timeout=self.settings.heartbeat_interval_s)
-                while await pubsub.get_message(timeout=0) is not None:
-                    pass  # nudges that came meanwhile: one step covers them all
             except EngineDeadError as exc:
                 self._engine_died(exc)
                 return
             except REDIS_ERRORS as exc:
                 failures += 1
-                await self._drop_subscription(pubsub, "weight sync", exc, failures)
-                pubsub = None
-        if pubsub is not None:
-            await pubsub.aclose()
+                log.warning("weight sync: Redis failed (%s); retrying", exc)
+                await asyncio.sleep(backoff_s(failures))
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._weights_wake.wait(), self.settings.heartbeat_interval_s)
 
     async def _cancel_tombstoned(self) -> None:
         """Read the tombstones written since the last read; abort the in-flight requests they name (those taken
