@@ -333,8 +333,8 @@ def bench(
     max_tokens: Annotated[int, typer.Option(min=1, help="Output tokens per prompt (generation part).")] = 128,
     control_cycles: Annotated[int, typer.Option(min=10, help="Pause/resume cycles per control figure.")] = 200,
 ) -> None:
-    """Measure queue overhead and control latency (echo engine), and generation efficiency (vLLM through the
-    service vs direct)."""
+    """Measure queue overhead and control latency (echo engine), generation efficiency (vLLM through the
+    service vs direct) and weight sync (vLLM workers vs a bare gloo broadcast)."""
     from rollout_svc.bench import run_bench
 
     _logging("WARNING")
