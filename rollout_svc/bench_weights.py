@@ -34,7 +34,8 @@ from rollout_svc.cluster import LocalCluster
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.demo import free_port, private_settings
 from rollout_svc.protocol import TransferGroup
-from rollout_svc.weights import SyncReport, WeightSender, join_group
+from rollout_svc.transfer import join_group
+from rollout_svc.weights import SyncReport, WeightSender
 
 MiB = 2**20
 SYNCS = 3

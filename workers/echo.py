@@ -53,8 +53,7 @@ class EchoEngine:
         self.model_name, self.capacity = model_name, capacity
         self.max_model_len, self.token_delay_s, self.load_delay_s = max_model_len, token_delay_s, load_delay_s
         self.weights_digest = ""
-        self._group: Any = None
-        self._buffers: Any = None
+        self._end: Any = None  # a rollout_svc.transfer.ReceivingEnd, made at the first join
         self._runs: dict[str, _EchoRun] = {}
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -169,35 +168,27 @@ class EchoEngine:
         return _bytes_text(token_ids)
 
     async def close(self) -> None:
-        self._group = None
+        if self._end is not None:
+            self._end.leave()
 
     async def join_weight_group(self, spec: TransferGroup, first_rank: int, host: str) -> None:
         # Importing torch takes seconds: in a thread, or the heartbeat would stall past its TTL.
-        await asyncio.to_thread(importlib.import_module, "rollout_svc.weights")
-        from rollout_svc.weights import join_group
-
-        self._group = None
-        self._group = await asyncio.to_thread(join_group, spec, first_rank, host)
+        module = await asyncio.to_thread(importlib.import_module, "rollout_svc.transfer")
+        if self._end is None:
+            self._end = module.ReceivingEnd()
+        await asyncio.to_thread(self._end.join, spec, first_rank, host)
 
     async def leave_weight_group(self) -> None:
-        self._group = None
+        if self._end is not None:
+            self._end.leave()
 
     async def receive_weights(self, manifest: WeightManifest) -> dict[str, float]:
         import torch
 
-        from rollout_svc.weights import BucketBuffers, receive_buckets, receive_device
-
-        if self._group is None:
+        if self._end is None:
             raise RuntimeError("not in a weight transfer group: join one first")
         started = time.perf_counter()
-        try:
-            if self._buffers is None:
-                self._buffers = BucketBuffers()
-            device = receive_device("gloo")
-            tensors = await asyncio.to_thread(receive_buckets, self._group, manifest, device, self._buffers)
-        except Exception:
-            self._group = None
-            raise
+        tensors = await asyncio.to_thread(self._end.receive, manifest)
         received = time.perf_counter()
         digest = hashlib.sha256()
         for name, tensor in tensors:

@@ -18,8 +18,8 @@ from rollout_svc.protocol import (
     encode,
 )
 from rollout_svc.streams import Entry
+from rollout_svc.transfer import ALIGN_BYTES, fill_into, plan_buckets, torch_dtype, unpack_bucket
 from rollout_svc.weight_sync import checkpoint_dir
-from rollout_svc.weights import ALIGN_BYTES, fill_bucket, plan_buckets, torch_dtype, unpack_bucket
 from workers.inflight import InFlight
 from workers.serve import weight_spans
 
@@ -39,7 +39,7 @@ def test_buckets_round_trip_every_dtype_and_respect_the_size():
     by_name = dict(named)
     received = []
     for specs, nbytes in zip(buckets, sizes, strict=True):
-        buffer = fill_bucket(specs, [by_name[s.name] for s in specs], nbytes, torch.device("cpu"))
+        buffer = fill_into(torch.empty(nbytes, dtype=torch.uint8), specs, [by_name[s.name] for s in specs])
         announced = decode(encode(WeightManifest(sync_id="s", version=1, bucket_nbytes=[nbytes], buckets=[specs])))
         received += unpack_bucket(buffer, announced.buckets[0])  # the specs as a receiver reads them
     assert [name for name, _ in received] == [name for name, _ in named]
