@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -299,20 +299,12 @@ class Connection:
         if request.deadline is not None and request.deadline <= time.time():
             return False
         call.regenerations[index] = call.regenerations.get(index, 0) + 1
-        again = request.model_copy(update={"request_id": self.new_id()})
-        call.partial[index], call.attempts[index] = None, again.request_id
         call.spent_s[index] = (0.0, 0.0)
-        self.waiting[again.request_id] = (call, index)
         self.stats.regenerated += 1
-        self._enqueue([again], -1).add_done_callback(lambda f: self._regenerate_enqueued(f, call, index, result))
+        again = request.model_copy(update={"request_id": self.new_id()})
+        # Not enqueued (Redis away): the caller gets the stale trajectory, marked.
+        self._resubmit(call, index, again, None, lambda: call.set(index, result))
         return True
-
-    def _regenerate_enqueued(self, future: asyncio.Future[None], call: Call, index: int, stale: Trajectory) -> None:
-        """A regeneration that could not be enqueued (Redis away): the caller gets the stale trajectory, marked."""
-        if future.cancelled() or future.exception() is None:
-            return
-        if self.waiting.pop(call.attempts[index], None) is not None:
-            call.set(index, stale)
 
     def _final(self, call: Call, index: int, result: Trajectory) -> Trajectory:
         if result.finish_reason != "abort" or result.abort_cause not in RETRIED_CAUSES:
@@ -356,19 +348,28 @@ class Connection:
         )
         queue_s, generation_s = call.spent_s[index]
         call.spent_s[index] = (queue_s + result.queue_time_s, generation_s + result.generation_time_s)
-        call.partial[index], call.attempts[index] = result, retry.request_id
-        self.waiting[retry.request_id] = (call, index)
         self.stats.retries += 1
-        self._enqueue([retry], -1).add_done_callback(lambda f: self._retry_enqueued(f, call, index, retry))
+        # Not enqueued (Redis away): it ends with what its request had generated.
+        self._resubmit(call, index, retry, result, lambda: call.end_with_partial(index))
         return True
 
-    def _retry_enqueued(self, future: asyncio.Future[None], call: Call, index: int, retry: RolloutRequest) -> None:
-        """A retry that could not be enqueued (Redis away) ends with what its request had generated."""
-        if future.cancelled() or future.exception() is None:
-            return
-        log.warning("could not resubmit %s (%s): returning its partial output", retry.request_id, future.exception())
-        if self.waiting.pop(retry.request_id, None) is not None:
-            call.end_with_partial(index)
+    def _resubmit(
+        self, call: Call, index: int, request: RolloutRequest, partial: Trajectory | None, failed: Callable[[], None]
+    ) -> None:
+        """Await position `index` of `call` under `request` from now on (a retry, or a regeneration), `partial`
+        being what its last attempt returned, and enqueue it past admission (it continues admitted work).
+        `failed()` ends the position if the request could not be enqueued."""
+        call.partial[index], call.attempts[index] = partial, request.request_id
+        self.waiting[request.request_id] = (call, index)
+
+        def enqueued(future: asyncio.Future[None]) -> None:
+            if future.cancelled() or future.exception() is None:
+                return
+            log.warning("could not resubmit %s (%s)", request.request_id, future.exception())
+            if self.waiting.pop(request.request_id, None) is not None:
+                failed()
+
+        self._enqueue([request], -1).add_done_callback(enqueued)
 
     async def close(self) -> None:
         # Let the reader finish its blocking read rather than cancel it: a pipeline cancelled mid-read
