@@ -256,10 +256,6 @@ def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
-    """The env vars (`ROLLOUT_*`) that give a child process these settings: every field that is not its default
-    (the redis URL and key prefix always), so what the caller configured in Python reaches the workers."""
-    values = settings.model_dump(exclude_defaults=True) | {
-        "redis_url": settings.redis_url,
-        "key_prefix": settings.key_prefix,
-    }
-    return {f"ROLLOUT_{name.upper()}": str(value) for name, value in values.items() if value is not None}
+    """The env vars (`ROLLOUT_*`) that give a child process exactly these settings: every field that is set (an
+    unset one, None, is left to its default), so what the caller configured in Python reaches the workers."""
+    return {f"ROLLOUT_{name.upper()}": str(value) for name, value in settings.model_dump().items() if value is not None}

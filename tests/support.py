@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 
+from rollout_svc import cluster
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.keys import PAYLOAD_FIELD, WORKERS_GROUP
 from rollout_svc.protocol import decode
@@ -31,11 +32,8 @@ def free_port() -> int:
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
-    env = dict(os.environ)
-    for name, value in settings.model_dump().items():
-        if value is not None:  # unset: the default
-            env[f"ROLLOUT_{name.upper()}"] = str(value)
-    return env
+    """This process's environment, plus the env vars that give a worker `settings`."""
+    return {**os.environ, **cluster.settings_env(settings)}
 
 
 def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.02) -> Any:
