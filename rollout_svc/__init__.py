@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 from rollout_svc.client import RolloutClient, SyncRolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.errors import (
+    AccessDeniedError,
     ControlCommandError,
     ControlTimeoutError,
     EngineDeadError,
@@ -23,6 +24,7 @@ if TYPE_CHECKING:  # torch is imported only when WeightSender is used
     from rollout_svc.weights import SyncReport, WeightSender
 
 __all__ = [
+    "AccessDeniedError",
     "ControlCommandError",
     "ControlTimeoutError",
     "EngineDeadError",

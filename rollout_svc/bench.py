@@ -1,5 +1,5 @@
 """`rollout-svc bench`: queue overhead (echo engine), generation efficiency (service vs direct vLLM), the
-control path (`bench_control`) and weight sync (`bench_weights`).
+control path (`bench_control`), weight sync (`bench_weights`) and the HTTP API beside the Python client (`bench_api`).
 
 Writes BENCHMARKS.md with the command that produced every figure. Figures are compared as ratios
 within one run: these machines are shared and noisy.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from rollout_svc import bench_control, dataset
+from rollout_svc import bench_api, bench_control, dataset
 from rollout_svc.client import RolloutClient
 from rollout_svc.cluster import LocalCluster, cpu_sets
 from rollout_svc.config import EngineSettings, Settings
@@ -61,6 +61,8 @@ def run_bench(
     max_tokens: int,
     command: str,
     control_cycles: int = 200,
+    api_requests: int = 3000,
+    api_in_flight: int = 32,
 ) -> None:
     console = Console()
     queue = [_queue_overhead(redis_url, workers, requests, console) for workers in (1, 2)]
@@ -69,6 +71,7 @@ def run_bench(
         for workers in bench_control.CONTROL_WORKERS
     ]
     frozen = bench_control.frozen_beyond_pause(redis_url, 10, _log_dir(), console)
+    api = bench_api.api_overhead(redis_url, api_requests, api_in_flight, _log_dir(), console)
     generation: list[GenerationFigures] = []
     weights: list[str] = []
     if model is not None:
@@ -77,7 +80,7 @@ def run_bench(
 
         weights = bench_weights.report(bench_weights.weight_sync(redis_url, model, _log_dir(), console))
     text = _report(command, queue, generation, prompts, max_tokens, requests)
-    output.write_text(text + "\n".join(bench_control.report(control, frozen) + weights) + "\n")
+    output.write_text(text + "\n".join(bench_control.report(control, frozen) + weights + bench_api.report(api)) + "\n")
     console.print(f"wrote {output}")
 
 

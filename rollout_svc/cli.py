@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -13,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
+from urllib.parse import urlparse
 
 import typer
 from redis.exceptions import RedisError
@@ -30,6 +32,8 @@ app = typer.Typer(
 )
 model_app = typer.Typer(no_args_is_help=True, help="Prepare models for the workers.")
 app.add_typer(model_app, name="model")
+acl_app = typer.Typer(no_args_is_help=True, help="Redis ACL users: producer, worker, admin.")
+app.add_typer(acl_app, name="acl")
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 RedisUrl = Annotated[
@@ -73,14 +77,30 @@ def up(
     max_num_seqs: Annotated[int | None, typer.Option(help="Per-worker capacity.")] = None,
     echo_token_delay_s: Annotated[float, typer.Option(help="echo engine: seconds per token.")] = 0.0,
     log_dir: Annotated[Path | None, typer.Option(help="Write each process's log here.")] = None,
+    acl: Annotated[
+        bool, typer.Option("--acl", help="Create Redis ACL users (producer, worker, admin) in the private Redis.")
+    ] = False,
+    acl_file: Annotated[
+        Path | None, typer.Option(help="With --acl: where the users' URLs go (default: cache dir, per port).")
+    ] = None,
 ) -> None:
     """Run a local cluster in the foreground: Redis (a private one if none answers), N workers, the API.
 
-    Ctrl-C or SIGTERM stops everything, leaving no process behind.
+    With --acl (a private Redis only) anonymous connections can do nothing: workers connect as `worker`, the API as
+    `admin`, and the three users' URLs are written to --acl-file (mode 0600). Ctrl-C or SIGTERM stops everything,
+    leaving no process behind.
     """
-    from rollout_svc.cluster import LocalCluster
+    from rollout_svc.cluster import ACL_NEEDS_PRIVATE_REDIS, LocalCluster, redis_answers
 
     _logging()
+    if acl and redis_answers(redis_url):
+        typer.echo(f"rollout-svc up: {ACL_NEEDS_PRIVATE_REDIS}", err=True)
+        raise typer.Exit(2)
+    if acl and not shutil.which("redis-server"):
+        typer.echo("rollout-svc up: --acl needs redis-server on PATH (fakeredis does not enforce ACLs)", err=True)
+        raise typer.Exit(2)
+    if acl and acl_file is None:
+        acl_file = Settings().cache_dir / f"redis-acl-{urlparse(redis_url).port or 6379}.json"
     if engine is EngineKind.vllm and model is None:
         model = _prepare_default_model(Settings(redis_url=redis_url))
     cluster = LocalCluster(
@@ -89,6 +109,7 @@ def up(
         _engine(engine, model, dtype, max_num_seqs, echo_token_delay_s),
         api_port=api_port,
         log_dir=log_dir,
+        acl_file=acl_file if acl else None,
     )
     # Both signals run the `finally` below. SIGINT explicitly: a shell starts background jobs with it ignored.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -97,6 +118,12 @@ def up(
         cluster.start()
         cluster.wait_ready(timeout_s=900)
         typer.echo(f"rollout-svc: {workers} {engine.value} worker(s) up on {redis_url}; Ctrl-C to stop", err=True)
+        if cluster.credentials is not None:
+            typer.echo(
+                f"rollout-svc: Redis ACL users created; their URLs are in {acl_file} (mode 0600). "
+                f"Producers connect with: {cluster.credentials.producer}",
+                err=True,
+            )
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -130,13 +157,41 @@ def serve(
     redis_url: RedisUrl = DEFAULT_REDIS_URL,
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    served_model_name: Annotated[
+        list[str] | None,
+        typer.Option(help="Model name(s) to serve (default: the model folder's name, as the workers report it)."),
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "warning",
 ) -> None:
-    """Serve the HTTP API (health, models) in front of the queue."""
+    """Serve the OpenAI-compatible API (and /admin, /health, /metrics) in front of the queue.
+
+    Data-plane keys come from ROLLOUT_API_KEYS (a JSON list), the admin token from ROLLOUT_ADMIN_TOKEN. Listening
+    beyond loopback without data-plane keys is refused.
+    """
     import uvicorn
 
     from rollout_svc.api import create_app
 
-    uvicorn.run(create_app(Settings(redis_url=redis_url)), host=host, port=port)
+    settings = Settings(redis_url=redis_url)
+    if not _loopback(host) and not settings.api_keys:
+        typer.echo(
+            f"rollout-svc serve: refusing to listen on {host} with no API key: set ROLLOUT_API_KEYS "
+            "(a JSON list, e.g. '[\"my-key\"]') or listen on 127.0.0.1",
+            err=True,
+        )
+        raise typer.Exit(2)
+    uvicorn.run(create_app(settings, served_model_name), host=host, port=port, log_level=log_level)
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @app.command()
@@ -206,7 +261,7 @@ def _control(redis_url: str, what: str, command: Callable[[ControlPlane], Awaita
     from redis.asyncio import Redis
 
     from rollout_svc.control import ControlPlane as Plane
-    from rollout_svc.errors import ControlCommandError, ControlTimeoutError, InvalidRequestError
+    from rollout_svc.errors import AccessDeniedError, ControlCommandError, ControlTimeoutError, InvalidRequestError
 
     async def run() -> int:
         redis = Redis.from_url(redis_url)
@@ -217,7 +272,7 @@ def _control(redis_url: str, what: str, command: Callable[[ControlPlane], Awaita
 
     try:
         epoch = asyncio.run(run())
-    except (ControlTimeoutError, ControlCommandError, InvalidRequestError) as exc:
+    except (ControlTimeoutError, ControlCommandError, InvalidRequestError, AccessDeniedError) as exc:
         typer.echo(f"{what} failed: {exc}", err=True)
         raise typer.Exit(1) from exc
     except (OSError, RedisError) as exc:
@@ -332,16 +387,39 @@ def bench(
     prompts: Annotated[int, typer.Option(min=1, help="ShareGPT prompts for the generation part.")] = 64,
     max_tokens: Annotated[int, typer.Option(min=1, help="Output tokens per prompt (generation part).")] = 128,
     control_cycles: Annotated[int, typer.Option(min=10, help="Pause/resume cycles per control figure.")] = 200,
+    api_requests: Annotated[int, typer.Option(min=100, help="Requests per HTTP API / Python client run.")] = 3000,
+    api_in_flight: Annotated[int, typer.Option(min=1, help="Requests in flight in the HTTP API part.")] = 32,
 ) -> None:
-    """Measure queue overhead and control latency (echo engine), generation efficiency (vLLM through the
-    service vs direct) and weight sync (vLLM workers vs a bare gloo broadcast)."""
+    """Measure queue overhead, control latency and the HTTP API beside the Python client (echo engine),
+    generation efficiency (vLLM through the service vs direct) and weight sync (vLLM workers vs a bare gloo
+    broadcast)."""
     from rollout_svc.bench import run_bench
 
     _logging("WARNING")
     if not skip_vllm and model is None:
         model = _prepare_default_model(Settings())
     command = " ".join(["rollout-svc", *sys.argv[1:]])
-    run_bench(redis_url, output, model, requests, prompts, max_tokens, command, control_cycles)
+    run_bench(
+        redis_url, output, model, requests, prompts, max_tokens, command, control_cycles, api_requests, api_in_flight
+    )
+
+
+@acl_app.command("rules")
+def acl_rules(
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    key_prefix: Annotated[str, typer.Option(envvar="ROLLOUT_KEY_PREFIX", help="Key prefix of the deployment.")] = (
+        "rollout"
+    ),
+) -> None:
+    """Print the ACL SETUSER lines of the producer, worker and admin users (fresh passwords; Redis >= 7.0), for
+    `redis-cli` run as a user allowed to create users; their URLs, based on --redis-url, go to stderr."""
+    from rollout_svc.acl import new_password, redis_cli_line, roles, setuser_args, user_url
+    from rollout_svc.keys import Keys
+
+    for name, role in roles(Keys(key_prefix)).items():
+        password = new_password()
+        typer.echo(redis_cli_line(setuser_args(role, password)))
+        typer.echo(f"{name}: {user_url(redis_url, name, password)}", err=True)
 
 
 @model_app.command("prepare")

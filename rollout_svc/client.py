@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
@@ -26,12 +26,15 @@ from rollout_svc.protocol import (
     TokenizeRequest,
     TokenizeResult,
     Trajectory,
+    TrajectoryChunk,
     WorkerStatus,
     as_sampling_params,
 )
 
 T = TypeVar("T")
 Params = SamplingParams | dict[str, Any] | None
+# A prompt of `stream`: token ids, text (tokenized by the worker, special tokens added), or chat messages.
+Prompt = Sequence[int] | str | Sequence[dict[str, Any] | ChatMessage]
 
 
 class RolloutClient:
@@ -152,22 +155,98 @@ class RolloutClient:
                 buffer.add(index, trajectory)
         """
         requests = await self._generation_requests(prompt_token_ids, sampling_params, session_ids, group_ids, timeout_s)
+        async for index, event in self._events(requests, timeout_s, raise_on_error, chunks=False):
+            assert isinstance(event, Trajectory)
+            yield index, event
+
+    async def stream(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: Params | Sequence[Params] = None,
+        session_ids: Sequence[str | None] | None = None,
+        *,
+        chunks: bool = True,
+        group_ids: Sequence[str | None] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        parse_tool_calls: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+        raise_on_error: bool = False,
+    ) -> AsyncGenerator[tuple[int, TrajectoryChunk | Trajectory], None]:
+        """Generate with tokens streamed back as they are made: yields `(index, TrajectoryChunk)` as each prompt's
+        worker sends its new tokens (a few at a time; see `Settings.stream_interval_s`), then `(index, Trajectory)`
+        once it finished (the whole completion, retries merged), in arrival order. `chunks=False`: trajectories only.
+
+        Args:
+            prompts: B prompts, each token ids, a text (tokenized by the worker with special tokens, as vLLM's
+                completions API does), or a conversation (chat messages, templated by the worker).
+            sampling_params: shared by all prompts, or a list of B (say, one seed per sample of a group).
+            tools: OpenAI function tools for the chat template; `parse_tool_calls`: the worker parses tool calls
+                out of the output (`Trajectory.tool_calls`, `.content`). `chat_template_kwargs`: for the template.
+            The rest as `generate`.
+
+        A chunk's `offset` places its tokens in the completion; after a token-exact retry chunks may repeat
+        tokens already seen (same offset), so keep them by offset. Leaving the loop early cancels the requests
+        not yet finished. Same errors as `generate`.
+        """
+        if isinstance(sampling_params, (list, tuple)):
+            params = [as_sampling_params(p) for p in sampling_params]
+            if len(params) != len(prompts):
+                raise InvalidRequestError(f"{len(params)} sampling params for {len(prompts)} prompts; give one each")
+        else:
+            params = [as_sampling_params(sampling_params)] * len(prompts)  # type: ignore[arg-type]
+        sessions = _per_prompt(session_ids, len(prompts), "session_ids")
+        groups = _per_prompt(group_ids, len(prompts), "group_ids")
         connection = await self._connect()
-        call = connection.new_call(requests)
+        extra: dict[str, Any] = {"stream": chunks, "tools": tools, "parse_tool_calls": parse_tool_calls}
+        extra["chat_template_kwargs"] = chat_template_kwargs
+        requests = [
+            self._build(
+                RolloutRequest,
+                i,
+                timeout_s,
+                connection,
+                **_prompt_fields(prompt),
+                session_id=sessions[i],
+                group_id=groups[i],
+                sampling_params=params[i],
+                **extra,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        async for event in self._events(requests, timeout_s, raise_on_error, chunks=chunks):
+            yield event
+
+    async def _events(
+        self, requests: list[RolloutRequest], timeout_s: float | None, raise_on_error: bool, chunks: bool
+    ) -> AsyncIterator[tuple[int, TrajectoryChunk | Trajectory]]:
+        """Submit `requests` and yield `(index, chunk)` (with `chunks`) and `(index, trajectory)` as they arrive."""
+        connection = await self._connect()
+        call = connection.new_call(requests, chunks=chunks)
         timeout_s = self._timeout(timeout_s)
+        # With chunks every event (chunks, then each position's end) comes through `call.events`, else through
+        # `call.completed`: one queue, so nothing is yielded twice.
+        queue: asyncio.Queue[Any] = call.events if call.events is not None else call.completed
+        finished = 0
         try:
             await connection.submit(call)
             deadline = time.monotonic() + timeout_s
-            for _ in requests:
+            while finished < len(requests):
                 try:
-                    index = await asyncio.wait_for(call.completed.get(), max(0.0, deadline - time.monotonic()))
+                    event = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
                     call.expire()
-                    while not call.completed.empty():
-                        index = call.completed.get_nowait()
-                        yield index, self._trajectory(requests[index], call.results[index], raise_on_error)
+                    while not queue.empty():
+                        index, chunk = _event(queue.get_nowait())
+                        if chunk is None:
+                            yield index, self._trajectory(requests[index], call.results[index], raise_on_error)
                     raise self._late(call, timeout_s) from None
-                yield index, self._trajectory(requests[index], call.results[index], raise_on_error)
+                index, chunk = _event(event)
+                if chunk is not None:
+                    yield index, chunk
+                else:
+                    finished += 1
+                    yield index, self._trajectory(requests[index], call.results[index], raise_on_error)
         finally:
             if call.remaining:
                 connection.cancel(call)
@@ -513,6 +592,21 @@ class SyncRolloutClient:
 
 async def _next(iterator: AsyncIterator[T]) -> T:
     return await anext(iterator)
+
+
+def _event(event: int | tuple[int, TrajectoryChunk | None]) -> tuple[int, TrajectoryChunk | None]:
+    """An entry of `Call.completed` (a position that finished) or `Call.events`, as `(position, chunk or None)`."""
+    return (event, None) if isinstance(event, int) else event
+
+
+def _prompt_fields(prompt: Prompt) -> dict[str, Any]:
+    """The RolloutRequest field a prompt goes in: `prompt` (text), `messages` (a conversation) or token ids."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    items = list(prompt)
+    if items and not isinstance(items[0], int):
+        return {"messages": items}
+    return {"prompt_token_ids": items}
 
 
 def _per_prompt(values: Sequence[str | None] | None, count: int, name: str) -> list[str | None]:

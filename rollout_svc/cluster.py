@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -19,9 +20,15 @@ from urllib.parse import urlparse
 
 import redis
 
+from rollout_svc.acl import Credentials, create_users
 from rollout_svc.config import EngineSettings, Settings
 
 log = logging.getLogger("rollout_svc.cluster")
+ACL_NEEDS_PRIVATE_REDIS = (
+    "--acl creates the Redis users only in the private Redis that `up` starts, and a Redis already answers at "
+    "--redis-url: create the users there yourself (`rollout-svc acl rules` prints the ACL SETUSER lines; README, "
+    "'Redis ACL users') and give each process its user's URL, or point --redis-url at a free port"
+)
 
 
 # Sets PR_SET_PDEATHSIG (SIGTERM), then execs the real command: if `up` itself is killed with -9, its
@@ -122,6 +129,11 @@ class LocalCluster:
     engine-core process). A child that exits (a crash, an engine that died, a `kill -9`) is started
     again after `RESTART_DELAY_S`, as a process manager would. Child logs go to
     `log_dir/<name>.log` when `log_dir` is given (appended across restarts).
+
+    With `acl_file`, the private Redis gets the ACL users of `rollout_svc.acl` (its default user turned off): the
+    workers connect as `worker`, the API and this process as `admin`, and the three URLs are written to `acl_file`
+    (mode 0600; removed by `stop()`, the passwords dying with that Redis). A Redis that already answers is refused
+    (`RuntimeError`): its users are its operator's to create (`rollout-svc acl rules`).
     """
 
     RESTART_DELAY_S = 2.0
@@ -135,22 +147,33 @@ class LocalCluster:
         api_port: int | None = None,
         api_host: str = "127.0.0.1",
         log_dir: Path | None = None,
+        acl_file: Path | None = None,
     ) -> None:
         self.settings, self.worker_count = settings, workers
         self.engine = engine or EngineSettings()
         self.api_port, self.api_host = api_port, api_host
-        self.log_dir = log_dir
+        self.log_dir, self.acl_file = log_dir, acl_file
+        self.credentials: Credentials | None = None  # with `acl_file`, once `start` created the users
         self.redis: PrivateRedis | None = None
         self.children: list[_Child] = []
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
 
     def start(self) -> None:
-        """Start Redis if none answers, then the workers and the API. Returns at once (see `wait_ready`)."""
+        """Start Redis if none answers, then the workers and the API. Returns at once (see `wait_ready`).
+
+        Raises `RuntimeError` if no Redis can be started, or, with `acl_file`, if a Redis already answers or there
+        is no `redis-server` (fakeredis enforces no ACLs)."""
         if not redis_answers(self.settings.redis_url):
+            if self.acl_file is not None and not shutil.which("redis-server"):
+                raise RuntimeError("--acl needs redis-server on PATH: fakeredis does not enforce Redis ACLs")
             self.redis = PrivateRedis(self.settings.redis_url)
             self.redis.start()
             log.info("started a private Redis at %s", self.settings.redis_url)
+        elif self.acl_file is not None:
+            raise RuntimeError(ACL_NEEDS_PRIVATE_REDIS)
+        if self.acl_file is not None:
+            self._create_users(self.acl_file)
         env = {**os.environ, **settings_env(self.settings)}
         binds = cpu_sets(self.worker_count)
         for i in range(self.worker_count):
@@ -160,6 +183,8 @@ class LocalCluster:
             # A seed of its own per worker: with one seed, unseeded samples of one group spread over two workers
             # would draw the same random numbers.
             engine = self.engine.model_copy(update={"seed": self.engine.seed + i})
+            if self.credentials is not None:
+                worker_env["ROLLOUT_REDIS_URL"] = self.credentials.worker
             args = [sys.executable, "-m", "workers", "--engine", engine.engine, *engine.to_args()]
             self.children.append(_Child(f"worker-{i}", args, worker_env))
         if self.api_port is not None:
@@ -169,6 +194,16 @@ class LocalCluster:
             self._spawn(child)
         self._supervisor = threading.Thread(target=self._supervise, name="cluster-supervisor", daemon=True)
         self._supervisor.start()
+
+    def _create_users(self, acl_file: Path) -> None:
+        """Create the ACL users in the private Redis, write their URLs, and go on as `admin` from here."""
+        client = redis.Redis.from_url(self.settings.redis_url)
+        try:
+            self.credentials = create_users(client, self.settings.keys, self.settings.redis_url)
+        finally:
+            client.close()
+        self.credentials.write(acl_file)
+        self.settings = self.settings.model_copy(update={"redis_url": self.credentials.admin})
 
     def _spawn(self, child: _Child) -> None:
         out: IO[bytes] | None = None  # no log folder: the child writes to this terminal
@@ -248,6 +283,8 @@ class LocalCluster:
             process.wait()
         if self.redis is not None:
             self.redis.stop()
+        if self.credentials is not None and self.acl_file is not None:
+            self.acl_file.unlink(missing_ok=True)
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
@@ -258,4 +295,8 @@ def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None
 def settings_env(settings: Settings) -> dict[str, str]:
     """The env vars (`ROLLOUT_*`) that give a child process exactly these settings: every field that is set (an
     unset one, None, is left to its default), so what the caller configured in Python reaches the workers."""
-    return {f"ROLLOUT_{name.upper()}": str(value) for name, value in settings.model_dump().items() if value is not None}
+    return {
+        f"ROLLOUT_{name.upper()}": json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+        for name, value in settings.model_dump(mode="json").items()
+        if value is not None
+    }

@@ -59,6 +59,16 @@ class Settings(BaseSettings):
         "", description="weight sync: the address peers reach this process at ('': the one that routes to Redis)"
     )
     dead_letter_maxlen: int = Field(10_000, ge=1, description="approximate cap of the dead-letter stream")
+    api_keys: list[str] = Field(
+        default_factory=list, description="API: data-plane keys, a JSON list (env ROLLOUT_API_KEYS='[\"k1\"]')"
+    )
+    admin_token: str | None = Field(None, description="API: the bearer token of /admin/* (none: admin routes off)")
+    served_model_name: str = Field("", description="API: the model name served ('': the workers' model folder name)")
+    api_default_max_tokens: int = Field(1024, ge=1, description="API: max_tokens of a chat request that sets none")
+    stream_interval_s: float = Field(
+        0.05, ge=0, description="workers: a streaming request's chunk is sent at most this often (unless full)"
+    )
+    stream_chunk_tokens: int = Field(16, ge=1, description="workers: a streaming chunk is sent once it holds this many")
 
     @property
     def keys(self) -> Keys:
@@ -87,6 +97,9 @@ class EngineSettings(BaseModel):
     enable_sleep_mode: bool | None = Field(None, description="vLLM sleep mode (default: where supported)")
     echo_token_delay_s: float = Field(0.0, ge=0, description="echo engine: seconds per generated token")
     echo_load_delay_s: float = Field(0.0, ge=0, description="echo engine: seconds a weight load takes")
+    tool_call_parser: str = Field(
+        "hermes", description="vLLM tool-call parser for tool_choice=auto ('' for none): hermes, llama3_json, ..."
+    )
 
     @property
     def capacity(self) -> int:

@@ -12,7 +12,9 @@ The only module that spells the control keys' verbs (DESIGN.md section 4, "Contr
   requeued). On timeout it raises `ControlTimeoutError` naming the rest; the desired state stays written.
 - The fleet is paused while any holder holds a pause; `resume` releases only its own holder. With holders in
   different modes the strongest applies: abort > wait > keep.
-- Cancel is not a command: a producer writes tombstones (`Keys.cancelled`, with a TTL) and nudges; no barrier.
+- Cancel is not a command: a producer writes tombstones (`Keys.cancelled`, with a TTL) and nudges on
+  `Keys.cancel_channel`; no barrier.
+- Under Redis ACL users (`rollout_svc.acl`) only `admin` may issue commands; a refusal raises `AccessDeniedError`.
 """
 
 from __future__ import annotations
@@ -26,9 +28,17 @@ from typing import Any, get_args
 
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
+from redis.exceptions import ResponseError
 
+from rollout_svc.acl import ADMIN, permission_denied
 from rollout_svc.config import Settings
-from rollout_svc.errors import ControlCommandError, ControlTimeoutError, InvalidRequestError, ProtocolError
+from rollout_svc.errors import (
+    AccessDeniedError,
+    ControlCommandError,
+    ControlTimeoutError,
+    InvalidRequestError,
+    ProtocolError,
+)
 from rollout_svc.protocol import ControlCommand, PauseMode, RolloutRequest, decode, encode, unrun_trajectory
 from rollout_svc.registry import Registry
 from rollout_svc.streams import Entry, Placed, RequestStreams, Sweep
@@ -58,13 +68,14 @@ return epoch
 
 # KEYS: [1] state hash. ARGV: field/value pairs. A worker that finds the state missing (a Redis that forgot)
 # writes back what it last applied, unless another worker already has: a paused fleet does not silently resume.
+# HSETNX, not HSET (the same here, the hash being missing): a worker's Redis user may add state fields, not change them.
 RESEED_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV))
+for i = 1, #ARGV, 2 do redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
 
-# KEYS: [1] tombstones. ARGV: [1] ttl ms, [2] control channel, then request ids. Expired tombstones are pruned.
+# KEYS: [1] tombstones. ARGV: [1] ttl ms, [2] cancel channel, then request ids. Expired tombstones are pruned.
 CANCEL_LUA = """
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -144,7 +155,8 @@ class ControlPlane:
         await plane.resume()
 
     Every command raises `ControlTimeoutError` (naming the workers that did not ack within `timeout_s`,
-    default `Settings.control_timeout_s`) and `ControlCommandError` (naming the workers that reported a failure).
+    default `Settings.control_timeout_s`), `ControlCommandError` (naming the workers that reported a failure) and
+    `AccessDeniedError` (Redis refused: this connection's Redis user is not `admin`; the state is unchanged).
     """
 
     def __init__(self, redis: Redis, settings: Settings) -> None:
@@ -238,12 +250,18 @@ class ControlPlane:
     async def commit_weights(self, version: int, checkpoint: str = "") -> None:
         """Record `version` as the fleet's committed weight version (loaded from `checkpoint`, "" for a broadcast)
         and nudge the workers: one whose version differs takes no work until it has this one. No barrier: the
-        weight sync waited for its loads already, and resumes (a command, acknowledged) right after."""
+        weight sync waited for its loads already, and resumes (a command, acknowledged) right after.
+        Raises `AccessDeniedError` if this connection's Redis user may not write the state (not `admin`)."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self.keys.state, mapping={"weight_version": str(version), "weight_checkpoint": checkpoint})
         pipe.publish(self.keys.weights_channel, b"commit")
         pipe.publish(self.keys.control_channel, NUDGE_COMMAND)
-        await pipe.execute()
+        try:
+            await pipe.execute()
+        except ResponseError as exc:
+            if permission_denied(exc):
+                raise AccessDeniedError("commit_weights", ADMIN, str(exc)) from exc
+            raise
 
     async def state(self) -> FleetState:
         """The desired state now."""
@@ -251,7 +269,19 @@ class ControlPlane:
         return FleetState.from_hash(fields)
 
     async def _run(self, issue: _Issue, timeout_s: float | None, sweep: bool = False) -> int:
-        """Issue a command and wait for its acknowledgements (and, for a session/all abort, sweep the queue)."""
+        """Issue a command and wait for its acknowledgements (and, for a session/all abort, sweep the queue).
+
+        A refusal by Redis' ACLs raises `AccessDeniedError`: it comes before the issue script wrote anything (the
+        acks subscription) or from that script's first write, so the state is unchanged.
+        """
+        try:
+            return await self._issue_and_await(issue, timeout_s, sweep)
+        except ResponseError as exc:
+            if permission_denied(exc):
+                raise AccessDeniedError(issue.kind, ADMIN, str(exc)) from exc
+            raise
+
+    async def _issue_and_await(self, issue: _Issue, timeout_s: float | None, sweep: bool) -> int:
         timeout_s = self.settings.control_timeout_s if timeout_s is None else timeout_s
         async with self._issuing:
             acks = await self._subscribed()
@@ -341,7 +371,7 @@ class ControlPlane:
             return
         ttl_ms = int(self.settings.results_ttl_s * 1000)
         ids = [request_id for request_id, _ in attempts]
-        await self._cancel(keys=[self.keys.cancelled], args=[ttl_ms, self.keys.control_channel, *ids])
+        await self._cancel(keys=[self.keys.cancelled], args=[ttl_ms, self.keys.cancel_channel, *ids])
         by_stream: dict[str, list[Sweep]] = {}
         for _, placed in attempts:
             if placed is not None:
@@ -352,14 +382,14 @@ class ControlPlane:
     # --- the worker's side -----------------------------------------------------------------------------------
 
     async def subscribe(self) -> PubSub:
-        """A worker's one pub/sub connection: the nudges on the control channel (`NUDGE_COMMAND`, `NUDGE_CANCEL`)
-        and on the weights channel (a sync order, announcement or commit).
+        """A worker's one pub/sub connection: the nudges on the control channel (`NUDGE_COMMAND`), on the cancel
+        channel (`NUDGE_CANCEL`) and on the weights channel (a sync order, announcement or commit).
 
         redis-py reconnects it after a dropped connection and subscribes again; that confirmation arrives as a
         `subscribe` message, on which the worker converges (a nudge may have been lost meanwhile).
         """
         pubsub = self.redis.pubsub()
-        await pubsub.subscribe(self.keys.control_channel, self.keys.weights_channel)
+        await pubsub.subscribe(self.keys.control_channel, self.keys.cancel_channel, self.keys.weights_channel)
         return pubsub
 
     async def read(self, after_epoch: int | None) -> tuple[FleetState | None, list[ControlCommand]]:

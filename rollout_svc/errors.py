@@ -119,3 +119,21 @@ class WeightSyncError(RolloutError):
         self.version, self.failures = version, dict(failures or {})
         named = "; ".join(f"{w}: {why}" for w, why in sorted(self.failures.items()))
         super().__init__(f"weight sync to version {version} failed: {message}" + (f" ({named})" if named else ""))
+
+
+class AccessDeniedError(RolloutError):
+    """Redis refused a command for lack of permission: the Redis user of this connection (its URL's `user:`) may
+    not do `action`; the `role` user may (see `rollout_svc.acl`). Nothing was written.
+
+    Retrying with the same credentials fails again: connect with the `role` user's URL.
+    """
+
+    recoverable = False
+
+    def __init__(self, action: str, role: str, detail: str) -> None:
+        self.action, self.role = action, role
+        super().__init__(
+            f"Redis refused {action}: the Redis user of this connection lacks the permission ({detail}). Only the "
+            f"`{role}` user may do this: connect with its URL (`rollout-svc up --acl` writes it to its credentials "
+            "file; see the README, 'Redis ACL users')"
+        )

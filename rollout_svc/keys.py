@@ -98,6 +98,12 @@ class Keys:
         """Pub/sub channel that nudges workers to re-read the control state (at most once: a nudge only)."""
         return f"{self.prefix}:control"
 
+    @property
+    def cancel_channel(self) -> str:
+        """Pub/sub channel on which a producer nudges workers to read new tombstones (apart from `control_channel`,
+        so that a producer's Redis user may cancel without being able to nudge the control plane)."""
+        return f"{self.prefix}:cancel"
+
     # --- weight sync ------------------------------------------------------------------------------------------
     # The committed weight version (and the checkpoint it came from) are fields of `state`.
 

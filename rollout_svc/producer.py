@@ -26,7 +26,16 @@ from rollout_svc.config import Settings
 from rollout_svc.control import ControlPlane
 from rollout_svc.errors import ProtocolError, QueueFullError
 from rollout_svc.keys import PAYLOAD_FIELD
-from rollout_svc.protocol import Continuation, Request, Result, RolloutRequest, Trajectory, decode, encode
+from rollout_svc.protocol import (
+    Continuation,
+    Request,
+    Result,
+    RolloutRequest,
+    Trajectory,
+    TrajectoryChunk,
+    decode,
+    encode,
+)
 from rollout_svc.registry import Registry
 from rollout_svc.streams import ENQUEUE_CHUNK, Enqueue, Placed, RequestStreams
 
@@ -53,9 +62,11 @@ class Call:
 
     `completed` yields positions as they finish; `done` resolves when all have. `attempts[i]` is the request id
     position i is awaited under (a retry has a new one); `partial[i]` the last aborted attempt being retried.
+    With `chunks`, `events` also yields `(position, TrajectoryChunk)` for streaming requests, as they arrive, and
+    `(position, None)` when a position finished.
     """
 
-    def __init__(self, requests: Sequence[Request], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, requests: Sequence[Request], loop: asyncio.AbstractEventLoop, chunks: bool = False) -> None:
         self.requests = list(requests)
         count = len(self.requests)
         self.results: list[Any] = [None] * count
@@ -68,6 +79,11 @@ class Call:
         self.partial: list[Trajectory | None] = [None] * count
         self.spent_s: list[tuple[float, float]] = [(0.0, 0.0)] * count  # earlier attempts' (queue, generation) s
         self.regenerations: dict[int, int] = {}  # position -> times dropped as stale and generated again
+        self.events: asyncio.Queue[tuple[int, TrajectoryChunk | None]] | None = asyncio.Queue() if chunks else None
+
+    def chunk(self, index: int, chunk: TrajectoryChunk) -> None:
+        if self.events is not None and self.results[index] is None:
+            self.events.put_nowait((index, chunk))
 
     def set(self, index: int, result: Any) -> None:
         if self.results[index] is not None:
@@ -75,6 +91,8 @@ class Call:
         self.results[index] = result
         self.remaining -= 1
         self.completed.put_nowait(index)
+        if self.events is not None:
+            self.events.put_nowait((index, None))
         if self.remaining == 0 and not self.done.done():
             self.done.set_result(None)
 
@@ -155,8 +173,8 @@ class Connection:
         """A request (or group) id unique across producers: this producer's id and a counter."""
         return f"{self.producer_id}-{next(self._request_numbers)}"
 
-    def new_call(self, requests: Sequence[Request]) -> Call:
-        return Call(requests, self.loop)
+    def new_call(self, requests: Sequence[Request], chunks: bool = False) -> Call:
+        return Call(requests, self.loop, chunks)
 
     async def submit(self, call: Call) -> None:
         """Await a call's requests' results from now on, and enqueue them (admission-checked, all or nothing).
@@ -264,6 +282,11 @@ class Connection:
         except ProtocolError as exc:
             log.error("dropped an undecodable result: %s", exc)
             return
+        if isinstance(result, TrajectoryChunk):  # part of a streaming request, before its result
+            waiting = self.waiting.get(result.request_id)
+            if waiting is not None:
+                waiting[0].chunk(waiting[1], result)
+            return
         target = self.waiting.pop(result.request_id, None)
         if target is None:
             self.stats.duplicates += 1  # at-least-once delivery: a requeued request may answer twice
@@ -335,16 +358,19 @@ class Connection:
             text=result.text,
             interruptions=result.interruptions + 1,
             weight_versions=result.weight_versions,
+            top_logprobs=result.top_logprobs,
         )
-        retry = RolloutRequest(
-            request_id=self.new_id(),
-            session_id=request.session_id,
-            group_id=request.group_id,
-            prompt_token_ids=result.prompt_token_ids,
-            sampling_params=request.sampling_params,
-            reply_to=self.results,
-            deadline=request.deadline,
-            continuation=continuation,
+        # The same request (session, group, streaming, tools, deadline) on the prompt ids it was served with.
+        retry = request.model_copy(
+            update={
+                "request_id": self.new_id(),
+                "prompt_token_ids": result.prompt_token_ids,
+                "messages": None,
+                "prompt": None,
+                "reply_to": self.results,
+                "submitted_at": time.time(),
+                "continuation": continuation,
+            }
         )
         queue_s, generation_s = call.spent_s[index]
         call.spent_s[index] = (queue_s + result.queue_time_s, generation_s + result.generation_time_s)

@@ -39,12 +39,39 @@ ErrorCode = Literal[
     "engine_error",  # the engine failed on this request
 ]
 TokenId = Annotated[int, Field(ge=0)]
+TopLogprob = tuple[int, str, float]  # (token id, its text, logprob)
 
 
 class _Message(BaseModel):
     """A wire message: fields it does not know are ignored (a newer peer of the same schema version)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class StructuredOutputs(_Message):
+    """Constrained decoding, as vLLM's `StructuredOutputsParams`: give exactly one of a JSON schema (`json`, a dict
+    or its JSON text), any JSON object (`json_object`), a `regex`, a `choice` of strings, or an EBNF `grammar`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [
+            n for n in ("json_", "json_object", "regex", "choice", "grammar") if getattr(self, n) not in (None, False)
+        ]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, json_object, regex, choice, grammar")
+        return self
+
+    def to_vllm(self) -> dict[str, Any]:
+        """The keyword arguments of `vllm.sampling_params.StructuredOutputsParams`."""
+        return self.model_dump(by_alias=True, exclude_none=True)
 
 
 class SamplingParams(_Message):
@@ -71,6 +98,10 @@ class SamplingParams(_Message):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="top logprobs per token (vLLM's meaning; the sampled token's is always given)"
+    )
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="after")
     def _min_le_max(self) -> SamplingParams:
@@ -86,7 +117,7 @@ class ChatMessage(_Message):
 
     model_config = ConfigDict(extra="allow", frozen=True)  # tool calls, names: passed to the template
     role: str
-    content: str
+    content: str | None = ""
 
 
 class Continuation(_Message):
@@ -104,13 +135,18 @@ class Continuation(_Message):
     text: str = ""
     interruptions: int = Field(0, ge=0)
     weight_versions: list[WeightSpan] = Field(default_factory=list)
+    top_logprobs: list[list[TopLogprob]] | None = None
 
 
 class RolloutRequest(_Message):
-    """One generation: a prompt (token ids, or chat messages the worker templates) and sampling params.
+    """One generation: a prompt (token ids; text, which the worker tokenizes with its special tokens as vLLM's
+    completions API does; or chat messages the worker templates) and sampling params.
 
     `deadline` and `submitted_at` are unix seconds (wall clock: producer and worker hosts must keep
     time with NTP). `reply_to` is the results stream of the producer. `continuation` is set on a retry.
+    `tools` (OpenAI's function tools) and `chat_template_kwargs` go into the chat template; with `parse_tool_calls`
+    the worker runs its tool-call parser (vLLM's, `--tool-call-parser`) on the output. `stream`: the worker also
+    sends `TrajectoryChunk`s (new tokens, a few at a time) before the final trajectory.
     """
 
     request_id: str = Field(min_length=1)
@@ -118,18 +154,25 @@ class RolloutRequest(_Message):
     group_id: str | None = None
     prompt_token_ids: list[TokenId] | None = None
     messages: list[ChatMessage] | None = None
+    prompt: str | None = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     reply_to: str
     deadline: float | None = None
     submitted_at: float = Field(default_factory=time.time)
     continuation: Continuation | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    parse_tool_calls: bool = False
+    stream: bool = False
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RolloutRequest:
-        if (self.prompt_token_ids is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt_token_ids and messages")
+        if sum(p is not None for p in (self.prompt_token_ids, self.messages, self.prompt)) != 1:
+            raise ValueError("give exactly one of prompt_token_ids, messages and prompt")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("prompt is empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages is empty")
         if self.continuation is not None:
@@ -190,6 +233,11 @@ class Trajectory(_Message):
     in order (a keep-pause across a weight sync gives two); `weight_version` is the version of the last token
     (of the engine, for a trajectory without tokens). `staleness` is set by the client: the committed version when
     it received the trajectory minus the version of its first token (None until then).
+
+    Asked for (`sampling_params.logprobs = k`): `top_logprobs[i]` lists up to k `(token_id, token, logprob)` of the
+    most likely tokens at position i, best first, and `tokens[i]` is the text of `completion_token_ids[i]`. Asked to
+    parse tool calls: `tool_calls` holds OpenAI-shaped calls (`{"id", "type": "function", "function": {"name",
+    "arguments"}}`, arguments as JSON text) and `content` the text around them.
     """
 
     request_id: str
@@ -210,6 +258,28 @@ class Trajectory(_Message):
     interruptions: int = 0
     weight_versions: list[WeightSpan] = Field(default_factory=list)
     staleness: int | None = None
+    top_logprobs: list[list[TopLogprob]] | None = None
+    tokens: list[str] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    content: str | None = None
+
+
+class TrajectoryChunk(_Message):
+    """Part of a streaming request's completion, sent before its final `Trajectory` (which holds all of it).
+
+    `offset` is the index of `token_ids[0]` in the whole completion (a retry's chunks go on after the tokens its
+    earlier attempts made); `text` is the text these tokens add. Chunks of one request arrive in order and before
+    its trajectory; a chunk may repeat tokens a retry regenerates, so readers keep what they have by `offset`.
+    """
+
+    request_id: str
+    offset: int
+    token_ids: list[int]
+    logprobs: list[float] = Field(default_factory=list)
+    text: str = ""
+    worker_id: str = ""
+    top_logprobs: list[list[TopLogprob]] | None = None
+    tokens: list[str] | None = None
 
 
 def unrun_trajectory(request: RolloutRequest, cause: AbortCause, worker_id: str = "") -> Trajectory:
@@ -322,7 +392,7 @@ class WeightManifest(_Message):
 
 
 Request = RolloutRequest | TokenizeRequest | DetokenizeRequest
-Result = Trajectory | ErrorResult | TokenizeResult
+Result = Trajectory | ErrorResult | TokenizeResult  # a request's answer; a TrajectoryChunk comes before it
 _TYPES: dict[str, type[_Message]] = {
     cls.__name__: cls
     for cls in (
@@ -330,6 +400,7 @@ _TYPES: dict[str, type[_Message]] = {
         TokenizeRequest,
         DetokenizeRequest,
         Trajectory,
+        TrajectoryChunk,
         ErrorResult,
         TokenizeResult,
         ControlCommand,

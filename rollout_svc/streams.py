@@ -322,6 +322,14 @@ class RequestStreams:
             args.append(entry.entry_id)
         return int(await self._scripts["publish"](keys=list(keys), args=args))
 
+    async def send_chunk(self, stream: str, payload: bytes, results_ttl_s: float) -> None:
+        """XADD a streaming chunk to a results stream (no ack: the final result is published with its ack), and
+        EXPIRE the stream, so chunks for a producer that went away expire with its stream."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xadd(stream, {PAYLOAD_FIELD: payload})
+        pipe.expire(stream, int(results_ttl_s))
+        await pipe.execute()
+
     async def dead_letter(
         self,
         entry: Entry,

@@ -12,6 +12,7 @@ from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.errors import EngineDeadError
 from workers.echo import EchoEngine
 from workers.engine import Engine
+from workers.metrics import WorkerMetrics
 from workers.worker import Worker
 
 
@@ -21,6 +22,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-id", help="stable id (default: host-pid-random)")
     p.add_argument("--drain-timeout-s", type=float, default=5.0, help="on stop: let in-flight requests finish")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: none)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics server binds")
     EngineSettings.add_arguments(p)
     return p.parse_args(argv)
 
@@ -36,13 +39,27 @@ def build_engine(engine: EngineSettings, settings: Settings) -> Engine:
     from rollout_svc.model import prepare_model
     from workers.engine import VLLMEngine
 
-    return VLLMEngine(engine.model or str(prepare_model(settings.cache_dir)), **engine.vllm_kwargs())
+    model = engine.model or str(prepare_model(settings.cache_dir))
+    return VLLMEngine(model, tool_call_parser=engine.tool_call_parser or None, **engine.vllm_kwargs())
+
+
+def start_metrics(port: int, host: str) -> WorkerMetrics | None:
+    """The worker's metrics, served at http://host:port/metrics from a thread; None (nothing counted) if port is 0."""
+    if not port:
+        return None
+    metrics = WorkerMetrics()
+    metrics.serve_http(port, host)
+    return metrics
 
 
 async def serve(args: argparse.Namespace) -> None:
     settings = Settings(**({"redis_url": args.redis_url} if args.redis_url else {}))
     worker = Worker(
-        settings, build_engine(EngineSettings.from_args(args), settings), args.worker_id, args.drain_timeout_s
+        settings,
+        build_engine(EngineSettings.from_args(args), settings),
+        args.worker_id,
+        args.drain_timeout_s,
+        start_metrics(args.metrics_port, args.metrics_host),
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

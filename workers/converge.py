@@ -52,6 +52,7 @@ class Converger:
         desired, commands = await self.control.read(self._seen_epoch)
         if desired is None:
             desired = await self._reseed()
+        self.state.committed_version = desired.weight_version
         first = self._seen_epoch is None
         for command in commands:
             if command.kind == "abort":

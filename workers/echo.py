@@ -12,7 +12,7 @@ from typing import Any
 
 from rollout_svc.errors import InvalidRequestError
 from rollout_svc.protocol import PauseMode, SamplingParams, TransferGroup, WeightManifest
-from workers.engine import Completion
+from workers.engine import Completion, OnDelta
 
 
 class _EchoRun:
@@ -64,7 +64,12 @@ class EchoEngine:
         return None
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prior: Sequence[int] = ()
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prior: Sequence[int] = (),
+        on_delta: OnDelta | None = None,
     ) -> Completion:
         if len(prompt_token_ids) + len(prior) >= self.max_model_len:
             raise InvalidRequestError(
@@ -72,11 +77,20 @@ class EchoEngine:
             )
         tail = prompt_token_ids[len(prior) :] if prior else prompt_token_ids  # what the echo has yet to say
         if not self.token_delay_s and self._unpaused.is_set():  # done at once: nothing to pause or abort
-            return self._completion(prompt_token_ids, prior, tail, min(params.max_tokens, len(tail)), params, False)
+            done = self._completion(prompt_token_ids, prior, tail, min(params.max_tokens, len(tail)), params, False)
+            if on_delta is not None and done.completion_token_ids:
+                await on_delta(done)
+            return done
         run = self._runs[request_id] = _EchoRun()  # registered before any await: an abort always finds it
         self._idle.clear()
+
+        async def produced_one(index: int) -> None:  # a delta per generated token, as vLLM's per step
+            if on_delta is not None:
+                token = tail[index]
+                await on_delta(Completion([], [token], [0.0], "", _bytes_text([token]), *_tops([token], params)))
+
         try:
-            produced = await self._produce(run, min(params.max_tokens, len(tail)))
+            produced = await self._produce(run, min(params.max_tokens, len(tail)), produced_one)
         finally:
             del self._runs[request_id]
             if not self._runs:
@@ -99,9 +113,9 @@ class EchoEngine:
             finish_reason = "length" if len(tail) > params.max_tokens else "stop"
         text = _bytes_text(completion)
         prompt = [*prompt_token_ids, *prior] if prior else prompt_token_ids
-        return Completion(prompt, completion, [0.0] * len(completion), finish_reason, text)
+        return Completion(prompt, completion, [0.0] * len(completion), finish_reason, text, *_tops(completion, params))
 
-    async def _produce(self, run: _EchoRun, count: int) -> int:
+    async def _produce(self, run: _EchoRun, count: int, produced_one: Any = None) -> int:
         """Generate `count` tokens, one per `token_delay_s`, frozen while paused; returns how many were made."""
         if not self._unpaused.is_set():
             await self._unfrozen(run)
@@ -116,6 +130,8 @@ class EchoEngine:
             await asyncio.sleep(max(0.0, due - loop.time()))
             produced += 1  # a step that started completes, as in vLLM
             run.produced = produced
+            if produced_one is not None:
+                await produced_one(produced - 1)
             if not self._unpaused.is_set():
                 frozen_at = loop.time()
                 await self._unfrozen(run)
@@ -157,9 +173,17 @@ class EchoEngine:
     async def reset_prefix_cache(self, reset_running_requests: bool) -> bool:
         return True
 
-    async def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        rendered = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + "<|assistant|>"
+    async def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        rendered = "".join(f"<|{m['role']}|>{m.get('content') or ''}\n" for m in messages) + "<|assistant|>"
         return await self.tokenize(rendered, add_special_tokens=False)
+
+    def parse_tool_calls(self, text: str, tools: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
+        return text, []  # the echo model calls no tools
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(text.encode())
@@ -208,6 +232,14 @@ class EchoEngine:
     def output_tokens(self, request_id: str) -> int | None:
         run = self._runs.get(request_id)
         return None if run is None else run.produced
+
+
+def _tops(token_ids: list[int], params: SamplingParams) -> tuple[list[list[tuple[int, str, float]]] | None, Any]:
+    """Top logprobs and token texts where asked for: the echo's one token per position, certain (logprob 0)."""
+    if params.logprobs is None:
+        return None, None
+    texts = [_bytes_text([t]) for t in token_ids]
+    return [[(t, text, 0.0)][: params.logprobs] for t, text in zip(token_ids, texts, strict=True)], texts
 
 
 def _bytes_text(token_ids: list[int]) -> str:

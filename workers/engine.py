@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -23,13 +23,23 @@ MiB = 1024 * 1024
 
 @dataclass(frozen=True)
 class Completion:
-    """What an engine returns for one request. `logprobs[i]` is the logprob of `completion_token_ids[i]`."""
+    """What an engine returns for one request. `logprobs[i]` is the logprob of `completion_token_ids[i]`.
+
+    Where the sampling params ask for `logprobs = k`: `top_logprobs[i]` holds up to k `(token id, text, logprob)`
+    best first, and `tokens[i]` the text of `completion_token_ids[i]`. A streaming delta (see `Engine.generate`) is
+    a Completion of the new tokens only, with `text` the text they add and `finish_reason` "".
+    """
 
     prompt_token_ids: list[int]
     completion_token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort"; "" for a delta
     text: str
+    top_logprobs: list[list[tuple[int, str, float]]] | None = None
+    tokens: list[str] | None = None
+
+
+OnDelta = Callable[[Completion], Awaitable[None]]
 
 
 class Engine(Protocol):
@@ -50,10 +60,16 @@ class Engine(Protocol):
     async def start(self) -> None: ...
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prior: Sequence[int] = ()
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prior: Sequence[int] = (),
+        on_delta: OnDelta | None = None,
     ) -> Completion:
         """Generate after `prompt_token_ids + prior` (`prior`: what an interrupted attempt generated); the
-        Completion holds the new tokens only."""
+        Completion holds the new tokens only. `on_delta`, if given, is awaited with each batch of new tokens as the
+        engine makes them (vLLM's delta outputs), before the final Completion is returned."""
         ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -68,7 +84,16 @@ class Engine(Protocol):
 
     async def reset_prefix_cache(self, reset_running_requests: bool) -> bool: ...
 
-    async def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]: ...
+    async def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]: ...
+
+    def parse_tool_calls(self, text: str, tools: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
+        """Split model output into its content and OpenAI-shaped tool calls (none found: `(text, [])`)."""
+        ...
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]: ...
 
@@ -171,6 +196,32 @@ def sampled_logprobs(output: Any) -> list[float]:
     return list(flat.logprobs)
 
 
+def top_logprobs(output: Any, k: int) -> tuple[list[float], list[list[tuple[int, str, float]]], list[str]]:
+    """Per position of a `vllm.CompletionOutput` asked for `logprobs=k, flat_logprobs=True`: the sampled token's
+    logprob, the top k `(token id, text, logprob)` by vLLM's rank (best first), and the sampled token's text.
+
+    vLLM's flat layout holds, per position, the sampled token first, then the top k (a token in both appears
+    once). Raises `RuntimeError` if vLLM returned another shape.
+    """
+    flat, ids = output.logprobs, list(output.token_ids)
+    if flat is None or len(flat.start_indices) != len(ids):
+        raise RuntimeError(f"vLLM returned no top-{k} logprobs per position")
+    sampled, tops, texts = [], [], []
+    for position, token_id in enumerate(ids):
+        start, end = flat.start_indices[position], flat.end_indices[position]
+        if flat.token_ids[start] != token_id:
+            raise RuntimeError("vLLM's logprobs do not start with the sampled token")
+        sampled.append(flat.logprobs[start])
+        texts.append(flat.decoded_tokens[start] or "")
+        ranked = sorted(
+            (flat.ranks[j], flat.token_ids[j], flat.decoded_tokens[j] or "", flat.logprobs[j])
+            for j in range(start, end)
+            if flat.ranks[j] is not None and flat.ranks[j] <= k
+        )
+        tops.append([(t, text, lp) for _, t, text, lp in ranked[:k]])
+    return sampled, tops, texts
+
+
 class VLLMEngine:
     """The real engine: one vLLM `AsyncLLM` (continuous batching; its engine core is a child process).
 
@@ -185,8 +236,11 @@ class VLLMEngine:
     `capacity` is `max_num_seqs`; the remaining arguments are those of `vllm_engine_args`.
     """
 
-    def __init__(self, model: str, *, max_num_seqs: int = 64, **engine_settings: Any) -> None:
+    def __init__(
+        self, model: str, *, max_num_seqs: int = 64, tool_call_parser: str | None = None, **engine_settings: Any
+    ) -> None:
         self.model_name = Path(model).name
+        self.tool_call_parser = tool_call_parser
         self.capacity = max_num_seqs
         self.memory_released = False  # known once started: sleep frees memory only where sleep mode is on
         self.weight_ranks = int(engine_settings.get("tensor_parallel_size", 1)) * int(
@@ -215,9 +269,17 @@ class VLLMEngine:
         await asyncio.to_thread(build)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prior: Sequence[int] = ()
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prior: Sequence[int] = (),
+        on_delta: OnDelta | None = None,
     ) -> Completion:
         """Run one request to completion, after `prompt_token_ids + prior`; the Completion holds the new tokens.
+
+        With `on_delta` the request runs with vLLM's delta outputs (`RequestOutputKind.DELTA`) and each step's new
+        tokens are awaited through it as they come; the final Completion still holds every new token.
 
         Cancelling the awaiting task aborts the request inside vLLM; `abort(request_id)` makes it return what it
         generated so far, with finish reason `abort`.
@@ -231,14 +293,21 @@ class VLLMEngine:
         from vllm.v1.engine.exceptions import EngineGenerateError
 
         llm = self._running()
-        sampling = self._vllm_sampling_params(params)
+        sampling = self._vllm_sampling_params(params, delta=on_delta is not None)
         prompt = [*prompt_token_ids, *prior]
         final: RequestOutput | None = None
+        parts: list[Completion] = []
         try:
-            # FINAL_ONLY: the stream yields once, at the end (an abort's final output holds the tokens so far).
-            # On cancellation vLLM's generator aborts the request.
+            # FINAL_ONLY: the stream yields once, at the end (an abort's final output holds the tokens so far);
+            # DELTA: once per step, each output holding that step's new tokens. On cancellation vLLM's generator
+            # aborts the request.
             async for output in llm.generate(tokens_input(prompt), sampling, request_id):
                 final = output
+                if on_delta is not None:
+                    delta = _completion(prompt, output, params.logprobs, delta=True)
+                    parts.append(delta)
+                    if delta.completion_token_ids or delta.text:
+                        await on_delta(delta)
         except VLLMClientError as exc:
             raise InvalidRequestError(f"vLLM rejected request {request_id}: {exc}") from exc
         except VLLMEngineDeadError as exc:
@@ -251,7 +320,9 @@ class VLLMEngine:
             raise
         if final is None or not final.finished:
             raise RuntimeError(f"vLLM ended request {request_id} without a final output")
-        return _completion(prompt, final)
+        if on_delta is not None:
+            return _joined(prompt, parts, _finish_reason(final))
+        return _completion(prompt, final, params.logprobs)
 
     async def abort(self, request_id: str) -> None:
         """Abort a running request; its `generate` returns with finish reason `abort`. Unknown ids are ignored."""
@@ -278,14 +349,23 @@ class VLLMEngine:
         """Drop the prefix cache; False if vLLM refused (running requests hold blocks and are not to be reset)."""
         return bool(await self._running().reset_prefix_cache(reset_running_requests=reset_running_requests))
 
-    async def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """Token ids of `messages` rendered by the model's chat template, ending with the assistant's turn opener.
 
+        `tools` (OpenAI's `{"type": "function", "function": {...}}` list) and `chat_template_kwargs` are passed to
+        the template (Hugging Face `apply_chat_template`), as vLLM's OpenAI server does.
         Raises `InvalidRequestError` if the template refuses the messages.
         """
         tokenizer: Any = self._running().get_tokenizer()  # Any: vLLM types messages as OpenAI's TypedDicts
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+            )
         except Exception as exc:  # jinja2 errors, or a template's own raise_exception()
             raise InvalidRequestError(f"the chat template of {self.model_name} refused the messages: {exc}") from exc
         # The template already wrote every special token; encoding must not add a BOS of its own.
@@ -293,6 +373,14 @@ class VLLMEngine:
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         return self._running().get_tokenizer().encode(text, add_special_tokens=add_special_tokens)
+
+    def parse_tool_calls(self, text: str, tools: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
+        """vLLM's tool-call parser named by `tool_call_parser` (see `workers.tools`); none configured: no calls."""
+        from workers.tools import parse_tool_calls
+
+        if not self.tool_call_parser:
+            return text, []
+        return parse_tool_calls(self.tool_call_parser, self._running().get_tokenizer(), text, tools)
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self._running().get_tokenizer().decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -345,15 +433,23 @@ class VLLMEngine:
         return self._llm
 
     @staticmethod
-    def _vllm_sampling_params(params: SamplingParams) -> Any:
-        """Our SamplingParams (vLLM's field names) plus logprobs of the sampled tokens, reported once at the end."""
+    def _vllm_sampling_params(params: SamplingParams, delta: bool = False) -> Any:
+        """Our SamplingParams (vLLM's field names) plus logprobs of the sampled tokens (and the top `logprobs`),
+        reported once at the end, or with each step's new tokens (`delta`)."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.exceptions import VLLMClientError
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+        kind = RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY
+        fields = params.model_dump(exclude={"logprobs", "structured_outputs"})
         try:
+            structured = params.structured_outputs
             return VLLMSamplingParams(
-                **params.model_dump(), logprobs=0, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY
+                **fields,
+                logprobs=params.logprobs or 0,
+                flat_logprobs=True,
+                output_kind=kind,
+                structured_outputs=StructuredOutputsParams(**structured.to_vllm()) if structured else None,
             )
         except (VLLMClientError, ValueError, TypeError) as exc:  # e.g. temperature > 2, which vLLM refuses
             raise InvalidRequestError(f"vLLM refused the sampling params: {exc}") from exc
@@ -363,11 +459,36 @@ class VLLMEngine:
 _FINISH_REASONS = {"stop": "stop", "repetition": "stop", "length": "length", "abort": "abort"}
 
 
-def _completion(prompt_token_ids: list[int], final: RequestOutput) -> Completion:
-    """Our Completion of vLLM's final `RequestOutput` (n=1)."""
+def _finish_reason(final: RequestOutput) -> str:
     output = final.outputs[0]
     finish_reason = _FINISH_REASONS.get(str(output.finish_reason))
     if finish_reason is None:  # "error": a request-level failure inside vLLM (for example a KV transfer)
         raise RuntimeError(f"vLLM failed request {final.request_id} (finish reason {output.finish_reason})")
-    logprobs = sampled_logprobs(output) if output.token_ids else []
-    return Completion(prompt_token_ids, list(output.token_ids), logprobs, finish_reason, output.text)
+    return finish_reason
+
+
+def _completion(prompt_token_ids: list[int], final: RequestOutput, k: int | None, delta: bool = False) -> Completion:
+    """Our Completion of vLLM's final `RequestOutput` (n=1), or of one delta output (finish reason "")."""
+    output = final.outputs[0]
+    finish_reason = "" if delta else _finish_reason(final)
+    ids = list(output.token_ids)
+    if k is None:
+        logprobs = sampled_logprobs(output) if ids else []
+        return Completion(prompt_token_ids, ids, logprobs, finish_reason, output.text)
+    logprobs, tops, texts = top_logprobs(output, k) if ids else ([], [], [])
+    return Completion(prompt_token_ids, ids, logprobs, finish_reason, output.text, tops, texts)
+
+
+def _joined(prompt_token_ids: list[int], parts: list[Completion], finish_reason: str) -> Completion:
+    """The whole Completion of a request run with delta outputs."""
+    tops = None if not parts or parts[0].top_logprobs is None else [t for p in parts for t in p.top_logprobs or []]
+    texts = None if tops is None else [t for p in parts for t in p.tokens or []]
+    return Completion(
+        prompt_token_ids,
+        [t for p in parts for t in p.completion_token_ids],
+        [lp for p in parts for lp in p.logprobs],
+        finish_reason,
+        "".join(p.text for p in parts),
+        tops,
+        texts,
+    )

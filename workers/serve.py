@@ -23,6 +23,7 @@ from rollout_svc.protocol import (
     TokenizeRequest,
     TokenizeResult,
     Trajectory,
+    TrajectoryChunk,
     decode,
     encode,
     reply_address,
@@ -30,8 +31,9 @@ from rollout_svc.protocol import (
 )
 from rollout_svc.reaper import Reaper
 from rollout_svc.streams import RequestStreams
-from workers.engine import Engine
+from workers.engine import Completion, Engine
 from workers.inflight import AbortRules, InFlight, InFlightIndex
+from workers.metrics import WorkerMetrics
 from workers.state import WorkerState
 
 log = logging.getLogger("rollout_svc.worker")
@@ -58,10 +60,12 @@ class RequestServer:
         reaper: Reaper,
         publish: Callable[[InFlight], None],
         on_engine_dead: Callable[[EngineDeadError], None],
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.settings, self.engine, self.state, self.index, self.rules = settings, engine, state, index, rules
         self.streams, self.reaper = streams, reaper
         self._publish, self._on_engine_dead = publish, on_engine_dead
+        self.metrics = metrics  # None: nothing is counted
         self.served = 0  # generations run on the engine (aborted ones included)
 
     async def serve(self, record: InFlight) -> None:
@@ -107,6 +111,8 @@ class RequestServer:
 
     def _answer(self, record: InFlight, request: Request, result: Result) -> None:
         record.reply_to, record.payload = request.reply_to, encode(result)
+        if self.metrics is not None:
+            self.metrics.observe(request, result)
         self._publish(record)
 
     async def _refuse(self, record: InFlight, message: str) -> None:
@@ -118,6 +124,8 @@ class RequestServer:
             request_id=address[0], code="invalid_request", message=message, worker_id=self.state.worker_id
         )
         record.reply_to, record.payload = address[1], encode(error)
+        if self.metrics is not None:
+            self.metrics.observe(None, error)
         self._publish(record)
 
     async def _run(self, request: Request, record: InFlight, taken_at: float) -> Result:
@@ -150,10 +158,7 @@ class RequestServer:
 
     async def _generate(self, request: RolloutRequest, record: InFlight, taken_at: float) -> Trajectory:
         """Run a rollout request; a continuation goes on after its prior tokens and answers with the whole."""
-        if request.prompt_token_ids is not None:
-            prompt = request.prompt_token_ids
-        else:
-            prompt = await self.engine.chat_prompt([m.model_dump() for m in request.messages or []])
+        prompt = await self._prompt(request)
         prior = request.continuation
         params = request.sampling_params
         prior_ids = prior.token_ids if prior else []
@@ -168,16 +173,26 @@ class RequestServer:
             )
         started = time.time()
         record.in_engine, record.start_version = True, self.state.weight_version
+        chunks = ChunkSender(self, request, len(prior_ids)) if request.stream else None
         try:
-            completion = await self.engine.generate(request.request_id, prompt, params, prior_ids)
+            completion = await self.engine.generate(request.request_id, prompt, params, prior_ids, chunks)
         finally:
             record.in_engine = False
         self.served += 1
         tokens, logprobs, text = completion.completion_token_ids, completion.logprobs, completion.text
+        tops, texts = completion.top_logprobs, completion.tokens
         if prior is not None:  # the whole completion, detokenized whole: UTF-8 can split at the cut
             tokens, logprobs = prior.token_ids + tokens, prior.logprobs + logprobs
             new = bool(completion.completion_token_ids)
             text = await self.engine.detokenize(tokens, params.skip_special_tokens) if new else prior.text
+            if tops is not None:  # an earlier attempt's top logprobs, where it had them
+                old = prior.top_logprobs or [[] for _ in prior.token_ids]
+                tops = old + tops
+                texts = [t[0][1] if t else "" for t in old] + (texts or [])
+        content, tool_calls = None, None
+        if request.parse_tool_calls and request.tools and completion.finish_reason != "abort":
+            content, calls = self.engine.parse_tool_calls(text, request.tools)
+            tool_calls = calls or None
         aborted = completion.finish_reason == "abort"
         spans = weight_spans(prior.weight_versions if prior else [], record, len(tokens))
         # Built from this engine's own output, not validated again: the producer validates what it decodes.
@@ -197,7 +212,29 @@ class RequestServer:
             generation_time_s=time.time() - started,
             abort_cause=(record.abort_cause or "shutdown") if aborted else None,
             interruptions=prior.interruptions if prior else 0,
+            staleness=None,
+            top_logprobs=tops,
+            tokens=texts,
+            tool_calls=tool_calls,
+            content=content,
         )
+
+    async def _prompt(self, request: RolloutRequest) -> list[int]:
+        """The prompt's token ids: given, or text tokenized with special tokens (as vLLM's completions API does), or
+        messages rendered by the chat template (with the request's tools and template arguments)."""
+        if request.prompt_token_ids is not None:
+            return request.prompt_token_ids
+        if request.prompt is not None:
+            return await self.engine.tokenize(request.prompt, True)
+        messages = [m.model_dump() for m in request.messages or []]
+        return await self.engine.chat_prompt(messages, request.tools, request.chat_template_kwargs)
+
+    async def send_chunk(self, reply_to: str, chunk: TrajectoryChunk) -> None:
+        """Send a streaming chunk; Redis away: dropped with a warning (the final trajectory holds every token)."""
+        try:
+            await self.streams.send_chunk(reply_to, encode(chunk), self.settings.results_ttl_s)
+        except REDIS_ERRORS as exc:
+            log.warning("a streaming chunk of %s was not sent (%s)", chunk.request_id, exc)
 
     def _error(self, request: Request, code: ErrorCode, message: str, recoverable: bool = False) -> ErrorResult:
         return ErrorResult(
@@ -207,6 +244,45 @@ class RequestServer:
             recoverable=recoverable,
             worker_id=self.state.worker_id,
         )
+
+
+class ChunkSender:
+    """The engine's `on_delta` for a streaming request: gathers its new tokens and sends them as `TrajectoryChunk`s
+    into the producer's results stream, once `stream_chunk_tokens` have gathered or `stream_interval_s` passed since
+    the last send (so a chunk holds a few tokens or tens of milliseconds of them, never one entry per token at
+    speed). What is still gathered at the end is not sent: the final trajectory holds every token."""
+
+    def __init__(self, server: RequestServer, request: RolloutRequest, offset: int) -> None:
+        self.server, self.request, self.offset = server, request, offset
+        self.interval_s, self.max_tokens = server.settings.stream_interval_s, server.settings.stream_chunk_tokens
+        self.pending: list[Completion] = []
+        self.last_sent = time.monotonic()
+
+    async def __call__(self, delta: Completion) -> None:
+        self.pending.append(delta)
+        gathered = sum(len(d.completion_token_ids) for d in self.pending)
+        if gathered >= self.max_tokens or time.monotonic() - self.last_sent >= self.interval_s:
+            await self.flush()
+
+    async def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        ids = [t for d in pending for t in d.completion_token_ids]
+        tops = None if pending[0].top_logprobs is None else [t for d in pending for t in d.top_logprobs or []]
+        chunk = TrajectoryChunk.model_construct(
+            request_id=self.request.request_id,
+            offset=self.offset,
+            token_ids=ids,
+            logprobs=[lp for d in pending for lp in d.logprobs],
+            text="".join(d.text for d in pending),
+            worker_id=self.server.state.worker_id,
+            top_logprobs=tops,
+            tokens=None if tops is None else [t for d in pending for t in d.tokens or []],
+        )
+        self.offset += len(ids)
+        self.last_sent = time.monotonic()
+        await self.server.send_chunk(self.request.reply_to, chunk)
 
 
 def weight_spans(prior: list[tuple[int, int]], record: InFlight, total: int) -> list[tuple[int, int]]:

@@ -22,6 +22,7 @@ class WorkerState:
     label: StateLabel = "starting"
     applied_epoch: int = 0
     weight_version: int = 0
+    committed_version: int = 0  # the fleet's committed weight version, as this worker last read it
     pause_mode: PauseMode | None = None
     sleep_level: int = 0
     error_epoch: int = 0

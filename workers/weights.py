@@ -57,6 +57,7 @@ class WeightReceiver:
             self._handled = order.sync_id
             await self._follow(order)
         desired = await self.control.state()
+        self.state.committed_version = desired.weight_version
         syncing = order is not None and order.version > desired.weight_version  # loaded, not yet committed
         if syncing and order is not None and order.version == self.state.weight_version:
             return

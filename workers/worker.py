@@ -27,6 +27,7 @@ from rollout_svc.weight_sync import WeightSyncPlane
 from workers.converge import Converger
 from workers.engine import Engine
 from workers.inflight import AbortRules, InFlight, InFlightIndex
+from workers.metrics import WorkerMetrics
 from workers.serve import REDIS_ERRORS, RequestServer, backoff_s
 from workers.state import WorkerState
 from workers.weights import WeightReceiver
@@ -58,7 +59,12 @@ class Worker:
     """
 
     def __init__(
-        self, settings: Settings, engine: Engine, worker_id: str | None = None, drain_timeout_s: float = 5.0
+        self,
+        settings: Settings,
+        engine: Engine,
+        worker_id: str | None = None,
+        drain_timeout_s: float = 5.0,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.settings, self.engine = settings, engine
         self.drain_timeout_s = drain_timeout_s
@@ -66,6 +72,9 @@ class Worker:
         self.state = WorkerState(worker_id or default_worker_id())
         self.index = InFlightIndex(engine)
         self.rules = AbortRules()
+        self.metrics = metrics  # None: nothing is counted
+        if metrics is not None:
+            metrics.watch(self.state, self.index)
         self._stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._wake = asyncio.Event()  # a nudge, a reconnect, or a stop: the control loop converges
@@ -113,7 +122,7 @@ class Worker:
         )
         self.server = RequestServer(
             self.settings, self.engine, self.state, self.index, self.rules, self.streams, self.reaper,
-            self._queue_result, self._engine_died,
+            self._queue_result, self._engine_died, self.metrics,
         )  # fmt: skip
         try:
             await self._wait_for_redis()
@@ -324,6 +333,8 @@ class Worker:
 
     def _start(self, entries: list[Entry], generation: bool) -> None:
         for entry in entries:
+            if self.metrics is not None:
+                self.metrics.taken(entry)
             record = self.index.add(entry, generation)
             record.task = asyncio.create_task(self.server.serve(record))
             record.task.add_done_callback(lambda _t, r=record: self._finished(r))

@@ -1,33 +1,102 @@
-"""FastAPI app factory: health and the model list, served from the fleet's heartbeats in Redis.
+"""The FastAPI app: OpenAI's routes for agents, SkyRL's session routes, `/admin/*` for operators, health, metrics.
 
-The OpenAI data plane (/v1/chat/completions, /v1/completions) is not built yet; it lands with the
-OpenAI-API issue and will submit through `RolloutClient` like any other producer.
+Stateless: every route submits through one `RolloutClient` (a producer like any other), so several `serve`
+processes can run against one Redis. Example::
+
+    rollout-svc up --workers 2 --engine vllm --api-port 8000
+    python -c "from openai import OpenAI; c = OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='-');
+               print(c.chat.completions.create(model=c.models.list().data[0].id,
+                     messages=[{'role': 'user', 'content': 'Hi'}]).choices[0].message.content)"
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Annotated, Any
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Header, Request
+from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
+from rollout_svc.api.admin import admin_router
+from rollout_svc.api.auth import Auth
+from rollout_svc.api.errors import APIError, install_error_handlers
+from rollout_svc.api.generation import Generation, chat_plan, completion_plan, until_disconnected
+from rollout_svc.api.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody
 from rollout_svc.client import RolloutClient
 from rollout_svc.config import Settings
+from rollout_svc.errors import GenerationError
+from rollout_svc.metrics import install_metrics
+from rollout_svc.protocol import WorkerStatus
+
+SessionHeader = Annotated[str | None, Header(alias="X-Session-ID", max_length=256)]
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the app; it holds one `RolloutClient` (its connection opens on first use)."""
+class Fleet:
+    """The live workers, read from Redis at most once per `ttl_s` (every request checks the model and that some
+    worker is live), and the model names served: `served_model_names`, or what the live workers report (the model
+    folder's name)."""
+
+    def __init__(self, client: RolloutClient, served_model_names: list[str], ttl_s: float = 1.0) -> None:
+        self.client, self.served, self.ttl_s = client, served_model_names, ttl_s
+        self._workers: list[WorkerStatus] = []
+        self._read_at = float("-inf")
+
+    async def workers(self) -> list[WorkerStatus]:
+        if time.monotonic() - self._read_at > self.ttl_s:
+            self._workers, self._read_at = await self.client.workers(), time.monotonic()
+        return self._workers
+
+    async def models(self) -> list[str]:
+        return self.served or sorted({w.model for w in await self.workers() if w.model})
+
+    async def check(self, model: str | None) -> str:
+        """The model name to answer with. Raises `APIError` 503 with no live worker, 404 for another model."""
+        workers = await self.workers()
+        if not workers:
+            raise APIError(
+                503, "no live worker: start one with `rollout-svc worker` or `rollout-svc up`", code="no_worker"
+            )
+        names = await self.models()
+        if model is None:
+            return names[0]
+        if model not in names:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves {', '.join(names)}",
+                param="model",
+                code="model_not_found",
+            )
+        return model
+
+
+def create_app(settings: Settings | None = None, served_model_names: list[str] | None = None) -> FastAPI:
+    """Build the app. `served_model_names`: the names `/v1/models` lists and requests must use (default: the
+    model folder names the live workers report). Auth comes from `settings.api_keys` and `settings.admin_token`."""
     settings = settings or Settings()
     client = RolloutClient(settings)
+    fleet = Fleet(
+        client, list(served_model_names or ([settings.served_model_name] if settings.served_model_name else []))
+    )
+    auth = Auth(settings.api_keys, settings.admin_token)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         await client.close()
 
-    app = FastAPI(title="rollout-svc", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(
+        title="rollout-svc",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible API in front of a rollout-svc fleet (Redis Streams + vLLM workers).",
+    )
+    install_error_handlers(app)
+    metrics = install_metrics(app, client)
+    generation = Generation(client, metrics, settings.request_timeout_s)
+    data = [auth.data_dependency()]
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -41,10 +110,67 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return JSONResponse({"status": "error", "detail": detail}, status_code=503)
         return JSONResponse({"status": "ok", "workers": len(workers)})
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        """OpenAI's model list: one entry per model some live worker serves."""
-        names = sorted({w.model for w in await client.workers()})
-        return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "rollout-svc"} for n in names]}
+    @app.get("/v1/models", dependencies=data)
+    async def models() -> dict[str, Any]:
+        """OpenAI's model list: the served model names."""
+        names = await fleet.models()
+        created = int(time.time())
+        return {
+            "object": "list",
+            "data": [{"id": n, "object": "model", "created": created, "owned_by": "rollout-svc"} for n in names],
+        }
 
+    @app.post("/v1/chat/completions", dependencies=data)
+    async def chat_completions(
+        body: ChatCompletionRequest, request: Request, x_session_id: SessionHeader = None
+    ) -> Response:
+        """OpenAI's chat completions (streaming too); `X-Session-ID` (or `session_id`) pins a conversation to one
+        worker, named in the `X-Worker-ID` response header."""
+        model = await fleet.check(body.model)
+        plan = chat_plan(body, model, x_session_id or body.session_id, settings.api_default_max_tokens)
+        return await generation.respond(request, plan)
+
+    @app.post("/v1/completions", dependencies=data)
+    async def completions(body: CompletionRequest, request: Request, x_session_id: SessionHeader = None) -> Response:
+        """OpenAI's (legacy) completions: a text or token-id prompt, or a batch of them, in order."""
+        model = await fleet.check(body.model)
+        plan = completion_plan(body, model, x_session_id or body.session_id)
+        return await generation.respond(request, plan)
+
+    @app.post("/tokenize", dependencies=data)
+    async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
+        """vLLM's tokenize: `{"tokens", "count", "max_model_len"}` from a worker's tokenizer."""
+        await fleet.check(body.model)
+        try:
+            if body.messages is not None:
+                messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
+                [ids] = await until_disconnected(request, client.apply_chat_template([messages]))
+            else:
+                texts = [body.prompt or ""]
+                [ids] = await until_disconnected(request, client.tokenize(texts, body.add_special_tokens))
+        except (GenerationError, ValueError) as exc:
+            raise APIError(400, str(exc)) from exc
+        return {"tokens": ids, "count": len(ids), "max_model_len": None}
+
+    @app.post("/detokenize", dependencies=data)
+    async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
+        """vLLM's detokenize: `{"prompt"}`, the text of `tokens`."""
+        await fleet.check(body.model)
+        try:
+            [text] = await until_disconnected(request, client.detokenize([body.tokens]))
+        except GenerationError as exc:
+            raise APIError(400, str(exc)) from exc
+        return {"prompt": text}
+
+    @app.post("/v1/sessions/{session_id}/finish", dependencies=data)
+    async def finish_session(session_id: str) -> dict[str, Any]:
+        """Release a session: its next request is placed anew (its worker's KV cache is no longer favoured)."""
+        return {"session_id": session_id, "finished": await client.finish_session(session_id)}
+
+    @app.post("/finish_session", dependencies=data)
+    async def finish_session_skyrl(session_id: str) -> dict[str, Any]:
+        """SkyRL's spelling: `POST /finish_session?session_id=...`."""
+        return {"session_id": session_id, "finished": await client.finish_session(session_id)}
+
+    app.include_router(admin_router(client), dependencies=[auth.admin_dependency()])
     return app

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -43,6 +44,13 @@ def whole(trajectory, prompt) -> bool:
 
 async def in_flight(client: RolloutClient) -> int:
     return sum(w.in_flight for w in await client.workers())
+
+
+def nothing_in_flight(client: RolloutClient) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return await in_flight(client) == 0
+
+    return check
 
 
 def cli(settings, *args: str) -> subprocess.CompletedProcess[str]:
@@ -211,7 +219,7 @@ async def test_abort_all_empties_the_queue_and_answers_every_caller(settings, ec
         await client.abort(all=True)
         assert queued(rds, settings.keys.requests) == 0  # swept before the abort returned
         trajectories = await asyncio.wait_for(task, 5)
-        assert await in_flight(client) == 0
+        await async_wait_until(nothing_in_flight(client), 2, "nothing in flight by the next heartbeat")
         assert all(t.finish_reason == "abort" and t.abort_cause == "user" for t in trajectories)
         [after] = await client.generate(prompts(1, salt=7), {"max_tokens": 3})  # enqueued after: runs
         assert after.finish_reason == "length"

@@ -1,0 +1,86 @@
+"""`/admin/*`: the control plane and the fleet's weights over HTTP, behind the admin token (see `auth.py`).
+
+Each command returns once every live worker acknowledged it, with the control epoch it produced; a command some
+worker did not acknowledge in time answers 504 naming them (the desired state stays written: retrying converges),
+one a worker's engine refused 409.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from rollout_svc.api.errors import APIError
+from rollout_svc.api.schemas import AbortBody, PauseBody, ResetPrefixCacheBody, ResumeBody, SleepBody, WakeUpBody
+from rollout_svc.client import RolloutClient
+
+
+def admin_router(client: RolloutClient) -> APIRouter:
+    router = APIRouter(prefix="/admin", tags=["admin"])
+
+    @router.post("/pause")
+    async def pause(body: PauseBody | None = None) -> dict[str, Any]:
+        """Pause the fleet (`mode` keep, abort or wait) under `holder`."""
+        body = body or PauseBody()
+        epoch = await client.pause(body.mode, holder=body.holder, timeout_s=body.timeout_s)
+        return {"epoch": epoch, "paused": True, "mode": body.mode, "holder": body.holder}
+
+    @router.post("/resume")
+    async def resume(body: ResumeBody | None = None) -> dict[str, Any]:
+        """Release `holder`'s pause."""
+        body = body or ResumeBody()
+        epoch = await client.resume(holder=body.holder, timeout_s=body.timeout_s)
+        return {"epoch": epoch, "paused": (await client.fleet_state()).paused}
+
+    @router.post("/abort")
+    async def abort(body: AbortBody) -> dict[str, Any]:
+        """Abort requests by id, by session, or all (exactly one)."""
+        if sum([bool(body.request_ids), body.session_id is not None, body.all]) != 1:
+            raise APIError(400, "give exactly one of request_ids, session_id and all=true")
+        epoch = await client.abort(body.request_ids, session_id=body.session_id, all=body.all, timeout_s=body.timeout_s)
+        return {"epoch": epoch}
+
+    @router.post("/sleep")
+    async def sleep(body: SleepBody | None = None) -> dict[str, Any]:
+        body = body or SleepBody()
+        return {"epoch": await client.sleep(body.level, body.mode, timeout_s=body.timeout_s)}
+
+    @router.post("/wake_up")
+    async def wake_up(body: WakeUpBody | None = None) -> dict[str, Any]:
+        body = body or WakeUpBody()
+        return {"epoch": await client.wake_up(body.tags, timeout_s=body.timeout_s)}
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache(body: ResetPrefixCacheBody | None = None) -> dict[str, Any]:
+        body = body or ResetPrefixCacheBody()
+        epoch = await client.reset_prefix_cache(body.reset_running_requests, timeout_s=body.timeout_s)
+        return {"epoch": epoch}
+
+    @router.get("/workers")
+    async def workers() -> dict[str, Any]:
+        """The live workers' heartbeats: state, load, applied epoch, weight version."""
+        return {"workers": [w.model_dump() for w in await client.workers()]}
+
+    @router.get("/state")
+    async def state() -> dict[str, Any]:
+        """The fleet's desired control state: epoch, pause holders and mode, sleep level, committed weights."""
+        s = await client.fleet_state()
+        return {
+            "epoch": s.epoch,
+            "paused": s.paused,
+            "pause_mode": s.pause_mode,
+            "holders": s.holders,
+            "sleep_level": s.sleep_level,
+            "weight_version": s.weight_version,
+            "weight_checkpoint": s.weight_checkpoint,
+        }
+
+    @router.get("/weight_version")
+    async def weight_version() -> dict[str, Any]:
+        """The committed weight version (and its checkpoint, if it came from one), and each live worker's."""
+        s = await client.fleet_state()
+        per_worker = {w.worker_id: w.weight_version for w in await client.workers()}
+        return {"weight_version": s.weight_version, "weight_checkpoint": s.weight_checkpoint, "workers": per_worker}
+
+    return router

@@ -1,0 +1,243 @@
+"""Request bodies of the HTTP API: OpenAI's chat and completions (with vLLM's extra fields), tokenize, admin.
+
+Field names and meanings follow OpenAI's API reference and vLLM's OpenAI-compatible server
+(`vllm/entrypoints/openai/*/protocol.py`): the extra sampling fields (`top_k`, `min_p`, `repetition_penalty`,
+`ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`,
+`return_token_ids`, `chat_template_kwargs`) are vLLM's; `session_id` is SkyRL's. Fields OpenAI defines that we do
+not use (`user`, `store`, `metadata`, ...) are ignored, as vLLM ignores them; a bad value of a field we use is a
+400 naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_WIRE_INTS = range(-(2**63), 2**64)  # what msgpack, the workers' wire format, carries; a larger int fails encoding
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)  # strict: `true` or "16" is no number, as OpenAI says
+
+    @model_validator(mode="after")
+    def _ints_fit_the_wire(self) -> _Body:
+        """Every integer kept, free-form fields included (tool parameters, `chat_template_kwargs`), fits in 64 bits."""
+        stack: list[tuple[str, Any]] = [("", self.model_dump(by_alias=True))]
+        while stack:  # no recursion: a body nested as deep as the JSON parser allows is walked too
+            path, value = stack.pop()
+            if isinstance(value, int) and value not in _WIRE_INTS:
+                raise ValueError(f"{path}: {value} is out of range: integers must fit in 64 bits")
+            if isinstance(value, dict | list):
+                items = value.items() if isinstance(value, dict) else enumerate(value)
+                stack += [(f"{path}.{key}" if path else str(key), item) for key, item in items]
+        return self
+
+
+class ContentPart(BaseModel):
+    """A part of a message's content; only text parts are served (the model reads text)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(BaseModel):
+    """One message of a conversation, as OpenAI's chat API takes it."""
+
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id: passed to the chat template
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined). Raises ValueError on a part that is not text."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        texts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"content parts of type {part.type!r} are not supported: send text")
+            texts.append(part.text)
+        return "".join(texts)
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError('response_format of type "json_schema" needs json_schema.schema')
+        return self
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """What chat and completions share."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=128)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # vLLM's extras
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False
+    # SkyRL's: the conversation's session (the X-Session-ID header wins)
+    session_id: str | None = Field(None, min_length=1, max_length=256)
+
+
+class ChatCompletionRequest(_Sampling):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
+            names = {t.function.name for t in self.tools or []}
+            if not names:
+                raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
+            if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+        return self
+
+
+class CompletionRequest(_Sampling):
+    """`POST /v1/completions`: `prompt` is a text, a list of texts, token ids, or a list of token-id lists."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per completion, in order. Raises ValueError on an empty one."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise ValueError("prompt is empty")
+        for item in items:
+            if not item:
+                raise ValueError("prompt holds an empty prompt")
+            if isinstance(item, list) and any(t < 0 for t in item):
+                raise ValueError("token ids are >= 0")
+        return items
+
+
+class TokenizeBody(_Body):
+    """`POST /tokenize` (vLLM's): a text `prompt`, or chat `messages` rendered with a generation prompt."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeBody(_Body):
+    """`POST /detokenize` (vLLM's)."""
+
+    model: str | None = None
+    tokens: list[int] = Field(min_length=1)
+
+
+class PauseBody(_Body):
+    mode: Literal["keep", "abort", "wait"] = "keep"
+    holder: str = Field("operator", min_length=1)
+    timeout_s: float | None = Field(None, gt=0)
+
+
+class ResumeBody(_Body):
+    holder: str = Field("operator", min_length=1)
+    timeout_s: float | None = Field(None, gt=0)
+
+
+class AbortBody(_Body):
+    request_ids: list[str] | None = None
+    session_id: str | None = None
+    all: bool = False
+    timeout_s: float | None = Field(None, gt=0)
+
+
+class SleepBody(_Body):
+    level: int = Field(1, ge=1, le=2)
+    mode: Literal["keep", "abort", "wait"] = "abort"
+    timeout_s: float | None = Field(None, gt=0)
+
+
+class WakeUpBody(_Body):
+    tags: list[Literal["weights", "kv_cache"]] | None = None
+    timeout_s: float | None = Field(None, gt=0)
+
+
+class ResetPrefixCacheBody(_Body):
+    reset_running_requests: bool = False
+    timeout_s: float | None = Field(None, gt=0)
