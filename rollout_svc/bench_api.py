@@ -3,11 +3,10 @@
 (f) On echo workers, the same single-prompt requests (16 token ids in, 16 out) three ways, rounds alternating so
 drift hits all alike: `RolloutClient.generate` called in this process; `POST /v1/completions` to one `serve`
 process; the same round-robin over two. Closed loop at C in flight (requests/s, p50/p99 latency), then at 1 in
-flight (p50/p99). The HTTP load generator is this process: C lanes, each an `httpx.AsyncClient` of its own holding
-one HTTP/1.1 keep-alive connection per serve process. Not one client with a pool of C: httpx's pool does work in
-the number of its connections for every request (encode/httpx#3215), which made one pool of 32 cost the load
-generator ~4 ms of CPU per request on the 2-CPU VM against ~0.9 ms for a lane's own client (and ~2x what `serve`
-itself spent). Its CPU is reported beside the `serve` processes', since on a small machine they share the cores.
+flight (p50/p99). The HTTP load generator is this process: one `aiohttp` session with a keep-alive connection per
+request in flight (httpx's pool costs ~4x the CPU per request at 32 connections, encode/httpx#3215, which on a 2-CPU
+machine would measure the load generator more than `serve`). Its CPU is reported beside the `serve` processes',
+since on a small machine they share the cores.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.demo import _percentile, free_port, private_settings
 
 if TYPE_CHECKING:
-    import httpx
+    import aiohttp
 
 API_PROMPT = list(range(1, 17))  # 16 tokens in, 16 out (as the queue-overhead part)
 API_WORKERS = 2
@@ -157,21 +156,21 @@ def _wait_healthy(url: str, process: subprocess.Popen[bytes], log_dir: Path) -> 
 async def _measure(
     settings: Settings, serves: list[tuple[str, subprocess.Popen[bytes]]], requests: int, in_flight: int, rounds: int
 ) -> ApiFigures:
-    import httpx
+    import aiohttp
 
     params = {"max_tokens": len(API_PROMPT)}
-    limits = httpx.Limits(max_connections=len(serves), max_keepalive_connections=len(serves))
     headers = {"Authorization": f"Bearer {settings.api_keys[0]}"} if settings.api_keys else None
-    async with RolloutClient(settings) as client, contextlib.AsyncExitStack() as stack:
-        lanes = [
-            await stack.enter_async_context(httpx.AsyncClient(limits=limits, headers=headers, timeout=60))
-            for _ in range(in_flight)
-        ]
-        model = (await lanes[0].get(f"{serves[0][0]}/v1/models")).raise_for_status().json()["data"][0]["id"]
+    connector = aiohttp.TCPConnector(limit=in_flight * len(serves), limit_per_host=in_flight)
+    async with (
+        RolloutClient(settings) as client,
+        aiohttp.ClientSession(connector=connector, headers=headers, timeout=aiohttp.ClientTimeout(total=60)) as http,
+    ):
+        async with http.get(f"{serves[0][0]}/v1/models") as response:
+            model = (await response.json())["data"][0]["id"]
         body = {"model": model, "prompt": API_PROMPT, "max_tokens": len(API_PROMPT)}
         ways: dict[int, tuple[Send, list[int]]] = {0: (_python_send(client, params), [])}
         for n in SERVE_COUNTS:
-            ways[n] = (_http_send(lanes, [url for url, _ in serves[:n]], body), [p.pid for _, p in serves[:n]])
+            ways[n] = (_http_send(http, [url for url, _ in serves[:n]], body), [p.pid for _, p in serves[:n]])
         for send, _ in ways.values():  # warm-up: connections, scripts, each serve's view of the fleet
             await _closed_loop(send, WARMUP_REQUESTS, in_flight, [])
         loaded: dict[int, list[_Run]] = {n: [] for n in ways}
@@ -192,14 +191,15 @@ def _python_send(client: RolloutClient, params: dict[str, Any]) -> Send:
     return send
 
 
-def _http_send(lanes: list[httpx.AsyncClient], urls: list[str], body: dict[str, Any]) -> Send:
-    """POST /v1/completions with the lane's own client, round-robin over `urls`; the response parsed, as a caller
+def _http_send(http: aiohttp.ClientSession, urls: list[str], body: dict[str, Any]) -> Send:
+    """POST /v1/completions over a keep-alive connection, round-robin over `urls`; the response parsed, as a caller
     would."""
     targets = itertools.cycle([f"{url}/v1/completions" for url in urls])
 
     async def send(lane: int) -> None:
-        response = await lanes[lane].post(next(targets), json=body)
-        choice = response.raise_for_status().json()["choices"][0]
+        async with http.post(next(targets), json=body) as response:
+            response.raise_for_status()
+            choice = (await response.json())["choices"][0]
         assert choice["finish_reason"] == "stop", choice
 
     return send
@@ -287,11 +287,9 @@ def report(figures: ApiFigures) -> list[str]:
         f" {f.requests} requests at",
         f"{f.in_flight} in flight (best round); latency percentiles over every round, at {f.in_flight} in flight and"
         f" at 1 in flight ({f.single_requests}",
-        "requests a round). The HTTP load generator is one process: a lane per request in flight, each an",
-        "`httpx.AsyncClient` of its own holding one HTTP/1.1 keep-alive connection per serve process (one client"
-        " with a pool",
-        "of C connections costs several times more CPU per request: httpx scans its pool for every request,"
-        " encode/httpx#3215).",
+        "requests a round). The HTTP load generator is one process: one `aiohttp` session with a keep-alive"
+        " connection per request",
+        "in flight (httpx's pool costs several times more CPU per request at 32 connections, encode/httpx#3215).",
         "CPU columns: CPU seconds per second in the best round, and per request; the load generator is that"
         " process, the",
         f"machine every process on its {os.cpu_count()} CPUs, which the load generator, the serve processes, the"

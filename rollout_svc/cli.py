@@ -180,7 +180,8 @@ def serve(
             err=True,
         )
         raise typer.Exit(2)
-    uvicorn.run(create_app(settings, served_model_name), host=host, port=port, log_level=log_level)
+    app = create_app(settings, served_model_name)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
 
 
 def _loopback(host: str) -> bool:

@@ -338,24 +338,27 @@ def worker_header(trajectories: list[Trajectory]) -> dict[str, str]:
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, unless the client goes away first: then it is cancelled (its requests with it) and
-    `APIError` 499 is raised (nobody reads it)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnect(request))
+    """Await `work` in this task, unless the client goes away first: then this task is cancelled (`work`'s requests
+    with it) and `APIError` 499 is raised (nobody reads it). One watcher task per request, not a task for the work."""
+    this = asyncio.current_task()
+    assert this is not None
+    disconnected = asyncio.Event()
+    watcher = asyncio.ensure_future(_disconnect(request, this, disconnected))
     try:
-        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if not disconnected.is_set():
+            raise
+        this.uncancel()
+        raise APIError(499, "the client closed the request") from None
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise APIError(499, "the client closed the request")
-    return task.result()
 
 
-async def _disconnect(request: Request) -> None:
+async def _disconnect(request: Request, task: asyncio.Task[Any], disconnected: asyncio.Event) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
+            disconnected.set()
+            task.cancel()
             return

@@ -10,27 +10,41 @@ not use (`user`, `store`, `metadata`, ...) are ignored, as vLLM ignores them; a 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-_WIRE_INTS = range(-(2**63), 2**64)  # what msgpack, the workers' wire format, carries; a larger int fails encoding
+# What msgpack, the workers' wire format, carries: a larger integer fails encoding. Typed fields are bounded; the
+# free-form parts of a body (tool parameters, extra message fields, `chat_template_kwargs`) are walked.
+_WIRE_INTS = range(-(2**63), 2**64)
+Count = Annotated[int, Field(ge=0, lt=2**63)]
+TokenId = Annotated[int, Field(ge=0, lt=2**63)]
+
+
+def _check_ints(path: str, value: Any) -> None:
+    """Raise ValueError naming the first integer in `value` (nested dicts and lists) that does not fit in 64 bits."""
+    stack: list[tuple[str, Any]] = [(path, value)]
+    while stack:  # no recursion: a body nested as deep as the JSON parser allows is walked too
+        where, item = stack.pop()
+        if isinstance(item, int) and item not in _WIRE_INTS:
+            raise ValueError(f"{where}: {item} is out of range: integers must fit in 64 bits")
+        if isinstance(item, dict | list):
+            items = item.items() if isinstance(item, dict) else enumerate(item)
+            stack += [(f"{where}.{key}" if where else str(key), child) for key, child in items]
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)  # strict: `true` or "16" is no number, as OpenAI says
 
+    def _free_form(self) -> list[tuple[str, Any]]:
+        """The parts of this body whose integers no type bounds: (path, value)."""
+        return []
+
     @model_validator(mode="after")
     def _ints_fit_the_wire(self) -> _Body:
-        """Every integer kept, free-form fields included (tool parameters, `chat_template_kwargs`), fits in 64 bits."""
-        stack: list[tuple[str, Any]] = [("", self.model_dump(by_alias=True))]
-        while stack:  # no recursion: a body nested as deep as the JSON parser allows is walked too
-            path, value = stack.pop()
-            if isinstance(value, int) and value not in _WIRE_INTS:
-                raise ValueError(f"{path}: {value} is out of range: integers must fit in 64 bits")
-            if isinstance(value, dict | list):
-                items = value.items() if isinstance(value, dict) else enumerate(value)
-                stack += [(f"{path}.{key}" if path else str(key), item) for key, item in items]
+        for path, value in self._free_form():
+            if value:
+                _check_ints(path, value)
         return self
 
 
@@ -59,6 +73,16 @@ class ChatMessageIn(BaseModel):
                 raise ValueError(f"content parts of type {part.type!r} are not supported: send text")
             texts.append(part.text)
         return "".join(texts)
+
+
+def _message_extras(messages: list[ChatMessageIn]) -> list[tuple[str, Any]]:
+    """The fields of messages (and of their content parts) that no type covers: passed on as they are."""
+    parts: list[tuple[str, Any]] = []
+    for i, message in enumerate(messages):
+        parts.append((f"messages.{i}", message.model_extra))
+        if isinstance(message.content, list):
+            parts += [(f"messages.{i}.content.{j}", p.model_extra) for j, p in enumerate(message.content)]
+    return parts
 
 
 class FunctionDefinition(BaseModel):
@@ -110,7 +134,7 @@ class _Sampling(_Body):
     """What chat and completions share."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, lt=2**63)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=128)
@@ -121,12 +145,12 @@ class _Sampling(_Body):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     # vLLM's extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, lt=2**63)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Count = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
@@ -138,13 +162,22 @@ class ChatCompletionRequest(_Sampling):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=2**63)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def _free_form(self) -> list[tuple[str, Any]]:
+        parts = _message_extras(self.messages)
+        if self.tools:
+            parts.append(("tools", [t.model_dump() for t in self.tools]))
+        if self.response_format is not None and self.response_format.json_schema is not None:
+            parts.append(("response_format.json_schema", self.response_format.json_schema.model_dump()))
+        parts.append(("chat_template_kwargs", self.chat_template_kwargs))
+        return parts
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
@@ -162,8 +195,8 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """`POST /v1/completions`: `prompt` is a text, a list of texts, token ids, or a list of token-id lists."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1, lt=2**63)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -195,6 +228,9 @@ class TokenizeBody(_Body):
     messages: list[ChatMessageIn] | None = None
     add_special_tokens: bool = True
 
+    def _free_form(self) -> list[tuple[str, Any]]:
+        return _message_extras(self.messages or [])
+
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeBody:
         if (self.prompt is None) == (self.messages is None):
@@ -206,7 +242,7 @@ class DetokenizeBody(_Body):
     """`POST /detokenize` (vLLM's)."""
 
     model: str | None = None
-    tokens: list[int] = Field(min_length=1)
+    tokens: list[TokenId] = Field(min_length=1)
 
 
 class PauseBody(_Body):
