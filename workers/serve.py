@@ -248,9 +248,10 @@ class RequestServer:
 
 class ChunkSender:
     """The engine's `on_delta` for a streaming request: gathers its new tokens and sends them as `TrajectoryChunk`s
-    into the producer's results stream, once `stream_chunk_tokens` have gathered or `stream_interval_s` passed since
-    the last send (so a chunk holds a few tokens or tens of milliseconds of them, never one entry per token at
-    speed). What is still gathered at the end is not sent: the final trajectory holds every token."""
+    into the producer's results stream, once `stream_chunk_tokens` have gathered, or `stream_interval_s` passed since
+    the last send and 2 tokens or more have gathered, or 4 intervals passed (so a chunk holds a few tokens or tens
+    of milliseconds of them, not one entry per token where each step is slower than the interval). What is still
+    gathered at the end is not sent: the final trajectory holds every token."""
 
     def __init__(self, server: RequestServer, request: RolloutRequest, offset: int) -> None:
         self.server, self.request, self.offset = server, request, offset
@@ -261,7 +262,14 @@ class ChunkSender:
     async def __call__(self, delta: Completion) -> None:
         self.pending.append(delta)
         gathered = sum(len(d.completion_token_ids) for d in self.pending)
-        if gathered >= self.max_tokens or time.monotonic() - self.last_sent >= self.interval_s:
+        waited = time.monotonic() - self.last_sent
+        # Full; or an interval passed and it holds 2 tokens or more (not an entry per token where steps are slow);
+        # or 4 intervals passed (a slow engine still streams).
+        if (
+            gathered >= self.max_tokens
+            or (waited >= self.interval_s and gathered >= 2)
+            or waited >= 4 * self.interval_s
+        ):
             await self.flush()
 
     async def flush(self) -> None:
