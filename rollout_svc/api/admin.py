@@ -1,5 +1,8 @@
 """`/admin/*`: the control plane and the fleet's weights over HTTP, behind the admin token (see `auth.py`).
 
+Weights come by checkpoint only (`POST /admin/weights/checkpoint`): a broadcast needs the trainer's tensors, which
+stay with `WeightSender` in the trainer's process.
+
 Each command returns once every live worker acknowledged it, with the control epoch it produced; a command some
 worker did not acknowledge in time answers 504 naming them (the desired state stays written: retrying converges),
 one a worker's engine refused 409.
@@ -7,13 +10,23 @@ one a worker's engine refused 409.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import APIRouter
 
 from rollout_svc.api.errors import APIError
-from rollout_svc.api.schemas import AbortBody, PauseBody, ResetPrefixCacheBody, ResumeBody, SleepBody, WakeUpBody
+from rollout_svc.api.schemas import (
+    AbortBody,
+    CheckpointBody,
+    PauseBody,
+    ResetPrefixCacheBody,
+    ResumeBody,
+    SleepBody,
+    WakeUpBody,
+)
 from rollout_svc.client import RolloutClient
+from rollout_svc.errors import WeightSyncError
 
 
 def admin_router(client: RolloutClient) -> APIRouter:
@@ -82,5 +95,19 @@ def admin_router(client: RolloutClient) -> APIRouter:
         s = await client.fleet_state()
         per_worker = {w.worker_id: w.weight_version for w in await client.workers()}
         return {"weight_version": s.weight_version, "weight_checkpoint": s.weight_checkpoint, "workers": per_worker}
+
+    @router.post("/weights/checkpoint")
+    async def update_weights_from_checkpoint(body: CheckpointBody) -> dict[str, Any]:
+        """A weight sync from a checkpoint (`WeightSender.update_from_checkpoint`): pause, every worker loads it,
+        commit `version`, resume. Returns the `SyncReport` (loaded, stale, dead, seconds). 400: the version is not above
+        the committed one; 409: no worker loaded it (the old version stays committed), naming why."""
+        from rollout_svc.weights import WeightSender  # imports torch: only when a sync is asked for
+
+        async with WeightSender(settings=client.settings) as sender:
+            try:
+                report = await sender.update_from_checkpoint(body.path, body.version, body.pause_mode)
+            except WeightSyncError as exc:
+                raise APIError(409, str(exc), code="weight_sync_failed") from exc
+        return dataclasses.asdict(report)
 
     return router

@@ -277,3 +277,12 @@ class WakeUpBody(_Body):
 class ResetPrefixCacheBody(_Body):
     reset_running_requests: bool = False
     timeout_s: float | None = Field(None, gt=0)
+
+
+class CheckpointBody(_Body):
+    """`POST /admin/weights/checkpoint`: every worker loads `path` (a directory holding `model.safetensors`, under
+    their `ROLLOUT_CHECKPOINT_ROOT`) as weight `version`, paused as `pause_mode` says meanwhile."""
+
+    path: str = Field(min_length=1)
+    version: int = Field(ge=1, lt=2**63)
+    pause_mode: Literal["keep", "abort", "wait"] = "keep"

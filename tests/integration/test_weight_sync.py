@@ -207,3 +207,32 @@ async def test_a_checkpoint_outside_the_root_is_refused_and_the_version_kept(ws_
         assert {w.state for w in workers.values()} == {"serving"} and {w.weight_version for w in workers.values()} == {
             1
         }
+
+
+@pytest.mark.timeout(60)
+async def test_the_admin_route_syncs_from_a_checkpoint(ws_settings, procs, tmp_path):
+    import httpx
+
+    from rollout_svc.api import create_app
+
+    start(procs, "w0", "w1")
+    checkpoint = ws_settings.checkpoint_root / "step-3"
+    checkpoint.mkdir()
+    save_file(tensors(3), str(checkpoint / "model.safetensors"))
+    app = create_app(ws_settings.model_copy(update={"admin_token": "adm"}))
+    admin = {"Authorization": "Bearer adm"}
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api", timeout=60) as http,
+    ):
+        route = "/admin/weights/checkpoint"
+        assert (await http.post(route, json={"path": str(checkpoint), "version": 3})).status_code == 401
+        report = (await http.post(route, json={"path": str(checkpoint), "version": 3}, headers=admin)).json()
+        assert report["loaded"] == ["w0", "w1"] and report["transport"] == "checkpoint" and report["version"] == 3
+        versions = (await http.get("/admin/weight_version", headers=admin)).json()
+        assert versions == {"weight_version": 3, "weight_checkpoint": str(checkpoint), "workers": {"w0": 3, "w1": 3}}
+        stale = await http.post(route, json={"path": str(checkpoint), "version": 2}, headers=admin)
+        assert stale.status_code == 400 and "not above" in stale.json()["error"]["message"]
+        outside = await http.post(route, json={"path": str(tmp_path), "version": 4}, headers=admin)
+        assert outside.status_code == 409 and "w0" in outside.json()["error"]["message"]
+        assert (await http.get("/admin/weight_version", headers=admin)).json()["weight_version"] == 3
