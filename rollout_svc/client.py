@@ -132,7 +132,8 @@ class RolloutClient:
             QueueFullError: the requests stream is over its admission limit (nothing was sent).
             RequestTimeoutError: some requests got no result in time (`.completed` holds the rest).
         """
-        requests = await self._generation_requests(prompt_token_ids, sampling_params, session_ids, group_ids, timeout_s)
+        prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        requests = await self._generation_requests(prompts, sampling_params, session_ids, group_ids, timeout_s)
         return self._trajectories(requests, await self._run(requests, timeout_s), raise_on_error)
 
     async def as_completed(
@@ -154,7 +155,8 @@ class RolloutClient:
             async for index, trajectory in client.as_completed(prompts, {"max_tokens": 256}):
                 buffer.add(index, trajectory)
         """
-        requests = await self._generation_requests(prompt_token_ids, sampling_params, session_ids, group_ids, timeout_s)
+        prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        requests = await self._generation_requests(prompts, sampling_params, session_ids, group_ids, timeout_s)
         async for index, event in self._events(requests, timeout_s, raise_on_error, chunks=False):
             assert isinstance(event, Trajectory)
             yield index, event
@@ -189,31 +191,10 @@ class RolloutClient:
         tokens already seen (same offset), so keep them by offset. Leaving the loop early cancels the requests
         not yet finished. Same errors as `generate`.
         """
-        if isinstance(sampling_params, (list, tuple)):
-            params = [as_sampling_params(p) for p in sampling_params]
-            if len(params) != len(prompts):
-                raise InvalidRequestError(f"{len(params)} sampling params for {len(prompts)} prompts; give one each")
-        else:
-            params = [as_sampling_params(sampling_params)] * len(prompts)  # type: ignore[arg-type]
-        sessions = _per_prompt(session_ids, len(prompts), "session_ids")
-        groups = _per_prompt(group_ids, len(prompts), "group_ids")
-        connection = await self._connect()
         extra: dict[str, Any] = {"stream": chunks, "tools": tools, "parse_tool_calls": parse_tool_calls}
         extra["chat_template_kwargs"] = chat_template_kwargs
-        requests = [
-            self._build(
-                RolloutRequest,
-                i,
-                timeout_s,
-                connection,
-                **_prompt_fields(prompt),
-                session_id=sessions[i],
-                group_id=groups[i],
-                sampling_params=params[i],
-                **extra,
-            )
-            for i, prompt in enumerate(prompts)
-        ]
+        fields = [_prompt_fields(prompt) for prompt in prompts]
+        requests = await self._generation_requests(fields, sampling_params, session_ids, group_ids, timeout_s, **extra)
         async for event in self._events(requests, timeout_s, raise_on_error, chunks=chunks):
             yield event
 
@@ -313,13 +294,21 @@ class RolloutClient:
 
     async def _generation_requests(
         self,
-        prompts: Sequence[Sequence[int]],
-        sampling_params: Params,
+        prompts: Sequence[dict[str, Any]],
+        sampling_params: Params | Sequence[Params],
         session_ids: Sequence[str | None] | None,
         group_ids: Sequence[str | None] | None,
         timeout_s: float | None,
+        **extra: Any,
     ) -> list[RolloutRequest]:
-        params = as_sampling_params(sampling_params)
+        """Validated rollout requests: `prompts[i]` holds request i's prompt field, `sampling_params` is shared or one
+        per prompt, `extra` (streaming, tools) goes into every request. Raises `InvalidRequestError`."""
+        if isinstance(sampling_params, (list, tuple)):
+            params = [as_sampling_params(p) for p in sampling_params]
+            if len(params) != len(prompts):
+                raise InvalidRequestError(f"{len(params)} sampling params for {len(prompts)} prompts; give one each")
+        else:
+            params = [as_sampling_params(sampling_params)] * len(prompts)  # type: ignore[arg-type]
         sessions = _per_prompt(session_ids, len(prompts), "session_ids")
         groups = _per_prompt(group_ids, len(prompts), "group_ids")
         connection = await self._connect()
@@ -329,12 +318,13 @@ class RolloutClient:
                 i,
                 timeout_s,
                 connection,
-                prompt_token_ids=list(p),
+                **prompt,
                 session_id=sessions[i],
                 group_id=groups[i],
-                sampling_params=params,
+                sampling_params=params[i],
+                **extra,
             )
-            for i, p in enumerate(prompts)
+            for i, prompt in enumerate(prompts)
         ]
 
     def _timeout(self, timeout_s: float | None) -> float:

@@ -321,7 +321,7 @@ class VLLMEngine:
         if final is None or not final.finished:
             raise RuntimeError(f"vLLM ended request {request_id} without a final output")
         if on_delta is not None:
-            return _joined(prompt, parts, _finish_reason(final))
+            return joined(parts, prompt, _finish_reason(final))
         return _completion(prompt, final, params.logprobs)
 
     async def abort(self, request_id: str) -> None:
@@ -479,12 +479,13 @@ def _completion(prompt_token_ids: list[int], final: RequestOutput, k: int | None
     return Completion(prompt_token_ids, ids, logprobs, finish_reason, output.text, tops, texts)
 
 
-def _joined(prompt_token_ids: list[int], parts: list[Completion], finish_reason: str) -> Completion:
-    """The whole Completion of a request run with delta outputs."""
+def joined(parts: list[Completion], prompt_token_ids: list[int] | None = None, finish_reason: str = "") -> Completion:
+    """Consecutive delta Completions as one: their tokens, logprobs, text (and top logprobs, token texts) in order.
+    The whole Completion of a request run with delta outputs, or a streaming chunk's worth of them."""
     tops = None if not parts or parts[0].top_logprobs is None else [t for p in parts for t in p.top_logprobs or []]
     texts = None if tops is None else [t for p in parts for t in p.tokens or []]
     return Completion(
-        prompt_token_ids,
+        prompt_token_ids or [],
         [t for p in parts for t in p.completion_token_ids],
         [lp for p in parts for lp in p.logprobs],
         finish_reason,

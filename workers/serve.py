@@ -31,7 +31,7 @@ from rollout_svc.protocol import (
 )
 from rollout_svc.reaper import Reaper
 from rollout_svc.streams import RequestStreams
-from workers.engine import Completion, Engine
+from workers.engine import Completion, Engine, joined
 from workers.inflight import AbortRules, InFlight, InFlightIndex
 from workers.metrics import WorkerMetrics
 from workers.state import WorkerState
@@ -276,19 +276,18 @@ class ChunkSender:
         pending, self.pending = self.pending, []
         if not pending:
             return
-        ids = [t for d in pending for t in d.completion_token_ids]
-        tops = None if pending[0].top_logprobs is None else [t for d in pending for t in d.top_logprobs or []]
+        part = joined(pending)
         chunk = TrajectoryChunk.model_construct(
             request_id=self.request.request_id,
             offset=self.offset,
-            token_ids=ids,
-            logprobs=[lp for d in pending for lp in d.logprobs],
-            text="".join(d.text for d in pending),
+            token_ids=part.completion_token_ids,
+            logprobs=part.logprobs,
+            text=part.text,
             worker_id=self.server.state.worker_id,
-            top_logprobs=tops,
-            tokens=None if tops is None else [t for d in pending for t in d.tokens or []],
+            top_logprobs=part.top_logprobs,
+            tokens=part.tokens,
         )
-        self.offset += len(ids)
+        self.offset += len(part.completion_token_ids)
         self.last_sent = time.monotonic()
         await self.server.send_chunk(self.request.reply_to, chunk)
 

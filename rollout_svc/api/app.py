@@ -150,7 +150,7 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
         await fleet.check(body.model)
         try:
             if body.messages is not None:
-                messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
+                messages = [m.as_dict() for m in body.messages]
                 [ids] = await until_disconnected(request, client.apply_chat_template([messages]))
             else:
                 texts = [body.prompt or ""]

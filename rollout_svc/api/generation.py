@@ -13,14 +13,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from rollout_svc.api.errors import APIError
+from rollout_svc.api.errors import APIError, from_exception
 from rollout_svc.api.render import Reply, StreamState, sse, usage
 from rollout_svc.api.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Sampling
 from rollout_svc.client import Prompt, RolloutClient
@@ -55,7 +55,6 @@ class Plan:
     parse_tool_calls: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chunks: bool = True  # workers stream tokens (off when tool calls are made of the whole output)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def sampling_params(
@@ -102,9 +101,7 @@ def _expand(
 def chat_plan(body: ChatCompletionRequest, model: str, session_id: str | None, default_max_tokens: int) -> Plan:
     """Plan a chat completion: messages, tools and structured outputs. Raises `APIError` 400."""
     try:
-        messages = [
-            {**m.model_dump(exclude={"content"}, exclude_none=True), "content": m.text()} for m in body.messages
-        ]
+        messages = [m.as_dict() for m in body.messages]
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from exc
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
@@ -209,7 +206,6 @@ class Generation:
         """Run a plan: a JSON response, or a stream (whose first event has arrived before the headers go)."""
         if plan.stream:
             return await self._stream(request, plan)
-        started = time.perf_counter()
         results: list[Trajectory | None] = [None] * len(plan.prompts)
 
         async def collect() -> None:
@@ -221,7 +217,7 @@ class Generation:
         trajectories = [t for t in results if t is not None]
         for t in trajectories:
             raise_for(t)
-        self._count(trajectories, plan, time.perf_counter() - started)
+        self._count(trajectories, plan)
         body = plan.reply.response(trajectories, plan.prompt_indices)
         return JSONResponse(body, headers=worker_header(trajectories))
 
@@ -244,7 +240,7 @@ class Generation:
         if self.metrics is not None:
             self.metrics.observe_first_token(time.perf_counter() - started)
         worker = first[1].worker_id if first is not None else ""
-        body = self._sse(plan, first, events, started)
+        body = self._sse(plan, first, events)
         return StreamingResponse(
             body, media_type="text/event-stream", headers={"X-Worker-ID": worker} if worker else None
         )
@@ -254,7 +250,6 @@ class Generation:
         plan: Plan,
         first: tuple[int, TrajectoryChunk | Trajectory] | None,
         events: AsyncGenerator[tuple[int, TrajectoryChunk | Trajectory], None],
-        started: float,
     ) -> AsyncIterator[bytes]:
         reply, count = plan.reply, len(plan.prompts)
         states = [StreamState() for _ in range(count)]
@@ -281,13 +276,11 @@ class Generation:
                 finals[index] = event
                 yield sse(reply.chunk([self._last_choice(reply, index, event, states[index])]))
             done = [t for t in finals if t is not None]
-            self._count(done, plan, time.perf_counter() - started)
+            self._count(done, plan)
             if plan.include_usage:
                 yield sse(reply.chunk([], usage(done, plan.prompt_indices[: len(done)])))
             yield sse("[DONE]")
         except Exception as exc:  # headers are gone: the error goes in the stream, as vLLM's server does
-            from rollout_svc.api.errors import from_exception
-
             yield sse(from_exception(exc).body())
             yield sse("[DONE]")
         finally:
@@ -313,7 +306,7 @@ class Generation:
         ids, logprobs = t.completion_token_ids[rest], t.logprobs[rest]
         return reply.delta_choice(index, text, ids, logprobs, tokens, tops, finish, extra)
 
-    def _count(self, trajectories: list[Trajectory], plan: Plan, seconds: float) -> None:
+    def _count(self, trajectories: list[Trajectory], plan: Plan) -> None:
         if self.metrics is not None and trajectories:
             counted = usage(trajectories, plan.prompt_indices[: len(trajectories)])
             self.metrics.count_tokens(counted["prompt_tokens"], counted["completion_tokens"])

@@ -63,6 +63,11 @@ class ChatMessageIn(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
+    def as_dict(self) -> dict[str, Any]:
+        """The message as a worker's chat template takes it: its fields, the content as one string. Raises ValueError
+        on a content part that is not text."""
+        return {**self.model_dump(exclude_none=True), "content": self.text()}
+
     def text(self) -> str:
         """The content as one string (text parts joined). Raises ValueError on a part that is not text."""
         if self.content is None or isinstance(self.content, str):
