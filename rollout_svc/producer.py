@@ -359,6 +359,7 @@ class Connection:
             interruptions=result.interruptions + 1,
             weight_versions=result.weight_versions,
             top_logprobs=result.top_logprobs,
+            tokens=result.tokens,
         )
         # The same request (session, group, streaming, tools, deadline) on the prompt ids it was served with.
         retry = request.model_copy(

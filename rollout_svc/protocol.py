@@ -136,6 +136,7 @@ class Continuation(_Message):
     interruptions: int = Field(0, ge=0)
     weight_versions: list[WeightSpan] = Field(default_factory=list)
     top_logprobs: list[list[TopLogprob]] | None = None
+    tokens: list[str] | None = None  # each token's text, where the attempt had them (asked for logprobs)
 
 
 class RolloutRequest(_Message):

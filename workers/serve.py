@@ -186,9 +186,8 @@ class RequestServer:
             new = bool(completion.completion_token_ids)
             text = await self.engine.detokenize(tokens, params.skip_special_tokens) if new else prior.text
             if tops is not None:  # an earlier attempt's top logprobs, where it had them
-                old = prior.top_logprobs or [[] for _ in prior.token_ids]
-                tops = old + tops
-                texts = [t[0][1] if t else "" for t in old] + (texts or [])
+                tops = (prior.top_logprobs or [[] for _ in prior.token_ids]) + tops
+                texts = (prior.tokens or [""] * len(prior.token_ids)) + (texts or [])
         content, tool_calls = None, None
         if request.parse_tool_calls and request.tools and completion.finish_reason != "abort":
             content, calls = self.engine.parse_tool_calls(text, request.tools)

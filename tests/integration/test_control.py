@@ -190,6 +190,22 @@ async def test_a_stalled_worker_is_named_then_reaped_then_fenced_and_comes_back(
     assert "outlived its heartbeat TTL" in workers.log("echo-0")
 
 
+async def test_a_retried_request_keeps_each_tokens_text_and_top_logprobs(settings, echo_workers, rds):
+    echo_workers(1, *DELAY)
+    [prompt] = prompts(1, salt=9)
+    async with RolloutClient(settings) as client:
+        task = asyncio.create_task(client.generate([prompt], {**PARAMS, "logprobs": 1}))
+        await async_wait_until(lambda: pending(rds, settings.keys.requests) == 1, 5, "the request in flight")
+        await asyncio.sleep(0.3)  # a few tokens
+        await client.pause("abort")
+        await client.resume()
+        [t] = await task
+    assert t.interruptions == 1 and whole(t, prompt)
+    # The echo's vocabulary is bytes: each token's text is its byte, before the cut and after it.
+    assert t.tokens == [bytes([i]).decode() for i in t.completion_token_ids]
+    assert t.top_logprobs == [[(i, bytes([i]).decode(), 0.0)] for i in t.completion_token_ids]
+
+
 async def test_abort_session_hits_that_session_only_queued_and_in_flight(settings, echo_workers, rds):
     echo_workers(2, "--max-num-seqs", "8", *DELAY)
     a, b = prompts(12, salt=4), prompts(4, salt=5)
