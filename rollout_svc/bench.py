@@ -2,7 +2,8 @@
 control path (`bench_control`), weight sync (`bench_weights`) and the HTTP API beside the Python client (`bench_api`).
 
 Writes BENCHMARKS.md with the command that produced every figure. Figures are compared as ratios
-within one run: these machines are shared and noisy.
+within one run: these machines are shared and noisy. Each section prints a progress line (`rollout_svc.progress`)
+when it starts and ends, and every 5 s while it runs where stdout is not a terminal.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from rollout_svc.client import RolloutClient
 from rollout_svc.cluster import LocalCluster, cpu_sets
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.demo import _percentile, private_settings
+from rollout_svc.progress import Progress
 
 ECHO_PROMPT = list(range(1, 17))  # 16 tokens in, 16 out
 LATENCY_RATE_PER_S = 1000
@@ -90,7 +92,8 @@ def run_bench(
 def _queue_overhead(redis_url: str | None, workers: int, requests: int, console: Console) -> QueueFigures:
     settings = private_settings(redis_url, "bench")
     engine = EngineSettings(engine="echo", max_num_seqs=4096)
-    with LocalCluster(settings, workers, engine, log_dir=_log_dir()).running(ready_timeout_s=60):
+    cluster = LocalCluster(settings, workers, engine, log_dir=_log_dir())
+    with Progress(None, f"bench (a) queue overhead, {workers} workers"), cluster.running(ready_timeout_s=60):
         figures = asyncio.run(_measure_queue(settings, workers, requests))
     console.print(figures)
     return figures
@@ -155,11 +158,14 @@ def _generation_efficiency(
     conversations = dataset.first_turns(prompts)
     prompt_ids: list[list[int]] = []
     figures = []
-    for run in range(1, repeats + 1):
-        service, prompt_ids = _service_run(redis_url, engine, conversations, max_tokens)
-        direct = _direct_run(engine, prompt_ids, max_tokens)
-        figures.append(GenerationFigures(run, service, direct))
-        console.print(figures[-1], f"ratio {figures[-1].ratio:.3f}")
+    with Progress(2 * repeats, "bench (b) generation efficiency, service and direct vLLM runs") as progress:
+        for run in range(1, repeats + 1):
+            service, prompt_ids = _service_run(redis_url, engine, conversations, max_tokens)
+            progress.advance()
+            direct = _direct_run(engine, prompt_ids, max_tokens)
+            progress.advance()
+            figures.append(GenerationFigures(run, service, direct))
+            console.print(figures[-1], f"ratio {figures[-1].ratio:.3f}")
     return figures
 
 

@@ -30,6 +30,7 @@ from rollout_svc.client import RolloutClient
 from rollout_svc.cluster import LocalCluster, die_with_parent, settings_env
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.demo import _percentile, free_port, private_settings
+from rollout_svc.progress import Progress
 
 if TYPE_CHECKING:
     import aiohttp
@@ -102,7 +103,11 @@ def api_overhead(
     settings = private_settings(redis_url, "bench-api")
     engine = EngineSettings(engine="echo", max_num_seqs=4096)
     cluster = LocalCluster(settings, API_WORKERS, engine, log_dir=log_dir)
-    with cluster.running(ready_timeout_s=60), _serving(settings, max(SERVE_COUNTS), log_dir) as serves:
+    with (
+        Progress(None, "bench (f) HTTP API beside the Python client"),
+        cluster.running(ready_timeout_s=60),
+        _serving(settings, max(SERVE_COUNTS), log_dir) as serves,
+    ):
         figures = asyncio.run(_measure(settings, serves, requests, in_flight, rounds))
     console.print(figures, f"ratio {figures.ratio:.3f}, p50 gap at 1 in flight {figures.p50_gap_ms:+.2f} ms")
     return figures

@@ -21,6 +21,7 @@ from rollout_svc.client import RolloutClient
 from rollout_svc.cluster import LocalCluster
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.demo import _percentile, private_settings
+from rollout_svc.progress import Progress
 
 CONTROL_WORKERS = (2, 4)
 FROZEN_TOKENS, FROZEN_DELAY_S, FROZEN_PAUSE_S = 500, 0.002, 0.5  # a 1 s generation, paused for 0.5 s
@@ -52,7 +53,8 @@ def control_latency(
 ) -> ControlFigures:
     settings = private_settings(redis_url, "bench-control")
     engine = EngineSettings(engine="echo", max_num_seqs=1024, echo_token_delay_s=0.001)
-    with LocalCluster(settings, workers, engine, log_dir=log_dir).running(ready_timeout_s=60):
+    cluster = LocalCluster(settings, workers, engine, log_dir=log_dir)
+    with Progress(None, f"bench (c) control latency, {workers} workers"), cluster.running(ready_timeout_s=60):
         figures = asyncio.run(_measure_control(settings, workers, cycles))
     console.print(figures)
     return figures
@@ -111,7 +113,8 @@ async def _steady_load(client: RolloutClient, stop: asyncio.Event) -> None:
 def frozen_beyond_pause(redis_url: str | None, runs: int, log_dir: Path, console: Console) -> FrozenFigures:
     settings = private_settings(redis_url, "bench-frozen")
     engine = EngineSettings(engine="echo", echo_token_delay_s=FROZEN_DELAY_S)
-    with LocalCluster(settings, 1, engine, log_dir=log_dir).running(ready_timeout_s=60):
+    cluster = LocalCluster(settings, 1, engine, log_dir=log_dir)
+    with Progress(None, "bench (d) frozen beyond a keep-pause"), cluster.running(ready_timeout_s=60):
         figures = asyncio.run(_measure_frozen(settings, runs))
     console.print(figures)
     return figures

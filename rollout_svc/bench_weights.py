@@ -33,6 +33,7 @@ from rollout_svc.client import RolloutClient
 from rollout_svc.cluster import LocalCluster
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.demo import free_port, private_settings
+from rollout_svc.progress import Progress
 from rollout_svc.protocol import TransferGroup
 from rollout_svc.transfer import join_group
 from rollout_svc.weights import SyncReport, WeightSender
@@ -81,7 +82,8 @@ def weight_sync(redis_url: str | None, model: Path, log_dir: Path, console: Cons
     settings = private_settings(redis_url, "bench-weights")
     engine = EngineSettings(model=str(model), dtype="float32", max_num_seqs=16, kv_cache_memory_bytes=256 * MiB)
     tensors = load_file(str(model / "model.safetensors"))
-    with LocalCluster(settings, WORKERS, engine, log_dir=log_dir).running(ready_timeout_s=900):
+    cluster = LocalCluster(settings, WORKERS, engine, log_dir=log_dir)
+    with Progress(None, "bench (e) weight sync, vLLM"), cluster.running(ready_timeout_s=900):
         figures = asyncio.run(_measure(settings, model, tensors))
     console.print(figures, f"transfer {figures.gb_per_s:.2f} GB/s, bare {figures.bare_gb_per_s:.2f} GB/s")
     return figures

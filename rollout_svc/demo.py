@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import statistics
 import tempfile
@@ -13,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from rollout_svc import dataset
 from rollout_svc.client import RolloutClient
 from rollout_svc.cluster import LocalCluster
 from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.progress import Progress
 from rollout_svc.protocol import SamplingParams, Trajectory
 
 
@@ -55,7 +56,10 @@ def run_demo(
     turns: int,
     max_tokens: int,
 ) -> DemoRecord:
-    """Start a cluster, serve the prompts and sessions, print the report, stop the cluster."""
+    """Start a cluster, serve the prompts and sessions, print the report, stop the cluster.
+
+    Progress goes to stdout: a bar on a terminal, else a line at least every 5 s (see `rollout_svc.progress`).
+    """
     console = Console()
     settings = private_settings(redis_url, "demo")
     first_turns = dataset.first_turns(prompts)
@@ -63,7 +67,9 @@ def run_demo(
     log_dir = Path(tempfile.mkdtemp(prefix="rollout-demo-"))
     cluster = LocalCluster(settings, workers, engine, log_dir=log_dir)
     console.print(f"starting {workers} {engine.engine} workers on {settings.redis_url} (logs: {log_dir})")
-    with cluster.running(ready_timeout_s=900):
+    with contextlib.ExitStack() as stack:
+        with Progress(None, f"starting {workers} {engine.engine} workers"):
+            stack.enter_context(cluster.running(ready_timeout_s=900))
         params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=max_tokens, seed=0)
         started = time.perf_counter()
         record = asyncio.run(_drive(settings, first_turns, session_turns, params))
@@ -77,10 +83,8 @@ async def _drive(
 ) -> DemoRecord:
     record = DemoRecord()
     total = len(first_turns) + sum(len(s) for s in session_turns)
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     async with RolloutClient(settings) as client:
-        with Progress(*columns) as progress:
-            task = progress.add_task("requests", total=total)
+        with Progress(total, "requests") as progress:
 
             async def one(conversation: list[dict], session_id: str | None = None) -> Trajectory:
                 submitted = time.perf_counter()
@@ -88,7 +92,7 @@ async def _drive(
                 record.latencies_s.append(time.perf_counter() - submitted)
                 record.trajectories.append(trajectory)
                 record.questions.append(conversation[-1]["content"])
-                progress.advance(task)
+                progress.advance()
                 return trajectory
 
             async def session(user_turns: list[str]) -> None:

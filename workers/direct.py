@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import gc
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sequential", action="store_true", help="one prompt at a time, else all at once")
     parser.add_argument("--warmup", action="store_true", help="first run 2 prompts for 4 tokens, untimed")
     args = parser.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # the dtype line
     engine = EngineSettings.from_args(args)
     if engine.model is None:
         parser.error("--model is required")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rollout_svc.errors import EngineDeadError, InvalidRequestError
 from rollout_svc.protocol import PauseMode, SamplingParams, TransferGroup, WeightManifest
+from workers.dtype import engine_dtype
 from workers.weight_extension import WORKER_EXTENSION
 
 if TYPE_CHECKING:  # vllm is imported lazily: a worker running EchoEngine must not pay its import
@@ -140,7 +141,9 @@ def vllm_engine_args(
 
     `model` is a Hugging Face folder (see `rollout_svc.model.prepare_model`). `dtype="float32"` is what
     greedy token-equality checks need (bf16 and batching change the numerics). `kv_cache_memory_bytes`
-    is explicit because vLLM's default (a fraction of device memory) fails on small CPU hosts.
+    is explicit because vLLM's default (a fraction of device memory) fails on small CPU hosts. `dtype="auto"` on
+    the CPU backend is float32 unless the CPU has bf16 in hardware (`workers.dtype.resolve_dtype`); the choice
+    and its reason are logged.
     `logprobs_mode="processed_logprobs"`: a sampled token's logprob is taken under the distribution it was
     sampled from (after temperature, penalties, top-k/top-p), which is what an RL importance ratio needs;
     vLLM's default would give the raw model logprob. `enable_sleep_mode` (None: where the platform supports
@@ -155,7 +158,7 @@ def vllm_engine_args(
 
     settings: dict[str, Any] = {
         "model": model,
-        "dtype": dtype,
+        "dtype": engine_dtype(dtype, cpu_backend=current_platform.is_cpu()),
         "max_model_len": max_model_len,
         "kv_cache_memory_bytes": kv_cache_memory_bytes,
         "max_num_seqs": max_num_seqs,
