@@ -19,10 +19,13 @@ from urllib.parse import urlparse
 import typer
 from redis.exceptions import RedisError
 
+from rollout_svc.cli_batch import batch_app, batch_worker
 from rollout_svc.config import EngineSettings, Settings
 
 if TYPE_CHECKING:
+    from rollout_svc.cluster import LocalCluster
     from rollout_svc.control import ControlPlane
+    from rollout_svc.launch import RayWorkerGroup
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -34,6 +37,8 @@ model_app = typer.Typer(no_args_is_help=True, help="Prepare models for the worke
 app.add_typer(model_app, name="model")
 acl_app = typer.Typer(no_args_is_help=True, help="Redis ACL users: producer, worker, admin.")
 app.add_typer(acl_app, name="acl")
+app.add_typer(batch_app, name="batch")
+app.command("batch-worker")(batch_worker)
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 RedisUrl = Annotated[
@@ -48,6 +53,11 @@ PrivateRedisUrl = Annotated[
 class EngineKind(StrEnum):
     vllm = "vllm"
     echo = "echo"
+
+
+class Placement(StrEnum):
+    pack = "pack"
+    spread = "spread"
 
 
 def _logging(level: str = "INFO") -> None:
@@ -83,16 +93,60 @@ def up(
     acl_file: Annotated[
         Path | None, typer.Option(help="With --acl: where the users' URLs go (default: cache dir, per port).")
     ] = None,
+    redis_bind: Annotated[
+        str | None,
+        typer.Option(
+            help="Interfaces the private Redis listens on (comma-separated; default: the --redis-url host), e.g. "
+            "0.0.0.0 for workers on other hosts. Beyond loopback it needs --acl or a password in --redis-url."
+        ),
+    ] = None,
+    redis_data_dir: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="ROLLOUT_REDIS_DATA_DIR",
+            help="The private Redis's append-only file goes here, so restarting `up` keeps queued requests "
+            "(default: <cache dir>/redis/<port>).",
+        ),
+    ] = None,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            metavar="ADDRESS",
+            help="Run the workers as Ray actors on this Ray cluster: auto, host:port, ray://host:port, or local "
+            "(starts one here). Needs pip install 'rollout-svc[ray]'; the Redis URL must reach every Ray node.",
+        ),
+    ] = None,
+    gpus_per_worker: Annotated[float, typer.Option(min=0, help="With --ray: GPUs per worker.")] = 0,
+    cpus_per_worker: Annotated[float, typer.Option(min=0, help="With --ray: CPUs per worker.")] = 1,
+    placement: Annotated[
+        Placement, typer.Option(help="With --ray: pack the workers onto few nodes, or spread them over many.")
+    ] = Placement.pack,
 ) -> None:
     """Run a local cluster in the foreground: Redis (a private one if none answers), N workers, the API.
+
+    With --ray the workers run as Ray actors on a placement group (one bundle per worker), restarted if they die;
+    Redis and the API still run here.
 
     With --acl (a private Redis only) anonymous connections can do nothing: workers connect as `worker`, the API as
     `admin`, and the three users' URLs are written to --acl-file (mode 0600). Ctrl-C or SIGTERM stops everything,
     leaving no process behind.
     """
-    from rollout_svc.cluster import ACL_NEEDS_PRIVATE_REDIS, LocalCluster, redis_answers
+    from rollout_svc.cluster import ACL_NEEDS_PRIVATE_REDIS, LocalCluster, is_loopback, redis_answers
 
     _logging()
+    exposed = redis_bind is not None and not all(is_loopback(h.strip()) for h in redis_bind.split(","))
+    if exposed and not acl and not urlparse(redis_url).password:
+        typer.echo(
+            f"rollout-svc up: --redis-bind {redis_bind} would let other hosts reach a Redis anyone can use: add --acl "
+            "(users with passwords) or a password in --redis-url (redis://:PASSWORD@host:port/0)",
+            err=True,
+        )
+        raise typer.Exit(2)
+    if redis_bind is not None and redis_answers(redis_url):
+        typer.echo(
+            f"rollout-svc up: a Redis already answers at --redis-url, so --redis-bind {redis_bind} is ignored", err=True
+        )
     if acl and redis_answers(redis_url):
         typer.echo(f"rollout-svc up: {ACL_NEEDS_PRIVATE_REDIS}", err=True)
         raise typer.Exit(2)
@@ -101,21 +155,25 @@ def up(
         raise typer.Exit(2)
     if acl and acl_file is None:
         acl_file = Settings().cache_dir / f"redis-acl-{urlparse(redis_url).port or 6379}.json"
-    if engine is EngineKind.vllm and model is None:
+    if engine is EngineKind.vllm and model is None and ray_address is None:  # Ray workers prepare it on their node
         model = _prepare_default_model(Settings(redis_url=redis_url))
+    group = _ray_group(ray_address, workers, gpus_per_worker, cpus_per_worker, placement, log_dir)
     cluster = LocalCluster(
-        Settings(redis_url=redis_url),
-        workers,
+        Settings(redis_url=redis_url, redis_data_dir=redis_data_dir),
+        0 if group is not None else workers,
         _engine(engine, model, dtype, max_num_seqs, echo_token_delay_s),
         api_port=api_port,
         log_dir=log_dir,
         acl_file=acl_file if acl else None,
+        redis_bind=redis_bind,
     )
     # Both signals run the `finally` below. SIGINT explicitly: a shell starts background jobs with it ignored.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         cluster.start()
+        if group is not None:
+            _start_ray_group(group, cluster)
         cluster.wait_ready(timeout_s=900)
         typer.echo(f"rollout-svc: {workers} {engine.value} worker(s) up on {redis_url}; Ctrl-C to stop", err=True)
         if cluster.credentials is not None:
@@ -130,7 +188,34 @@ def up(
         pass
     finally:
         typer.echo("rollout-svc: stopping", err=True)
+        if group is not None:
+            group.shutdown()
         cluster.stop()
+
+
+def _ray_group(
+    address: str | None, workers: int, gpus: float, cpus: float, placement: Placement, log_dir: Path | None
+) -> RayWorkerGroup | None:
+    """With --ray, the worker group `up` will start (exit 2 if Ray is missing or a bundle would be empty)."""
+    if address is None:
+        return None
+    from rollout_svc.launch import RayWorkerGroup, import_ray
+
+    try:
+        import_ray()
+        return RayWorkerGroup(workers, gpus, cpus, placement.value, ray_address=address, log_dir=log_dir)
+    except (ImportError, ValueError) as exc:
+        typer.echo(f"rollout-svc up: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _start_ray_group(group: RayWorkerGroup, cluster: LocalCluster) -> None:
+    """Start the Ray workers with the cluster's settings and engine (as `worker` under --acl); wait until ready."""
+    redis_url = cluster.credentials.worker if cluster.credentials else cluster.settings.redis_url
+    group.settings = cluster.settings.model_copy(update={"redis_url": redis_url})
+    group.engine = cluster.engine
+    group.start()
+    group.wait_ready(timeout_s=900)
 
 
 def _prepare_default_model(settings: Settings) -> Path:
@@ -259,13 +344,13 @@ class PauseModeChoice(StrEnum):
 
 def _control(redis_url: str, what: str, command: Callable[[ControlPlane], Awaitable[int]]) -> None:
     """Run one control command; exit 1 naming the workers that did not ack (or failed), 2 if Redis is away."""
-    from redis.asyncio import Redis
 
+    from rollout_svc.connect import redis_async
     from rollout_svc.control import ControlPlane as Plane
     from rollout_svc.errors import AccessDeniedError, ControlCommandError, ControlTimeoutError, InvalidRequestError
 
     async def run() -> int:
-        redis = Redis.from_url(redis_url)
+        redis = redis_async(redis_url)
         try:
             return await command(Plane(redis, Settings(redis_url=redis_url)))
         finally:
@@ -371,10 +456,12 @@ def demo(
 ) -> None:
     """Serve ShareGPT prompts and multi-turn sessions through a local cluster it starts; print throughput."""
     from rollout_svc.demo import run_demo
+    from rollout_svc.progress import Progress
 
     _logging("WARNING")
     if engine is EngineKind.vllm and model is None:
-        model = _prepare_default_model(Settings())
+        with Progress(None, "preparing the model"):
+            model = _prepare_default_model(Settings())
     run_demo(redis_url, workers, _engine(engine, model, dtype), prompts, sessions, turns, max_tokens)
 
 
@@ -395,10 +482,12 @@ def bench(
     generation efficiency (vLLM through the service vs direct) and weight sync (vLLM workers vs a bare gloo
     broadcast)."""
     from rollout_svc.bench import run_bench
+    from rollout_svc.progress import Progress
 
     _logging("WARNING")
     if not skip_vllm and model is None:
-        model = _prepare_default_model(Settings())
+        with Progress(None, "preparing the model"):
+            model = _prepare_default_model(Settings())
     command = " ".join(["rollout-svc", *sys.argv[1:]])
     run_bench(
         redis_url, output, model, requests, prompts, max_tokens, command, control_cycles, api_requests, api_in_flight

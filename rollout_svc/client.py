@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from rollout_svc.config import Settings
+from rollout_svc.connect import warn_if_evicting
 from rollout_svc.control import DEFAULT_HOLDER, FleetState
 from rollout_svc.errors import GenerationError, InvalidRequestError, RequestTimeoutError
 from rollout_svc.producer import Call, ClientStats, Connection
@@ -32,6 +33,7 @@ from rollout_svc.protocol import (
 )
 
 T = TypeVar("T")
+_CHECKED_EVICTION: set[str] = set()  # Redis URLs whose maxmemory-policy this process has checked
 Params = SamplingParams | dict[str, Any] | None
 # A prompt of `stream`: token ids, text (tokenized by the worker, special tokens added), or chat messages.
 Prompt = Sequence[int] | str | Sequence[dict[str, Any] | ChatMessage]
@@ -62,15 +64,19 @@ class RolloutClient:
     (`Trajectory.interruptions` counts the cuts).
     """
 
-    def __init__(self, settings: Settings | None = None, **overrides: Any) -> None:
+    def __init__(self, settings: Settings | None = None, *, producer_id: str | None = None, **overrides: Any) -> None:
+        """`overrides`: `Settings` fields. `producer_id`: a stable producer name whose results stream outlives the
+        client, for a job that may be run again and must collect what an earlier run enqueued (see `run`)."""
         self.settings = settings.model_copy(update=overrides) if settings else Settings(**overrides)
+        self.producer_id = producer_id
         self._connection: Connection | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"settings": self.settings.model_dump(mode="json")}
+        return {"settings": self.settings.model_dump(mode="json"), "producer_id": self.producer_id}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.settings = Settings.model_validate(state["settings"])
+        self.producer_id = state.get("producer_id")
         self._connection = None
 
     async def __aenter__(self) -> RolloutClient:
@@ -89,8 +95,11 @@ class RolloutClient:
     async def _connect(self) -> Connection:
         connection = self._connection
         if connection is None or connection.loop is not asyncio.get_running_loop():
-            connection = self._connection = Connection(self.settings)
+            connection = self._connection = Connection(self.settings, self.producer_id)
             await connection.control.load_scripts()
+            if self.settings.redis_url not in _CHECKED_EVICTION:  # once per process and Redis
+                _CHECKED_EVICTION.add(self.settings.redis_url)
+                await warn_if_evicting(connection.redis, "rollout client")
         return connection
 
     @property
@@ -292,6 +301,49 @@ class RolloutClient:
         ]
         return self._trajectories(requests, await self._run(requests, timeout_s), raise_on_error)
 
+    async def rollout_requests(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: Params | Sequence[Params] = None,
+        session_ids: Sequence[str | None] | None = None,
+        *,
+        request_ids: Sequence[str] | None = None,
+        group_ids: Sequence[str | None] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        parse_tool_calls: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[RolloutRequest]:
+        """The validated rollout requests of `stream`'s arguments, not sent: for `run`. `request_ids`: B ids of your
+        own (unique across the fleet; a batch job uses `batch:{id}:{custom_id}`), default fresh ones. Their
+        deadline runs from now. Raises `InvalidRequestError`."""
+        extra: dict[str, Any] = {"tools": tools, "parse_tool_calls": parse_tool_calls}
+        extra["chat_template_kwargs"] = chat_template_kwargs
+        fields = [_prompt_fields(prompt) for prompt in prompts]
+        if request_ids is not None:
+            if len(request_ids) != len(fields):
+                raise InvalidRequestError(f"{len(request_ids)} request ids for {len(fields)} prompts; give one each")
+            for field, request_id in zip(fields, request_ids, strict=True):
+                field["request_id"] = request_id
+        return await self._generation_requests(fields, sampling_params, session_ids, group_ids, timeout_s, **extra)
+
+    async def run(
+        self,
+        requests: Sequence[RolloutRequest],
+        *,
+        enqueued: bool = False,
+        timeout_s: float | None = None,
+        raise_on_error: bool = False,
+    ) -> list[Trajectory]:
+        """Send requests built by `rollout_requests` and return their trajectories in order (as `generate`).
+
+        `enqueued=True`: do not send them, only await their results: an earlier run of this named producer
+        (`producer_id`) enqueued them and their results come to its stream. Same errors as `generate`; a timeout or
+        a cancel cancels the unfinished requests on the workers.
+        """
+        results = await self._run(requests, timeout_s, enqueued=enqueued)
+        return self._trajectories(requests, results, raise_on_error)
+
     async def _generation_requests(
         self,
         prompts: Sequence[dict[str, Any]],
@@ -301,8 +353,9 @@ class RolloutClient:
         timeout_s: float | None,
         **extra: Any,
     ) -> list[RolloutRequest]:
-        """Validated rollout requests: `prompts[i]` holds request i's prompt field, `sampling_params` is shared or one
-        per prompt, `extra` (streaming, tools) goes into every request. Raises `InvalidRequestError`."""
+        """Validated rollout requests: `prompts[i]` holds request i's prompt field (and may hold its `request_id`),
+        `sampling_params` is shared or one per prompt, `extra` (streaming, tools) goes into every request. Raises
+        `InvalidRequestError`."""
         if isinstance(sampling_params, (list, tuple)):
             params = [as_sampling_params(p) for p in sampling_params]
             if len(params) != len(prompts):
@@ -333,9 +386,9 @@ class RolloutClient:
     def _build(self, cls: type[T], index: int, timeout_s: float | None, connection: Connection, **fields: Any) -> T:
         """Validate one request before anything is sent. Raises `InvalidRequestError` naming its index."""
         now = time.time()
+        fields.setdefault("request_id", connection.new_id())
         try:
             return cls(  # type: ignore[call-arg]
-                request_id=connection.new_id(),
                 reply_to=connection.results,
                 deadline=now + self._timeout(timeout_s),
                 submitted_at=now,
@@ -344,15 +397,24 @@ class RolloutClient:
         except ValidationError as exc:
             raise InvalidRequestError(f"request {index} is invalid: {exc}") from exc
 
-    async def _run(self, requests: Sequence[Request], timeout_s: float | None) -> list[Any]:
-        """Enqueue a batch and await every result, in order. Cancelled or failed: its requests are cancelled."""
+    async def _run(
+        self,
+        requests: Sequence[Request],
+        timeout_s: float | None,
+        enqueued: bool = False,
+    ) -> list[Any]:
+        """Enqueue a batch (unless `enqueued`: then only await it) and await every result, in order. Cancelled or
+        failed: its requests are cancelled."""
         if not requests:
             return []
         connection = await self._connect()
         call = connection.new_call(requests)
         timeout_s = self._timeout(timeout_s)
         try:
-            await connection.submit(call)
+            if enqueued:
+                connection.attach(call)
+            else:
+                await connection.submit(call)
             await asyncio.wait([call.done], timeout=timeout_s)
             if call.remaining:
                 call.expire()

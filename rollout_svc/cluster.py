@@ -22,6 +22,7 @@ import redis
 
 from rollout_svc.acl import Credentials, create_users
 from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.connect import redis_sync
 
 log = logging.getLogger("rollout_svc.cluster")
 ACL_NEEDS_PRIVATE_REDIS = (
@@ -46,26 +47,56 @@ def die_with_parent(args: list[str]) -> list[str]:
 
 def redis_answers(url: str, timeout_s: float = 0.5) -> bool:
     try:
-        return bool(redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s).ping())
+        return bool(redis_sync(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s).ping())
     except (redis.ConnectionError, redis.TimeoutError, OSError):
         return False
 
 
-class PrivateRedis:
-    """A throwaway Redis listening where `url` points: `redis-server` from PATH, else fakeredis (with a warning)."""
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
 
-    def __init__(self, url: str, log_dir: Path | None = None) -> None:
+
+class PrivateRedis:
+    """`up`'s own Redis, listening where `url` points: `redis-server` from PATH, else fakeredis (with a warning).
+
+    It keeps an append-only file (fsync every second) in `data_dir`, so stopping and starting it again (a SIGTERM
+    flushes the file) keeps every queued request, pending entry and the control state. `bind`: the interfaces it
+    listens on (default: the URL's host); a password in the URL becomes its `requirepass`. Without `data_dir` it keeps
+    nothing (the fakeredis fallback never does).
+    """
+
+    def __init__(self, url: str, data_dir: Path | None = None, bind: str | None = None) -> None:
         parsed = urlparse(url)
         self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 6379
-        self.url, self.log_dir = url, log_dir
+        self.url, self.data_dir, self.bind = url, data_dir, bind or self.host
+        self.password = parsed.password
         self.process: subprocess.Popen[bytes] | None = None
         self._fake: Any = None
+
+    def args(self, binary: str) -> list[str]:
+        """The `redis-server` command line."""
+        args = [binary, "--port", str(self.port), "--bind", *self.bind.split(","), "--save", ""]
+        if self.data_dir is not None:
+            args += ["--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(self.data_dir)]
+        else:
+            args += ["--appendonly", "no"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        if not all(is_loopback(host) for host in self.bind.split(",")):
+            args += [
+                "--protected-mode",
+                "no",
+            ]  # reachable from other hosts: `up` refuses that without users or a password
+        return args
 
     def start(self, timeout_s: float = 10.0) -> None:
         binary = shutil.which("redis-server")
         if binary:
-            args = [binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no"]
-            self.process = subprocess.Popen(die_with_parent(args), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            if self.data_dir is not None:
+                self.data_dir.mkdir(parents=True, exist_ok=True)
+            self.process = subprocess.Popen(
+                die_with_parent(self.args(binary)), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+            )
         else:
             self._start_fake()
         deadline = time.monotonic() + timeout_s
@@ -103,7 +134,7 @@ class PrivateRedis:
 def cpu_sets(count: int) -> list[str]:
     """Split this process's CPUs evenly among `count` engines, as VLLM_CPU_OMP_THREADS_BIND values ("0-1")."""
     cpus = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cpus) // count)
+    per = max(1, len(cpus) // max(1, count))
     sets = []
     for i in range(count):
         chunk = cpus[(i * per) % len(cpus) :][:per]
@@ -148,8 +179,10 @@ class LocalCluster:
         api_host: str = "127.0.0.1",
         log_dir: Path | None = None,
         acl_file: Path | None = None,
+        redis_bind: str | None = None,
     ) -> None:
         self.settings, self.worker_count = settings, workers
+        self.redis_bind = redis_bind
         self.engine = engine or EngineSettings()
         self.api_port, self.api_host = api_port, api_host
         self.log_dir, self.acl_file = log_dir, acl_file
@@ -167,9 +200,14 @@ class LocalCluster:
         if not redis_answers(self.settings.redis_url):
             if self.acl_file is not None and not shutil.which("redis-server"):
                 raise RuntimeError("--acl needs redis-server on PATH: fakeredis does not enforce Redis ACLs")
-            self.redis = PrivateRedis(self.settings.redis_url)
+            data_dir = self.settings.redis_data_dir or (
+                self.settings.cache_dir / "redis" / str(urlparse(self.settings.redis_url).port or 6379)
+            )
+            self.redis = PrivateRedis(self.settings.redis_url, data_dir, self.redis_bind)
             self.redis.start()
-            log.info("started a private Redis at %s", self.settings.redis_url)
+            log.info(
+                "started a private Redis at %s (append-only file in %s)", _redacted(self.settings.redis_url), data_dir
+            )
         elif self.acl_file is not None:
             raise RuntimeError(ACL_NEEDS_PRIVATE_REDIS)
         if self.acl_file is not None:
@@ -197,7 +235,7 @@ class LocalCluster:
 
     def _create_users(self, acl_file: Path) -> None:
         """Create the ACL users in the private Redis, write their URLs, and go on as `admin` from here."""
-        client = redis.Redis.from_url(self.settings.redis_url)
+        client = redis_sync(self.settings.redis_url)
         try:
             self.credentials = create_users(client, self.settings.keys, self.settings.redis_url)
         finally:
@@ -235,7 +273,7 @@ class LocalCluster:
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until every worker heartbeats. Raises `RuntimeError` if a child keeps exiting or time runs out."""
         keys = self.settings.keys
-        client = redis.Redis.from_url(self.settings.redis_url)
+        client = redis_sync(self.settings.redis_url)
         deadline = time.monotonic() + timeout_s
         try:
             while True:
@@ -285,6 +323,11 @@ class LocalCluster:
             self.redis.stop()
         if self.credentials is not None and self.acl_file is not None:
             self.acl_file.unlink(missing_ok=True)
+
+
+def _redacted(url: str) -> str:
+    parsed = urlparse(url)
+    return parsed._replace(netloc=f"***@{parsed.hostname}:{parsed.port}").geturl() if parsed.password else url
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:

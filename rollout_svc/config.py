@@ -29,6 +29,9 @@ class Settings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "rollout"
     cache_dir: Path = Field(default_factory=default_cache_dir)
+    redis_data_dir: Path | None = Field(
+        None, description="up's private Redis: where its append-only file lives (default: <cache_dir>/redis/<port>)"
+    )
 
     request_timeout_s: float = Field(600.0, gt=0, description="client: default per-request timeout")
     max_queued_requests: int = Field(100_000, ge=1, description="admission limit per requests stream")
@@ -69,6 +72,14 @@ class Settings(BaseSettings):
         0.05, ge=0, description="workers: a streaming request's chunk is sent at most this often (unless full)"
     )
     stream_chunk_tokens: int = Field(16, ge=1, description="workers: a streaming chunk is sent once it holds this many")
+    batch_concurrency: int = Field(256, ge=1, description="batch jobs: lines of one batch in flight at once")
+    batch_lease_ttl_s: float = Field(
+        10.0, gt=0, description="batch jobs: a run silent this long is dead and its batch is run again"
+    )
+    batch_retention_s: float = Field(
+        7 * 86400.0, gt=0, description="batch jobs: files, batches and outputs expire this long after they finish"
+    )
+    batch_max_file_bytes: int = Field(200 * MiB, ge=1, description="batch jobs: the largest input file accepted")
 
     @property
     def keys(self) -> Keys:
@@ -89,7 +100,11 @@ class EngineSettings(BaseModel):
 
     engine: Literal["vllm", "echo"] = Field("vllm", description="echo: deterministic, for queue tests only")
     model: str | None = Field(None, description="Hugging Face model folder (default: the prepared SmolLM2)")
-    dtype: str = Field("auto", description="vLLM dtype: auto, bfloat16, float16, float32")
+    dtype: str = Field(
+        "auto",
+        description="vLLM dtype: auto, bfloat16, float16, float32 (auto on CPU: bfloat16 only where the CPU has "
+        "avx512_bf16 or amx_bf16, else float32)",
+    )
     max_model_len: int = Field(2048, ge=16, description="context length in tokens")
     max_num_seqs: int | None = Field(None, ge=1, description="engine batch size = worker capacity")
     kv_cache_memory_bytes: int = Field(512 * MiB, ge=MiB, description="KV cache size in bytes")

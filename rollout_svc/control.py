@@ -20,6 +20,7 @@ The only module that spells the control keys' verbs (DESIGN.md section 4, "Contr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Sequence
@@ -28,7 +29,8 @@ from typing import Any, get_args
 
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
-from redis.exceptions import ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
 
 from rollout_svc.acl import ADMIN, permission_denied
 from rollout_svc.config import Settings
@@ -327,7 +329,14 @@ class ControlPlane:
                     raise ControlTimeoutError(kind, epoch, sorted(pending), timeout_s, self.settings.heartbeat_ttl_s)
                 next_poll = now + ACK_POLL_S
                 continue
-            message = await acks.get_message(ignore_subscribe_messages=True, timeout=min(next_poll, deadline) - now)
+            try:
+                message = await acks.get_message(ignore_subscribe_messages=True, timeout=min(next_poll, deadline) - now)
+            except (RedisConnectionError, OSError):  # the subscription died with its connection (a Redis restart)
+                with contextlib.suppress(RedisError, OSError):
+                    await acks.aclose()
+                self._acks = None  # a new subscription; the polls cover an ack announced in between
+                acks = await self._subscribed()
+                continue
             if message is not None:  # an announcement: "worker_id applied_epoch error_epoch" (of any command)
                 worker_id, applied, error_epoch = [*message["data"].decode().split(), "0", "0"][:3]
                 if int(applied) >= epoch and worker_id in pending:

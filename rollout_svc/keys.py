@@ -49,6 +49,38 @@ class Keys:
         """Stream of dead letters: undecodable entries and entries over `max_deliveries`."""
         return f"{self.prefix}:dead"
 
+    # --- batch jobs (RQ) and their files ----------------------------------------------------------------------
+
+    def file(self, file_id: str) -> str:
+        """Hash: an uploaded or produced JSONL file (`content`, `filename`, `purpose`, `bytes`, `created_at`)."""
+        return f"{self.prefix}:file:{file_id}"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: a batch's state (status, counts, timestamps, input and output file ids, output path)."""
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def batch_output(self, batch_id: str) -> str:
+        """Hash: custom_id -> its output line (JSON); written once per custom_id, which makes lines exactly-once."""
+        return f"{self.prefix}:batch:{batch_id}:output"
+
+    def batch_submitted(self, batch_id: str) -> str:
+        """Set: the custom_ids whose requests were enqueued (a resumed run awaits these instead of sending them)."""
+        return f"{self.prefix}:batch:{batch_id}:submitted"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """String, with TTL: held by the one run of a batch that is alive (its token), refreshed while it runs."""
+        return f"{self.prefix}:batch:{batch_id}:lease"
+
+    @property
+    def batches(self) -> str:
+        """Sorted set: every batch id, scored by its creation time (unix s)."""
+        return f"{self.prefix}:batches"
+
+    @property
+    def batch_queue(self) -> str:
+        """The RQ queue name that batch jobs go to (RQ keeps its own keys under `rq:`)."""
+        return f"{self.prefix}-batches"
+
     # --- workers ----------------------------------------------------------------------------------------
 
     def worker(self, worker_id: str) -> str:

@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from rollout_svc.config import Settings
+from rollout_svc.connect import redis_async
 from rollout_svc.control import ControlPlane
 from rollout_svc.errors import ProtocolError, QueueFullError
 from rollout_svc.keys import PAYLOAD_FIELD
@@ -149,14 +149,21 @@ class _CancelOp:
 class Connection:
     """What a client holds while connected, bound to one event loop: Redis, its results stream, two tasks."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, producer_id: str | None = None) -> None:
+        """`producer_id`: a stable name whose results stream outlives this connection (a batch job that may be run
+        again re-attaches to it): results are read from its start, never deleted by the reader, and the stream is
+        left on close (its owner deletes it). Default: a fresh id, its stream consumed and deleted on close."""
         self.settings = settings
         self.loop = asyncio.get_running_loop()
-        self.redis = Redis.from_url(settings.redis_url, decode_responses=False)
+        self.redis = redis_async(settings.redis_url, decode_responses=False)
         self.streams = RequestStreams(self.redis, settings.keys, settings.session_ttl_s)
         self.registry = Registry(self.redis, settings.keys, settings.heartbeat_ttl_s)
         self.control = ControlPlane(self.redis, settings)
-        self.producer_id = uuid.uuid4().hex
+        self.named = producer_id is not None
+        self.producer_id = producer_id or uuid.uuid4().hex
+        # Request ids of a named producer carry a per-connection nonce: a late answer to an earlier connection's
+        # retry must not match this one's.
+        self._id_prefix = f"{self.producer_id}-{uuid.uuid4().hex[:8]}" if self.named else self.producer_id
         self.results = settings.keys.results(self.producer_id)
         self.waiting: dict[str, tuple[Call, int]] = {}  # request id -> its call and position
         self.placed: dict[str, Placed] = {}  # request id -> where it was enqueued (what a cancel sweeps)
@@ -165,13 +172,14 @@ class Connection:
         self.committed_version = 0  # the fleet's committed weight version, read with every batch of results
         self._request_numbers = itertools.count()
         self._closing = False
+        self._reread = False  # the reader goes back to the start of the results stream (see `attach`)
         self.outbox: asyncio.Queue[_EnqueueOp | _CancelOp | None] = asyncio.Queue()
         self.reader = asyncio.create_task(self._read_results())
         self.submitter = asyncio.create_task(self._submit_ops())
 
     def new_id(self) -> str:
         """A request (or group) id unique across producers: this producer's id and a counter."""
-        return f"{self.producer_id}-{next(self._request_numbers)}"
+        return f"{self._id_prefix}-{next(self._request_numbers)}"
 
     def new_call(self, requests: Sequence[Request], chunks: bool = False) -> Call:
         return Call(requests, self.loop, chunks)
@@ -190,6 +198,13 @@ class Connection:
                 self.forget(call)
                 call.remaining = 0
             raise
+
+    def attach(self, call: Call) -> None:
+        """Await a call's requests' results without enqueuing them: they were enqueued by an earlier connection of
+        this named producer, and their results come to the same stream, which the reader then reads again from
+        its start (a named producer's results are never deleted, so one that arrived before is found)."""
+        self.waiting.update((request.request_id, (call, i)) for i, request in enumerate(call.requests))
+        self._reread = True
 
     def _enqueue(self, requests: Sequence[Request], limit: int) -> asyncio.Future[None]:
         done = self.loop.create_future()
@@ -258,6 +273,8 @@ class Connection:
         last_id, failures = b"0-0", 0
         done_ids: list[bytes] = []
         while not self._closing:
+            if self._reread:
+                last_id, self._reread = b"0-0", False
             try:
                 records, committed = await self.streams.read_results(
                     self.results, last_id, done_ids, self.settings.read_block_ms, self.settings.keys.state
@@ -271,7 +288,8 @@ class Connection:
                 continue
             for entry_id, fields in records:
                 last_id = entry_id
-                done_ids.append(entry_id)
+                if not self.named:  # a named producer's results stay until its owner deletes the stream
+                    done_ids.append(entry_id)
                 self._route(fields.get(PAYLOAD_FIELD, b""))
             if records:
                 await asyncio.sleep(0)  # let the callers just woken run before the next read is sent
@@ -408,7 +426,10 @@ class Connection:
             task.cancel()
         try:
             await self.control.close()
-            await self.redis.delete(self.results)
+            if not self.named:
+                await self.redis.delete(self.results)
+        except (RedisError, OSError) as exc:  # Redis away: the stream expires on its own (results_ttl_s)
+            log.warning("could not delete the results stream %s on close (%s)", self.results, exc)
         finally:
             await self.redis.aclose()
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from redis.asyncio import Redis
-
 from rollout_svc.config import Settings
+from rollout_svc.connect import redis_async
 from rollout_svc.control import ControlPlane
 
 
@@ -19,7 +18,7 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
     `state` is starting, serving, paused, sleeping, draining or stale (its weights are not the committed ones), and
     `applied_epoch` the control epoch it acknowledged (right after a command returns, every worker's is >= it).
     """
-    redis = Redis.from_url(settings.redis_url, decode_responses=False)
+    redis = redis_async(settings.redis_url, decode_responses=False)
     keys = settings.keys
     try:
         control = ControlPlane(redis, settings)

@@ -125,7 +125,13 @@ class RequestStreams:
         would make fakeredis' TCP server drop the connection."""
         if not await self.redis.exists(stream):
             return None
-        groups: Any = await self.redis.xinfo_groups(stream)
+        try:
+            groups: Any = await self.redis.xinfo_groups(stream)
+        except ResponseError:
+            # Deleted since EXISTS (a worker that stopped cleaned up its pinned stream while another reaped it).
+            if await self.redis.exists(stream):
+                raise
+            return None
         return next((g for g in groups if g["name"] == WORKERS_GROUP.encode()), None)
 
     async def load_scripts(self) -> None:

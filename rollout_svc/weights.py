@@ -28,6 +28,7 @@ import torch
 from redis.asyncio import Redis
 
 from rollout_svc.config import Settings
+from rollout_svc.connect import redis_async
 from rollout_svc.control import ControlPlane
 from rollout_svc.errors import InvalidRequestError, WeightSyncError
 from rollout_svc.protocol import PauseMode, TensorSpec, TransferGroup, WeightManifest, WeightSyncOrder
@@ -125,7 +126,7 @@ class WeightSender:
         """Connect to Redis (idempotent). Workers need no matching call: the group is built at the first update."""
         if self._redis is not None:
             return
-        self._redis = Redis.from_url(self.settings.redis_url, decode_responses=False)
+        self._redis = redis_async(self.settings.redis_url, decode_responses=False)
         await self._redis.ping()
         self.control = ControlPlane(self._redis, self.settings)
         self.plane = WeightSyncPlane(self._redis, self.settings)

@@ -13,10 +13,10 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from rollout_svc.config import Settings
+from rollout_svc.connect import redis_async, warn_if_evicting
 from rollout_svc.control import NUDGE_CANCEL, ControlPlane
 from rollout_svc.errors import EngineDeadError
 from rollout_svc.protocol import WorkerStatus
@@ -105,11 +105,9 @@ class Worker:
 
     async def run(self) -> None:
         """Start the engine, serve until stopped, then drain. Raises `EngineDeadError` if the engine died."""
-        self.redis = Redis.from_url(self.settings.redis_url, decode_responses=False)
+        self.redis = redis_async(self.settings.redis_url, decode_responses=False)
         # The take loop's blocking reads get a connection of their own, which a pause can unblock at once.
-        self._take_redis = Redis.from_url(
-            self.settings.redis_url, decode_responses=False, single_connection_client=True
-        )
+        self._take_redis = redis_async(self.settings.redis_url, decode_responses=False, single_connection_client=True)
         self._take_streams = RequestStreams(self._take_redis, self.keys, self.settings.session_ttl_s)
         self.streams = RequestStreams(self.redis, self.keys, self.settings.session_ttl_s)
         self.registry = Registry(self.redis, self.keys, self.settings.heartbeat_ttl_s)
@@ -192,6 +190,7 @@ class Worker:
         """Create consumer groups, requeue what an earlier process with this worker id left pending, register,
         and converge on the control state before taking the first request (a fleet paused stays paused)."""
         await self.control.load_scripts()  # the same scripts the worker's other handles run
+        await warn_if_evicting(self.redis, f"worker {self.worker_id}")
         await self._ensure_groups()
         await self.reaper.reclaim(self.worker_id, backlog=False)
         await self._register()

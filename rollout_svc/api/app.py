@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI's routes for agents, SkyRL's session routes, `/admin/*` for operators, health, metrics.
+"""The FastAPI app: OpenAI's routes for agents (and its Batch API), SkyRL's session routes, `/admin/*`, health, metrics.
 
 Stateless: every route submits through one `RolloutClient` (a producer like any other), so several `serve`
 processes can run against one Redis. Example::
@@ -22,9 +22,11 @@ from redis.exceptions import RedisError
 
 from rollout_svc.api.admin import admin_router
 from rollout_svc.api.auth import Auth
+from rollout_svc.api.batches import batch_router
 from rollout_svc.api.errors import APIError, install_error_handlers
 from rollout_svc.api.generation import Generation, chat_plan, completion_plan, until_disconnected
 from rollout_svc.api.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody
+from rollout_svc.batch import BatchStore
 from rollout_svc.client import RolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.errors import GenerationError
@@ -91,10 +93,13 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     )
     auth = Auth(settings.api_keys, settings.admin_token)
 
+    batches = BatchStore(settings)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         await client.close()
+        await batches.close()
 
     app = FastAPI(
         title="rollout-svc",
@@ -179,5 +184,6 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
         """SkyRL's spelling: `POST /finish_session?session_id=...`."""
         return {"session_id": session_id, "finished": await client.finish_session(session_id)}
 
+    app.include_router(batch_router(batches), dependencies=data)
     app.include_router(admin_router(client), dependencies=[auth.admin_dependency()])
     return app

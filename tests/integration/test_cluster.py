@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -9,10 +10,12 @@ import subprocess
 import sys
 import time
 
+import pytest
 import redis
 
 from rollout_svc import RolloutClient
-from tests.support import ROOT, free_port
+from rollout_svc.cluster import redis_answers
+from tests.support import ROOT, async_wait_until, free_port
 
 
 def status(url: str) -> dict:
@@ -125,3 +128,43 @@ def test_kill_9_of_up_takes_its_redis_and_workers_down(tmp_path):
         up.wait()
     wait_for(lambda: not [w for w in workers if alive(w["pid"])], 30, "the workers to exit")
     wait_for(lambda: status(url) == {"workers": []}, 30, "the private Redis to exit")
+
+
+@pytest.mark.timeout(120)
+async def test_restarting_up_keeps_the_requests_queued_when_it_stopped(tmp_path):
+    """`up`'s private Redis keeps an append-only file: requests queued (the fleet paused) when `up` stops are still
+    there when it starts again on the same data dir, and are served once the fleet resumes; the caller's call, which
+    waited across the restart, gets every result."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    env = {**os.environ, "ROLLOUT_REDIS_DATA_DIR": str(tmp_path / "redis-data")}
+
+    async def workers_live(count: int) -> None:
+        await async_wait_until(lambda: len(status(url)["workers"]) >= count, 60, f"{count} workers", interval_s=0.2)
+
+    first = start_up(url, tmp_path, env)
+    try:
+        await workers_live(2)
+        async with RolloutClient(redis_url=url, request_timeout_s=90) as client:
+            await client.pause(mode="keep", holder="test")
+            prompts = [list(f"queued {i:03d}".encode()) for i in range(40)]
+            call = asyncio.ensure_future(client.generate(prompts, {"max_tokens": 4}))
+            rds = redis.Redis.from_url(url)
+            await async_wait_until(lambda: rds.xlen("rollout:requests") == 40, 10, "40 queued requests")
+            first.send_signal(signal.SIGINT)
+            assert await asyncio.to_thread(first.wait, 60) == 0
+            assert not redis_answers(url), "up left its Redis running"
+            second = start_up(url, tmp_path, env)
+            try:
+                await workers_live(2)
+                assert rds.xlen("rollout:requests") == 40, "the queued requests did not survive the restart"
+                assert not call.done()
+                await client.resume(holder="test")
+                trajectories = await asyncio.wait_for(call, 60)
+                assert [t.completion_token_ids for t in trajectories] == [p[:4] for p in prompts]
+            finally:
+                second.send_signal(signal.SIGINT)
+                second.wait(60)
+            rds.close()
+    finally:
+        if first.poll() is None:
+            first.kill()

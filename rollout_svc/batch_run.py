@@ -1,0 +1,298 @@
+"""One run of a batch (the body of the RQ job `rollout_svc.batch.run_batch`): see `rollout_svc.batch`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from redis.exceptions import RedisError
+
+from rollout_svc.api.errors import APIError, from_exception
+from rollout_svc.api.generation import Plan, chat_plan, completion_plan, raise_for
+from rollout_svc.api.schemas import ChatCompletionRequest, CompletionRequest
+from rollout_svc.batch import TERMINAL, BatchLine, BatchStore, output_line, parse_lines, write_atomically
+from rollout_svc.client import RolloutClient
+from rollout_svc.config import Settings
+from rollout_svc.errors import ProtocolError, QueueFullError, RequestTimeoutError
+from rollout_svc.keys import PAYLOAD_FIELD
+from rollout_svc.protocol import RolloutRequest, Trajectory, decode
+
+log = logging.getLogger("rollout_svc.batch")
+CANCEL_POLL_S = 0.5
+QUEUE_FULL_BACKOFF_S = 1.0
+
+
+class BatchRun:
+    """Runs (or resumes) one batch under its lease. `run()` returns the status it ended in, or why it did not run.
+
+    A run that loses its lease (Redis says another run holds it, or it could not refresh it for a whole lease
+    lifetime) exits the process at once: the other run owns the lines now, and a cancel on the way out would abort
+    requests that run awaits.
+    """
+
+    def __init__(self, settings: Settings, batch_id: str) -> None:
+        self.settings, self.batch_id = settings, batch_id
+        self.store = BatchStore(settings)
+        self.token = uuid.uuid4().hex
+        self.models: list[str] = []
+
+    async def run(self) -> str:
+        try:
+            meta = await self.store.batch(self.batch_id)
+            if meta is None:
+                return f"no batch {self.batch_id}"
+            if meta["status"] in TERMINAL:
+                return meta["status"]
+            if not await self.store.acquire_lease(self.batch_id, self.token):
+                return "another run holds this batch"
+            keeper = asyncio.create_task(self._keep_lease())
+            try:
+                return await self._run(meta)
+            finally:
+                keeper.cancel()
+                await self.store.refresh_lease(self.batch_id, self.token, release=True)
+        finally:
+            await self.store.close()
+
+    async def _keep_lease(self) -> None:
+        ttl = self.settings.batch_lease_ttl_s
+        held_at = time.monotonic()
+        while True:
+            await asyncio.sleep(ttl / 4)
+            try:
+                if not await self.store.refresh_lease(self.batch_id, self.token):
+                    log.error("batch %s: another run holds the lease; this run stops", self.batch_id)
+                    os._exit(3)
+                held_at = time.monotonic()
+            except (RedisError, OSError) as exc:
+                if time.monotonic() - held_at > ttl:
+                    log.error(
+                        "batch %s: could not refresh the lease for %g s (%s); this run stops", self.batch_id, ttl, exc
+                    )
+                    os._exit(3)
+
+    async def _run(self, meta: dict[str, str]) -> str:
+        if meta["status"] == "cancelling":
+            return await self._finalize("cancelled")
+        if meta["status"] == "validating":
+            await self.store.mark(self.batch_id, status="in_progress", in_progress_at=int(time.time()))
+        content = await self.store.file_content(meta["input_file_id"])
+        if content is None:
+            await self.store.mark(
+                self.batch_id,
+                status="failed",
+                failed_at=int(time.time()),
+                errors=json.dumps(
+                    [{"code": "file_not_found", "message": f"input file {meta['input_file_id']} expired"}]
+                ),
+            )
+            return "failed"
+        lines = parse_lines(content, meta["endpoint"])
+        done = await self.store.done_ids(self.batch_id)
+        unfinished = [line for line in lines if line.custom_id not in done]
+        earlier = await self.store.submitted_ids(self.batch_id)
+        submitted = await self._in_redis([line for line in unfinished if line.custom_id in earlier])
+        # Lines awaited from an earlier run go first, all at once (they are in flight already, and the reader reads
+        # the stream again once per burst of them); the rest through `batch_concurrency` feeders.
+        awaited = [line for line in unfinished if line.custom_id in submitted]
+        todo = iter([line for line in unfinished if line.custom_id not in submitted])
+        log.info(
+            "batch %s: %d lines, %d done, %d awaited from an earlier run, %d of its lines sent again",
+            self.batch_id,
+            len(lines),
+            len(done),
+            len(submitted),
+            len(earlier - done - submitted),
+        )
+        async with RolloutClient(self.settings, producer_id=f"batch-{self.batch_id}") as client:
+            self.models = sorted({w.model for w in await client.workers() if w.model})
+            if self.settings.served_model_name:
+                self.models = [self.settings.served_model_name]
+
+            async def one(line: BatchLine, attached: bool) -> None:
+                output = await self._line(client, line, attached)
+                await self.store.record(self.batch_id, line.custom_id, output)
+
+            async def feed() -> None:
+                for line in todo:
+                    await one(line, False)
+
+            feeders = [asyncio.ensure_future(one(line, True)) for line in awaited]
+            feeders += [asyncio.ensure_future(feed()) for _ in range(self.settings.batch_concurrency)]
+            all_fed = asyncio.ensure_future(asyncio.gather(*feeders))
+            try:
+                while not all_fed.done():
+                    await asyncio.wait([all_fed], timeout=CANCEL_POLL_S)
+                    status = (await self.store.batch(self.batch_id) or {}).get("status")
+                    if status == "cancelling" and not all_fed.done():
+                        all_fed.cancel()
+                        await asyncio.gather(all_fed, return_exceptions=True)
+                        return await self._finalize("cancelled")
+                all_fed.result()  # a Redis error ends the run: RQ runs it again
+            finally:
+                for feeder in feeders:
+                    feeder.cancel()
+        return await self._finalize("completed")
+
+    async def _line(self, client: RolloutClient, line: BatchLine, attached: bool) -> dict[str, Any]:
+        """One line's output. Lines fail (with their HTTP status and error) on bad input or a failed generation;
+        Redis errors propagate (the run is retried)."""
+        try:
+            plan = self._plan(line)
+            ids = self._request_ids(line)
+            if len(ids) != len(plan.prompts):  # the line's shape and its plan disagree: never resume this one
+                ids = [f"batch:{self.batch_id}:{line.custom_id}:{j}" for j in range(len(plan.prompts))]
+            trajectories = await self._generate(client, line, plan, ids, attached)
+            for t in trajectories:
+                raise_for(t)
+            return output_line(line.custom_id, 200, plan.reply.response(trajectories, plan.prompt_indices), None)
+        except (RedisError, OSError):
+            raise
+        except Exception as exc:
+            error = from_exception(exc)
+            body = error.body()
+            return output_line(line.custom_id, error.status, body, {"code": error.code, "message": error.message})
+
+    def _plan(self, line: BatchLine) -> Plan:
+        """The line's plan, as the HTTP API would make it. Raises `APIError` 400 (bad body) or 404 (model)."""
+        if line.body.get("stream"):
+            raise APIError(400, "stream is not supported in a batch", param="stream")
+        model = line.body.get("model")
+        if self.models and model is not None and model not in self.models:
+            names = ", ".join(self.models)
+            raise APIError(
+                404, f"The model `{model}` does not exist; this fleet serves {names}", code="model_not_found"
+            )
+        name = model if isinstance(model, str) else (self.models[0] if self.models else "")
+        try:
+            if line.url == "/v1/chat/completions":
+                chat = ChatCompletionRequest.model_validate(line.body)
+                return chat_plan(chat, name, chat.session_id, self.settings.api_default_max_tokens)
+            completion = CompletionRequest.model_validate(line.body)
+            return completion_plan(completion, name, completion.session_id)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            param = ".".join(str(p) for p in error.get("loc", ()))
+            raise APIError(400, f"{param}: {error.get('msg')}", param=param or None) from exc
+
+    async def _generate(
+        self, client: RolloutClient, line: BatchLine, plan: Plan, ids: list[str], attached: bool
+    ) -> list[Trajectory]:
+        """Send the plan's requests (or, `attached`, await those an earlier run sent), waiting out a full queue."""
+
+        while True:
+            requests = await self._requests(client, plan, ids)
+            if not attached:  # marked before it is sent: a resumed run checks that Redis has what is marked
+                await self.store.mark_submitted(self.batch_id, line.custom_id)
+            try:
+                return await client.run(requests, enqueued=attached)
+            except QueueFullError:
+                await asyncio.sleep(QUEUE_FULL_BACKOFF_S)
+            except RequestTimeoutError:
+                if not attached:
+                    raise
+                # What the earlier run sent never answered (lost with a Redis that forgot, or its result expired).
+                log.warning("batch %s: %s got no result from an earlier run; sending it again", self.batch_id, ids)
+                ids, attached = [f"{i}~{uuid.uuid4().hex[:6]}" for i in ids], False
+
+    def _request_ids(self, line: BatchLine) -> list[str]:
+        """A line's request ids: `batch:{id}:{custom_id}`, and `:{j}` for the j-th of its `n` choices."""
+        base = f"batch:{self.batch_id}:{line.custom_id}"
+        n = line.body.get("n") or 1
+        prompts = line.body.get("prompt") if line.url == "/v1/completions" else None
+        if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int):
+            n *= len(prompts)  # a batch of prompts in one completions line
+        return [base] if n == 1 else [f"{base}:{j}" for j in range(int(n))]
+
+    async def _in_redis(self, lines: list[BatchLine]) -> set[str]:
+        """The custom_ids among `lines` (marked submitted by an earlier run) whose every request Redis still has: its
+        result in the batch's results stream, or its entry in a requests stream (queued, or pending on a worker).
+        The others never reached Redis (the run died in between) or were lost with it, and are sent again."""
+        if not lines:
+            return set()
+        owner = {rid: line.custom_id for line in lines for rid in self._request_ids(line)}
+        keys, rds = self.settings.keys, self.store.redis
+        streams = [keys.results(f"batch-{self.batch_id}"), keys.requests]
+        streams += [keys.pinned_requests(w.decode()) for w in await rds.smembers(keys.workers)]
+        found: set[str] = set()
+        for stream in streams:
+            start = "-"
+            while True:
+                entries = await rds.xrange(stream, start, "+", count=1000)
+                for _, fields in entries:
+                    try:
+                        request_id = getattr(decode(fields.get(PAYLOAD_FIELD, b"")), "request_id", None)
+                    except ProtocolError:
+                        continue
+                    if request_id in owner:
+                        found.add(request_id)
+                if len(entries) < 1000:
+                    break
+                start = "(" + entries[-1][0].decode()
+        return {
+            cid
+            for cid in {line.custom_id for line in lines}
+            if all(rid in found for rid, owner_cid in owner.items() if owner_cid == cid)
+        }
+
+    @staticmethod
+    async def _requests(client: RolloutClient, plan: Plan, ids: list[str]) -> list[RolloutRequest]:
+        sessions = [plan.session_id] * len(plan.prompts) if plan.session_id else None
+        return await client.rollout_requests(
+            plan.prompts,
+            plan.params,
+            sessions,
+            request_ids=ids,
+            group_ids=plan.group_ids,
+            tools=plan.tools,
+            parse_tool_calls=plan.parse_tool_calls,
+            chat_template_kwargs=plan.chat_template_kwargs,
+        )
+
+    async def _finalize(self, status: str) -> str:
+        """Write the output file (in input order) and end the batch in `status`; idempotent (a run that dies here
+        is run again and finalizes again)."""
+        now = int(time.time())
+        await self.store.mark(self.batch_id, finalizing_at=now)
+        meta = await self.store.batch(self.batch_id) or {}
+        content = await self.store.file_content(meta.get("input_file_id", "")) or b""
+        outputs = await self.store.outputs(self.batch_id)
+        order = [line.custom_id for line in parse_lines(content, meta.get("endpoint"))] if content else list(outputs)
+        chunks = [outputs[c] + b"\n" for c in order if c in outputs]
+        retention = self.settings.batch_retention_s
+        output_id = await self.store.create_file(
+            b"".join(chunks), f"{self.batch_id}_output.jsonl", "batch_output", expire_s=retention
+        )
+        if meta.get("output_path"):
+            try:
+                write_atomically(Path(meta["output_path"]), iter(chunks))
+            except OSError as exc:
+                log.warning(
+                    "batch %s: could not write %s (%s); `rollout-svc batch download %s` has it",
+                    self.batch_id,
+                    meta["output_path"],
+                    exc,
+                    self.batch_id,
+                )
+        keys = self.settings.keys
+        pipe = self.store.redis.pipeline(transaction=True)
+        pipe.hset(
+            keys.batch(self.batch_id), mapping={"status": status, f"{status}_at": now, "output_file_id": output_id}
+        )
+        for key in (
+            keys.batch(self.batch_id),
+            keys.batch_output(self.batch_id),
+            keys.file(meta.get("input_file_id", "")),
+        ):
+            pipe.expire(key, int(retention))
+        pipe.delete(keys.batch_submitted(self.batch_id), keys.results(f"batch-{self.batch_id}"))
+        await pipe.execute()
+        log.info("batch %s %s: %d lines written (%s)", self.batch_id, status, len(chunks), output_id)
+        return status

@@ -1,0 +1,198 @@
+"""Redis connections from one URL, for every process: `redis://`, `rediss://` (TLS), `unix://`, and Sentinel.
+
+A Sentinel URL names the sentinels and the monitored primary's service name; the connection follows the primary
+that the sentinels name, across a failover:
+
+    redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service_name[/db]
+    rediss+sentinel://...   (TLS to the primary; sentinel port default 26379)
+
+The password (and user) are the primary's; `?sentinel_password=...` gives the sentinels' if they have one. Other
+URLs go to redis-py's `from_url` unchanged (its query options too, e.g. `rediss://host:6380/0?ssl_ca_certs=ca.pem`).
+
+`eviction_warning` is what every process logs at start when Redis may evict keys: with a `maxmemory-policy` other
+than `noeviction`, Redis silently deletes keys (streams, pending entries, control state) under memory pressure.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlparse
+
+import redis
+import redis.asyncio
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+
+log = logging.getLogger("rollout_svc.connect")
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+DEFAULT_SENTINEL_PORT = 26379
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    """A parsed Sentinel URL: the sentinels' (host, port)s, the primary's service name, db and credentials."""
+
+    sentinels: list[tuple[str, int]]
+    service_name: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+    ssl: bool = False
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def primary_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"db": self.db, "username": self.username, "password": self.password}
+        if self.ssl:
+            kwargs["ssl"] = True
+        return kwargs
+
+    def sentinel_kwargs(self) -> dict[str, Any]:
+        return {"password": self.sentinel_password} if self.sentinel_password else {}
+
+
+def is_sentinel(url: str) -> bool:
+    return urlparse(url).scheme in SENTINEL_SCHEMES
+
+
+def parse_sentinel(url: str) -> SentinelURL:
+    """Parse a Sentinel URL (module docstring). Raises `ValueError` saying what is missing."""
+    parsed = urlparse(url)
+    if parsed.scheme not in SENTINEL_SCHEMES:
+        raise ValueError(f"not a Sentinel URL (redis+sentinel://...): {url!r}")
+    credentials, _, hosts = parsed.netloc.rpartition("@")
+    username, _, password = credentials.partition(":") if credentials else ("", "", "")
+    sentinels = []
+    for host in hosts.split(","):
+        name, _, port = host.strip().rpartition(":") if ":" in host else (host.strip(), "", "")
+        if not name:
+            raise ValueError(f"a Sentinel URL needs host[:port] entries, comma-separated: {url!r}")
+        sentinels.append((name, int(port) if port else DEFAULT_SENTINEL_PORT))
+    parts = [p for p in parsed.path.split("/") if p]
+    if not parts:
+        raise ValueError(f"a Sentinel URL needs the primary's service name as its path (.../mymaster/0): {url!r}")
+    query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+    return SentinelURL(
+        sentinels=sentinels,
+        service_name=unquote(parts[0]),
+        db=int(parts[1]) if len(parts) > 1 else 0,
+        username=unquote(username) or None,
+        password=unquote(password) or None,
+        sentinel_password=query.pop("sentinel_password", None),
+        ssl=parsed.scheme == "rediss+sentinel",
+        extra=query,
+    )
+
+
+# A command whose connection turns out dead (Redis restarted since it was pooled; a failover) is sent again on a fresh
+# one, up to 3 times with a short backoff. Only connection errors: a timeout may come after Redis ran the command.
+RETRIES = 3
+
+
+def _retry_async() -> Any:
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+
+    return Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES, supported_errors=(RedisConnectionError,))
+
+
+def _retry_sync() -> Any:
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
+
+    return Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES, supported_errors=(RedisConnectionError,))
+
+
+def redis_async(url: str, **kwargs: Any) -> redis.asyncio.Redis:
+    """An asyncio Redis client for `url` (any scheme above); `kwargs` go to the client (decode_responses, ...)."""
+    kwargs.setdefault("retry", _retry_async())
+    if not is_sentinel(url):
+        pool_class = kwargs.pop("connection_pool_class", None)
+        if pool_class is None:
+            return redis.asyncio.Redis.from_url(url, **kwargs)
+        return redis.asyncio.Redis.from_pool(pool_class.from_url(url, **kwargs))  # the client closes the pool
+    from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+
+    spec = parse_sentinel(url)
+    sentinel = Sentinel(spec.sentinels, sentinel_kwargs=spec.sentinel_kwargs())
+    single = kwargs.pop("single_connection_client", False)
+    kwargs.pop("connection_pool_class", None)  # a Sentinel pool follows the primary; it does not block
+    kwargs.pop("timeout", None)
+    pool = SentinelConnectionPool(spec.service_name, sentinel, **spec.primary_kwargs(), **kwargs)
+    client = _SentinelRedis(connection_pool=pool, single_connection_client=single)
+    client.sentinel = sentinel
+    return client
+
+
+class _SentinelRedis(redis.asyncio.Redis):
+    """A client of the primary that also closes its connections to the sentinels."""
+
+    sentinel: Any = None
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        for client in self.sentinel.sentinels if self.sentinel is not None else []:
+            await client.aclose()
+
+
+def redis_sync(url: str, **kwargs: Any) -> redis.Redis:
+    """A blocking Redis client for `url` (any scheme above)."""
+    kwargs.setdefault("retry", _retry_sync())
+    if not is_sentinel(url):
+        return redis.Redis.from_url(url, **kwargs)
+    from redis.sentinel import Sentinel, SentinelConnectionPool
+
+    spec = parse_sentinel(url)
+    sentinel = Sentinel(spec.sentinels, sentinel_kwargs=spec.sentinel_kwargs())
+    single = kwargs.pop("single_connection_client", False)
+    pool = SentinelConnectionPool(spec.service_name, sentinel, **spec.primary_kwargs(), **kwargs)
+    return redis.Redis(connection_pool=pool, single_connection_client=single)
+
+
+def eviction_warning(policy: str | None, maxmemory: int) -> str | None:
+    """The warning for Redis's `maxmemory-policy` (None: fine, or unknown)."""
+    if policy is None or policy == "noeviction":
+        return None
+    limit = f"maxmemory {maxmemory} bytes" if maxmemory else "maxmemory 0 (no limit yet)"
+    return (
+        f"Redis's maxmemory-policy is {policy} ({limit}): under memory pressure Redis silently deletes keys, "
+        "streams of queued requests and results included. Set `maxmemory-policy noeviction` (redis.conf, or "
+        "CONFIG SET maxmemory-policy noeviction): then a full Redis refuses writes, which rollout-svc reports."
+    )
+
+
+def _policy(reply: Any) -> tuple[str | None, int]:
+    def text(value: Any) -> str | None:
+        return value.decode() if isinstance(value, bytes) else value
+
+    items = {text(k): text(v) for k, v in dict(reply).items()}
+    return items.get("maxmemory-policy"), int(items.get("maxmemory") or 0)
+
+
+async def warn_if_evicting(client: redis.asyncio.Redis, who: str) -> str | None:
+    """Log (once per call) and return the eviction warning; None if fine or if Redis will not say (CONFIG refused
+    to this user, or renamed by a managed Redis)."""
+    try:
+        reply = await client.config_get("maxmemory*")
+    except (RedisError, OSError) as exc:
+        log.debug("%s: could not read maxmemory-policy (%s)", who, exc)
+        return None
+    warning = eviction_warning(*_policy(reply))
+    if warning:
+        log.warning("%s: %s", who, warning)
+    return warning
+
+
+def warn_if_evicting_sync(client: redis.Redis, who: str) -> str | None:
+    """`warn_if_evicting` for a blocking client."""
+    try:
+        reply = client.config_get("maxmemory*")
+    except (RedisError, OSError) as exc:
+        log.debug("%s: could not read maxmemory-policy (%s)", who, exc)
+        return None
+    warning = eviction_warning(*_policy(reply))
+    if warning:
+        log.warning("%s: %s", who, warning)
+    return warning
