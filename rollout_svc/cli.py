@@ -186,6 +186,9 @@ def up(
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
+    except RuntimeError as exc:  # no Redis could be started, a child keeps exiting, ...: said plainly
+        typer.echo(f"rollout-svc up: {exc}", err=True)
+        raise typer.Exit(1) from None
     finally:
         typer.echo("rollout-svc: stopping", err=True)
         if group is not None:

@@ -198,6 +198,11 @@ class LocalCluster:
         Raises `RuntimeError` if no Redis can be started, or, with `acl_file`, if a Redis already answers or there
         is no `redis-server` (fakeredis enforces no ACLs)."""
         if not redis_answers(self.settings.redis_url):
+            if urlparse(self.settings.redis_url).scheme != "redis":
+                raise RuntimeError(
+                    f"no Redis answers at {_redacted(self.settings.redis_url)}; `up` starts a private Redis only for a "
+                    "redis:// URL: check the URL (TLS, Sentinel) and that the server is up"
+                )
             if self.acl_file is not None and not shutil.which("redis-server"):
                 raise RuntimeError("--acl needs redis-server on PATH: fakeredis does not enforce Redis ACLs")
             data_dir = self.settings.redis_data_dir or (

@@ -105,6 +105,13 @@ def _retry_sync() -> Any:
     return Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES, supported_errors=(RedisConnectionError,))
 
 
+def _sentinel_kwargs(spec: SentinelURL, kwargs: dict[str, Any], retry: Any) -> dict[str, Any]:
+    """How to reach the sentinels: their password, this module's retries (not redis-py's default, which backs off for
+    seconds), and the caller's socket timeouts."""
+    timeouts = {k: v for k, v in kwargs.items() if k in ("socket_timeout", "socket_connect_timeout")}
+    return {**spec.sentinel_kwargs(), "retry": retry, **timeouts}
+
+
 def redis_async(url: str, **kwargs: Any) -> redis.asyncio.Redis:
     """An asyncio Redis client for `url` (any scheme above); `kwargs` go to the client (decode_responses, ...)."""
     kwargs.setdefault("retry", _retry_async())
@@ -116,7 +123,7 @@ def redis_async(url: str, **kwargs: Any) -> redis.asyncio.Redis:
     from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
     spec = parse_sentinel(url)
-    sentinel = Sentinel(spec.sentinels, sentinel_kwargs=spec.sentinel_kwargs())
+    sentinel = Sentinel(spec.sentinels, sentinel_kwargs=_sentinel_kwargs(spec, kwargs, _retry_async()))
     single = kwargs.pop("single_connection_client", False)
     kwargs.pop("connection_pool_class", None)  # a Sentinel pool follows the primary; it does not block
     kwargs.pop("timeout", None)
@@ -145,7 +152,7 @@ def redis_sync(url: str, **kwargs: Any) -> redis.Redis:
     from redis.sentinel import Sentinel, SentinelConnectionPool
 
     spec = parse_sentinel(url)
-    sentinel = Sentinel(spec.sentinels, sentinel_kwargs=spec.sentinel_kwargs())
+    sentinel = Sentinel(spec.sentinels, sentinel_kwargs=_sentinel_kwargs(spec, kwargs, _retry_sync()))
     single = kwargs.pop("single_connection_client", False)
     pool = SentinelConnectionPool(spec.service_name, sentinel, **spec.primary_kwargs(), **kwargs)
     return redis.Redis(connection_pool=pool, single_connection_client=single)

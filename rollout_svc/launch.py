@@ -36,6 +36,7 @@ import redis
 
 from rollout_svc.cluster import cpu_sets, die_with_parent, settings_env
 from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.connect import redis_sync
 
 log = logging.getLogger("rollout_svc.launch")
 RAY_MISSING = "Ray worker groups need Ray: pip install 'rollout-svc[ray]'"
@@ -368,7 +369,7 @@ class RayWorkerGroup:
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until every worker heartbeats in Redis. Raises `RuntimeError` if one keeps exiting during start-up
         or time runs out."""
-        client = redis.Redis.from_url(self.settings.redis_url)
+        client = redis_sync(self.settings.redis_url)
         deadline = time.monotonic() + timeout_s
         try:
             while (live := self._live(client)) < self.num_workers:

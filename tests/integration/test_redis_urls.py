@@ -153,3 +153,16 @@ def test_up_refuses_to_expose_a_redis_anyone_can_use(tmp_path):
         timeout=60,
     )
     assert out.returncode == 2 and "--acl" in out.stderr and "password" in out.stderr, out.stderr
+
+
+def test_up_does_not_start_a_private_redis_for_a_tls_or_sentinel_url(tmp_path):
+    """A TLS or Sentinel URL where nothing answers is a mistake to report, not a place to start a plain Redis."""
+    for url in (f"rediss://127.0.0.1:{free_port()}/0", f"redis+sentinel://127.0.0.1:{free_port()}/primary/0"):
+        out = subprocess.run(
+            [sys.executable, "-m", "rollout_svc", "up", "--redis-url", url, "--engine", "echo"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 1 and "no Redis answers" in out.stderr, out.stderr
