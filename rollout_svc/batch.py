@@ -263,11 +263,15 @@ class BatchStore:
     async def mark(self, batch_id: str, **fields: Any) -> None:
         await self.redis.hset(self.keys.batch(batch_id), mapping=fields)
 
-    async def record(self, batch_id: str, custom_id: str, line: dict[str, Any]) -> bool:
-        """Record a line's output once (counted as completed, or failed if it has an error); False if it was there."""
-        counter = "failed" if line["error"] is not None else "completed"
+    async def record(self, batch_id: str, outputs: list[tuple[str, dict[str, Any]]]) -> list[bool]:
+        """Record lines' outputs `(custom_id, line)` once each (counted as completed, or failed if it has an error), in
+        one round trip; False for a line that was there already."""
         keys = [self.keys.batch_output(batch_id), self.keys.batch(batch_id)]
-        return bool(await self.redis.eval(_RECORD, 2, *keys, custom_id, json.dumps(line), counter))
+        pipe = self.redis.pipeline(transaction=False)
+        for custom_id, line in outputs:
+            counter = "failed" if line["error"] is not None else "completed"
+            pipe.eval(_RECORD, 2, *keys, custom_id, json.dumps(line), counter)
+        return [bool(added) for added in await pipe.execute()]
 
     async def outputs(self, batch_id: str) -> dict[str, bytes]:
         """custom_id -> output line (JSON bytes) of every finished line."""
@@ -280,8 +284,8 @@ class BatchStore:
     async def submitted_ids(self, batch_id: str) -> set[str]:
         return {k.decode() for k in await self.redis.smembers(self.keys.batch_submitted(batch_id))}
 
-    async def mark_submitted(self, batch_id: str, custom_id: str) -> None:
-        await self.redis.sadd(self.keys.batch_submitted(batch_id), custom_id)
+    async def mark_submitted(self, batch_id: str, custom_ids: list[str]) -> None:
+        await self.redis.sadd(self.keys.batch_submitted(batch_id), *custom_ids)
 
     async def acquire_lease(self, batch_id: str, token: str) -> bool:
         ttl_ms = int(self.settings.batch_lease_ttl_s * 1000)

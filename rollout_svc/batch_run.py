@@ -8,8 +8,9 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pydantic import ValidationError
 from redis.exceptions import RedisError
@@ -29,6 +30,46 @@ CANCEL_POLL_S = 0.5
 QUEUE_FULL_BACKOFF_S = 1.0
 
 
+T = TypeVar("T")
+
+
+class Coalesced(Generic[T]):
+    """Calls of many tasks in one: `await coalesced(item)` returns once `flush(items)` ran with its item among those
+    that came while the previous flush was on its way (one flush at a time, in order). A flush that raises raises in
+    every caller of its round."""
+
+    def __init__(self, flush: Callable[[list[T]], Awaitable[Any]]) -> None:
+        self.flush = flush
+        self.waiting: list[tuple[T, asyncio.Future[None]]] = []
+        self.flusher: asyncio.Task[None] | None = None
+
+    async def __call__(self, item: T) -> None:
+        done = asyncio.get_running_loop().create_future()
+        self.waiting.append((item, done))
+        if self.flusher is None or self.flusher.done():
+            self.flusher = asyncio.ensure_future(self._flush())
+        await done
+
+    async def drain(self) -> None:
+        """Wait until every item handed in so far was flushed (or its flush failed)."""
+        while self.flusher is not None and not self.flusher.done():
+            await asyncio.wait([self.flusher])
+
+    async def _flush(self) -> None:
+        while self.waiting:
+            round_, self.waiting = self.waiting, []
+            try:
+                await self.flush([item for item, _ in round_])
+            except Exception as exc:
+                for _, done in round_:
+                    if not done.done():
+                        done.set_exception(exc)
+            else:
+                for _, done in round_:
+                    if not done.done():
+                        done.set_result(None)
+
+
 class BatchRun:
     """Runs (or resumes) one batch under its lease. `run()` returns the status it ended in, or why it did not run.
 
@@ -40,6 +81,11 @@ class BatchRun:
     def __init__(self, settings: Settings, batch_id: str) -> None:
         self.settings, self.batch_id = settings, batch_id
         self.store = BatchStore(settings)
+        # Many lines finish (and start) at once: their marks and outputs go to Redis together, one round trip each.
+        self._mark: Coalesced[str] = Coalesced(lambda ids: self.store.mark_submitted(self.batch_id, ids))
+        self._record: Coalesced[tuple[str, dict[str, Any]]] = Coalesced(
+            lambda outputs: self.store.record(self.batch_id, outputs)
+        )
         self.token = uuid.uuid4().hex
         self.models: list[str] = []
 
@@ -118,7 +164,7 @@ class BatchRun:
 
             async def one(line: BatchLine, attached: bool) -> None:
                 output = await self._line(client, line, attached)
-                await self.store.record(self.batch_id, line.custom_id, output)
+                await self._record((line.custom_id, output))
 
             async def feed() -> None:
                 for line in todo:
@@ -190,7 +236,7 @@ class BatchRun:
         while True:
             requests = await self._requests(client, plan, ids)
             if not attached:  # marked before it is sent: a resumed run checks that Redis has what is marked
-                await self.store.mark_submitted(self.batch_id, line.custom_id)
+                await self._mark(line.custom_id)
             try:
                 return await client.run(requests, enqueued=attached)
             except QueueFullError:
@@ -259,6 +305,7 @@ class BatchRun:
     async def _finalize(self, status: str) -> str:
         """Write the output file (in input order) and end the batch in `status`; idempotent (a run that dies here
         is run again and finalizes again)."""
+        await self._record.drain()  # outputs of lines cancelled on their way to Redis are in before it is read
         now = int(time.time())
         await self.store.mark(self.batch_id, finalizing_at=now)
         meta = await self.store.batch(self.batch_id) or {}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from rollout_svc import bench_api, bench_control, dataset
+from rollout_svc import bench_api, bench_batch, bench_control, dataset
 from rollout_svc.client import RolloutClient
 from rollout_svc.cluster import LocalCluster, cpu_sets
 from rollout_svc.config import EngineSettings, Settings
@@ -65,6 +65,7 @@ def run_bench(
     control_cycles: int = 200,
     api_requests: int = 3000,
     api_in_flight: int = 32,
+    batch_lines: int = 2000,
 ) -> None:
     console = Console()
     queue = [_queue_overhead(redis_url, workers, requests, console) for workers in (1, 2)]
@@ -74,6 +75,7 @@ def run_bench(
     ]
     frozen = bench_control.frozen_beyond_pause(redis_url, 10, _log_dir(), console)
     api = bench_api.api_overhead(redis_url, api_requests, api_in_flight, _log_dir(), console)
+    batch = bench_batch.batch_overhead(redis_url, batch_lines, _log_dir(), console)
     generation: list[GenerationFigures] = []
     weights: list[str] = []
     if model is not None:
@@ -82,7 +84,8 @@ def run_bench(
 
         weights = bench_weights.report(bench_weights.weight_sync(redis_url, model, _log_dir(), console))
     text = _report(command, queue, generation, prompts, max_tokens, requests)
-    output.write_text(text + "\n".join(bench_control.report(control, frozen) + weights + bench_api.report(api)) + "\n")
+    sections = bench_control.report(control, frozen) + weights + bench_api.report(api)
+    output.write_text(text + "\n".join(sections + bench_batch.report(batch, command)) + "\n")
     console.print(f"wrote {output}")
 
 

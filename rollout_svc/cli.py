@@ -480,6 +480,7 @@ def bench(
     control_cycles: Annotated[int, typer.Option(min=10, help="Pause/resume cycles per control figure.")] = 200,
     api_requests: Annotated[int, typer.Option(min=100, help="Requests per HTTP API / Python client run.")] = 3000,
     api_in_flight: Annotated[int, typer.Option(min=1, help="Requests in flight in the HTTP API part.")] = 32,
+    batch_lines: Annotated[int, typer.Option(min=10, help="Lines of the batch-job part.")] = 2000,
 ) -> None:
     """Measure queue overhead, control latency and the HTTP API beside the Python client (echo engine),
     generation efficiency (vLLM through the service vs direct) and weight sync (vLLM workers vs a bare gloo
@@ -493,7 +494,17 @@ def bench(
             model = _prepare_default_model(Settings())
     command = " ".join(["rollout-svc", *sys.argv[1:]])
     run_bench(
-        redis_url, output, model, requests, prompts, max_tokens, command, control_cycles, api_requests, api_in_flight
+        redis_url,
+        output,
+        model,
+        requests,
+        prompts,
+        max_tokens,
+        command,
+        control_cycles,
+        api_requests,
+        api_in_flight,
+        batch_lines,
     )
 
 
