@@ -359,6 +359,17 @@ def enqueue_job(settings: Settings, batch_id: str, attempt: int = 0) -> str:
     return str(job.id)
 
 
+def batch_workers(settings: Settings) -> int:
+    """How many RQ workers (`rollout-svc batch-worker`) listen on this deployment's batch queue."""
+    from rq import Worker
+
+    connection = redis_sync(settings.redis_url)
+    try:
+        return int(Worker.count(connection=connection, queue=_queue(settings, connection)))
+    finally:
+        connection.close()
+
+
 def run_batch(batch_id: str) -> str:
     """The RQ job: run (or resume) one batch with this process's settings (env `ROLLOUT_*`). Returns how it ended."""
     from rollout_svc.batch_run import BatchRun

@@ -79,6 +79,14 @@ def submit(
         return batch_id, int(meta["total"])
 
     batch_id, total = _run(redis_url, create)
+    from rollout_svc.batch import batch_workers
+
+    if not batch_workers(Settings(redis_url=redis_url)):
+        typer.secho(
+            "warning: no batch worker is running; the batch waits in the queue until `rollout-svc batch-worker` starts",
+            fg=typer.colors.YELLOW,
+            err=True,
+        )
     if not wait:
         typer.echo(
             f"submitted {total} requests ({endpoint}); `rollout-svc batch status ID` follows it. Batch: {batch_id}"

@@ -183,3 +183,22 @@ def test_openai_batch_api_with_the_official_client(settings, echo_workers, tmp_p
         [batch_id] = re.findall(r"as batch (batch_\w+)", waited.stdout)
         status = cli(settings, "status", "--json", batch_id)
         assert status.returncode == 0 and json.loads(status.stdout)["status"] == "completed", status
+
+
+def test_a_batch_with_no_batch_worker_says_so_and_cancels_at_once(settings, tmp_path):
+    """Submitted with no batch worker running: a warning saying what to start, the id as the last word; cancelled
+    before any run started, it is `cancelled` at once, and a bad file is refused naming its line."""
+    write_batch(tmp_path / "in.jsonl", 3)
+    submitted = cli(settings, "submit", str(tmp_path / "in.jsonl"))
+    assert submitted.returncode == 0 and "no batch worker is running" in submitted.stderr, submitted
+    batch_id = submitted.stdout.split()[-1]
+    assert batch_id.startswith("batch_")
+    cancelled = cli(settings, "cancel", batch_id)
+    assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout, cancelled
+    status = cli(settings, "status", batch_id, "--json")
+    assert json.loads(status.stdout)["status"] == "cancelled"
+    (tmp_path / "bad.jsonl").write_text('{"custom_id": "a", "url": "/v1/chat/completions", "body": {}}\nnot json\n')
+    refused = cli(settings, "submit", str(tmp_path / "bad.jsonl"))
+    assert refused.returncode == 1 and "line 2 is not JSON" in refused.stderr, refused
+    again = cli(settings, "cancel", batch_id)
+    assert again.returncode == 1 and "already cancelled" in again.stderr, again
