@@ -132,7 +132,8 @@ def up(
     `admin`, and the three users' URLs are written to --acl-file (mode 0600). Ctrl-C or SIGTERM stops everything,
     leaving no process behind.
     """
-    from rollout_svc.cluster import ACL_NEEDS_PRIVATE_REDIS, LocalCluster, is_loopback, redis_answers
+    from rollout_svc.cluster import ACL_NEEDS_PRIVATE_REDIS, LocalCluster, redis_answers
+    from rollout_svc.connect import is_loopback
 
     _logging()
     exposed = redis_bind is not None and not all(is_loopback(h.strip()) for h in redis_bind.split(","))
@@ -259,9 +260,10 @@ def serve(
     import uvicorn
 
     from rollout_svc.api import create_app
+    from rollout_svc.connect import is_loopback
 
     settings = Settings(redis_url=redis_url)
-    if not _loopback(host) and not settings.api_keys:
+    if not is_loopback(host) and not settings.api_keys:
         typer.echo(
             f"rollout-svc serve: refusing to listen on {host} with no API key: set ROLLOUT_API_KEYS "
             "(a JSON list, e.g. '[\"my-key\"]') or listen on 127.0.0.1",
@@ -270,17 +272,6 @@ def serve(
         raise typer.Exit(2)
     app = create_app(settings, served_model_name)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
-
-
-def _loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @app.command()

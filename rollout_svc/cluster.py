@@ -22,7 +22,7 @@ import redis
 
 from rollout_svc.acl import Credentials, create_users
 from rollout_svc.config import EngineSettings, Settings
-from rollout_svc.connect import redis_sync
+from rollout_svc.connect import is_loopback, redis_sync
 
 log = logging.getLogger("rollout_svc.cluster")
 ACL_NEEDS_PRIVATE_REDIS = (
@@ -50,10 +50,6 @@ def redis_answers(url: str, timeout_s: float = 0.5) -> bool:
         return bool(redis_sync(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s).ping())
     except (redis.ConnectionError, redis.TimeoutError, OSError):
         return False
-
-
-def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 class PrivateRedis:

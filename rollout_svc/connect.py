@@ -15,6 +15,7 @@ than `noeviction`, Redis silently deletes keys (streams, pending entries, contro
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,25 +182,39 @@ def _policy(reply: Any) -> tuple[str | None, int]:
 async def warn_if_evicting(client: redis.asyncio.Redis, who: str) -> str | None:
     """Log (once per call) and return the eviction warning; None if fine or if Redis will not say (CONFIG refused
     to this user, or renamed by a managed Redis)."""
+    reply: Any
     try:
         reply = await client.config_get("maxmemory*")
     except (RedisError, OSError) as exc:
-        log.debug("%s: could not read maxmemory-policy (%s)", who, exc)
-        return None
-    warning = eviction_warning(*_policy(reply))
-    if warning:
-        log.warning("%s: %s", who, warning)
-    return warning
+        reply = exc
+    return _log_eviction(reply, who)
 
 
 def warn_if_evicting_sync(client: redis.Redis, who: str) -> str | None:
     """`warn_if_evicting` for a blocking client."""
+    reply: Any
     try:
         reply = client.config_get("maxmemory*")
     except (RedisError, OSError) as exc:
-        log.debug("%s: could not read maxmemory-policy (%s)", who, exc)
+        reply = exc
+    return _log_eviction(reply, who)
+
+
+def _log_eviction(reply: Any, who: str) -> str | None:
+    if isinstance(reply, Exception):
+        log.debug("%s: could not read maxmemory-policy (%s)", who, reply)
         return None
     warning = eviction_warning(*_policy(reply))
     if warning:
         log.warning("%s: %s", who, warning)
     return warning
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a host name or address is this machine's loopback (localhost, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -14,7 +14,6 @@ Ray is imported only inside the functions that use it: `import rollout_svc` neve
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import itertools
 import logging
 import os
@@ -34,6 +33,7 @@ from urllib.parse import urlparse
 
 import redis
 
+from rollout_svc import connect
 from rollout_svc.cluster import cpu_sets, die_with_parent, settings_env
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.connect import redis_sync
@@ -86,13 +86,8 @@ def node_shares(bundle_nodes: list[str]) -> list[tuple[int, int]]:
 
 
 def is_loopback(redis_url: str) -> bool:
-    host = urlparse(redis_url).hostname or "127.0.0.1"
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    """Whether a Redis URL points at this machine (only this node's workers could reach it)."""
+    return connect.is_loopback(urlparse(redis_url).hostname or "127.0.0.1")
 
 
 @dataclass(frozen=True)

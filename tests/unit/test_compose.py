@@ -13,9 +13,9 @@ import pytest
 import typer
 import yaml
 
-from rollout_svc.cli import _loopback
 from rollout_svc.cli import app as cli_app
 from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.connect import is_loopback
 from workers.__main__ import parse_args as worker_parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -186,7 +186,7 @@ def test_the_api_command_parses_with_the_cli_and_has_its_keys(monkeypatch: pytes
     command = group.get_command(parent, argv[0])
     assert command is not None, argv[0]
     context = command.make_context(argv[0], argv[1:], parent=parent)  # parses and converts every option; runs nothing
-    assert context.params["port"] == 8000 and not _loopback(context.params["host"])
+    assert context.params["port"] == 8000 and not is_loopback(context.params["host"])
     with pytest.raises(Exception, match="No such option"):  # the same parse refuses what `serve` would
         command.make_context(argv[0], [*argv[1:], "--no-such-option"], parent=parent)
     # so `serve` needs data-plane keys: Compose must refuse to start without them, and pass them through as set
