@@ -54,7 +54,11 @@ def serve(settings: Settings, log: Path, *args: str, env: dict[str, str] | None 
         yield base
     finally:
         proc.terminate()
-        proc.wait(timeout=10)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # a response still open (a test that failed mid-stream): no leftovers
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture
@@ -230,7 +234,8 @@ def test_a_client_that_goes_away_aborts_its_generation(api, settings):
         stream = client.chat.completions.create(model="echo", messages=user("x" * 1500), max_tokens=1500, stream=True)
         for _ in zip(range(3), stream, strict=False):
             pass
-        assert sum(w.in_flight for w in rollout.workers()) == 1
+        # The heartbeat (every 0.2 s here) may not have reported it yet when the first chunks are in.
+        wait_until(lambda: sum(w.in_flight for w in rollout.workers()) == 1, 5, "the stream's generation in flight")
         stream.close()
         wait_until(lambda: sum(w.in_flight for w in rollout.workers()) == 0, 5, "the stream's generation aborted")
         short = OpenAI(base_url=client.base_url, api_key=KEY, max_retries=0, timeout=1.0)
