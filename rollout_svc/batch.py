@@ -383,10 +383,14 @@ def requeue_abandoned(settings: Settings, connection: redis.Redis) -> list[str]:
     keys, now = settings.keys, time.time()
     rds: Any = connection  # bytes replies
     requeued = []
-    for raw in rds.zrange(keys.batches, 0, -1):
-        batch_id = raw.decode()
-        status, requeued_at, attempts = rds.hmget(keys.batch(batch_id), ["status", "requeued_at", "attempts"])
-        if status is None or status.decode() not in RUNNING or rds.exists(keys.batch_lease(batch_id)):
+    ids = [raw.decode() for raw in rds.zrange(keys.batches, 0, -1)]
+    pipe = rds.pipeline(transaction=False)  # every batch's state and lease in one round trip, not two per batch
+    for batch_id in ids:
+        pipe.hmget(keys.batch(batch_id), ["status", "requeued_at", "attempts"])
+        pipe.exists(keys.batch_lease(batch_id))
+    replies = pipe.execute()
+    for batch_id, (status, requeued_at, attempts), leased in zip(ids, replies[::2], replies[1::2], strict=True):
+        if status is None or status.decode() not in RUNNING or leased:
             continue
         if requeued_at is not None and now - float(requeued_at) < 3 * settings.batch_lease_ttl_s:
             continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ from typing import Any, Generic, TypeVar
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from rollout_svc.api.errors import APIError, from_exception
+from rollout_svc.api.errors import APIError, from_exception, invalid_body
 from rollout_svc.api.generation import Plan, chat_plan, completion_plan, raise_for
 from rollout_svc.api.schemas import ChatCompletionRequest, CompletionRequest
 from rollout_svc.batch import TERMINAL, BatchLine, BatchStore, output_line, parse_lines, write_atomically
@@ -192,9 +193,7 @@ class BatchRun:
         Redis errors propagate (the run is retried)."""
         try:
             plan = self._plan(line)
-            ids = self._request_ids(line)
-            if len(ids) != len(plan.prompts):  # the line's shape and its plan disagree: never resume this one
-                ids = [f"batch:{self.batch_id}:{line.custom_id}:{j}" for j in range(len(plan.prompts))]
+            ids = self._request_ids(line, plan)
             trajectories = await self._generate(client, line, plan, ids, attached)
             for t in trajectories:
                 raise_for(t)
@@ -213,9 +212,8 @@ class BatchRun:
         model = line.body.get("model")
         if self.models and model is not None and model not in self.models:
             names = ", ".join(self.models)
-            raise APIError(
-                404, f"The model `{model}` does not exist; this fleet serves {names}", code="model_not_found"
-            )
+            message = f"The model `{model}` does not exist; this fleet serves {names}"
+            raise APIError(404, message, param="model", code="model_not_found")
         name = model if isinstance(model, str) else (self.models[0] if self.models else "")
         try:
             if line.url == "/v1/chat/completions":
@@ -223,10 +221,8 @@ class BatchRun:
                 return chat_plan(chat, name, chat.session_id, self.settings.api_default_max_tokens)
             completion = CompletionRequest.model_validate(line.body)
             return completion_plan(completion, name, completion.session_id)
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            param = ".".join(str(p) for p in error.get("loc", ()))
-            raise APIError(400, f"{param}: {error.get('msg')}", param=param or None) from exc
+        except ValidationError as exc:  # answered as the HTTP API answers a bad body
+            raise invalid_body(exc.errors()) from exc
 
     async def _generate(
         self, client: RolloutClient, line: BatchLine, plan: Plan, ids: list[str], attached: bool
@@ -248,22 +244,23 @@ class BatchRun:
                 log.warning("batch %s: %s got no result from an earlier run; sending it again", self.batch_id, ids)
                 ids, attached = [f"{i}~{uuid.uuid4().hex[:6]}" for i in ids], False
 
-    def _request_ids(self, line: BatchLine) -> list[str]:
-        """A line's request ids: `batch:{id}:{custom_id}`, and `:{j}` for the j-th of its `n` choices."""
+    def _request_ids(self, line: BatchLine, plan: Plan) -> list[str]:
+        """A line's request ids: `batch:{id}:{custom_id}`, and `:{j}` for the j-th of its plan's choices (n > 1, or
+        several prompts). A line's plan is the same in every run, so a resumed run finds the same ids."""
         base = f"batch:{self.batch_id}:{line.custom_id}"
-        n = line.body.get("n") or 1
-        prompts = line.body.get("prompt") if line.url == "/v1/completions" else None
-        if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int):
-            n *= len(prompts)  # a batch of prompts in one completions line
-        return [base] if n == 1 else [f"{base}:{j}" for j in range(int(n))]
+        return [base] if len(plan.prompts) == 1 else [f"{base}:{j}" for j in range(len(plan.prompts))]
 
     async def _in_redis(self, lines: list[BatchLine]) -> set[str]:
         """The custom_ids among `lines` (marked submitted by an earlier run) whose every request Redis still has: its
         result in the batch's results stream, or its entry in a requests stream (queued, or pending on a worker).
         The others never reached Redis (the run died in between) or were lost with it, and are sent again."""
-        if not lines:
+        ids_of: dict[str, list[str]] = {}
+        for line in lines:
+            with contextlib.suppress(APIError):  # a line that plans to an error was never sent
+                ids_of[line.custom_id] = self._request_ids(line, self._plan(line))
+        if not ids_of:
             return set()
-        owner = {rid: line.custom_id for line in lines for rid in self._request_ids(line)}
+        owner = {rid: cid for cid, rids in ids_of.items() for rid in rids}
         keys, rds = self.settings.keys, self.store.redis
         streams = [keys.results(f"batch-{self.batch_id}"), keys.requests]
         streams += [keys.pinned_requests(w.decode()) for w in await rds.smembers(keys.workers)]
@@ -282,11 +279,7 @@ class BatchRun:
                 if len(entries) < 1000:
                     break
                 start = "(" + entries[-1][0].decode()
-        return {
-            cid
-            for cid in {line.custom_id for line in lines}
-            if all(rid in found for rid, owner_cid in owner.items() if owner_cid == cid)
-        }
+        return {cid for cid, rids in ids_of.items() if all(rid in found for rid in rids)}
 
     @staticmethod
     async def _requests(client: RolloutClient, plan: Plan, ids: list[str]) -> list[RolloutRequest]:

@@ -144,11 +144,12 @@ def up(
             err=True,
         )
         raise typer.Exit(2)
-    if redis_bind is not None and redis_answers(redis_url):
+    answers = redis_answers(redis_url)
+    if redis_bind is not None and answers:
         typer.echo(
             f"rollout-svc up: a Redis already answers at --redis-url, so --redis-bind {redis_bind} is ignored", err=True
         )
-    if acl and redis_answers(redis_url):
+    if acl and answers:
         typer.echo(f"rollout-svc up: {ACL_NEEDS_PRIVATE_REDIS}", err=True)
         raise typer.Exit(2)
     if acl and not shutil.which("redis-server"):

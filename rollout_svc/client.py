@@ -200,10 +200,18 @@ class RolloutClient:
         tokens already seen (same offset), so keep them by offset. Leaving the loop early cancels the requests
         not yet finished. Same errors as `generate`.
         """
-        extra: dict[str, Any] = {"stream": chunks, "tools": tools, "parse_tool_calls": parse_tool_calls}
-        extra["chat_template_kwargs"] = chat_template_kwargs
-        fields = [_prompt_fields(prompt) for prompt in prompts]
-        requests = await self._generation_requests(fields, sampling_params, session_ids, group_ids, timeout_s, **extra)
+        requests = await self._prompt_requests(
+            prompts,
+            sampling_params,
+            session_ids,
+            group_ids,
+            timeout_s,
+            None,
+            stream=chunks,
+            tools=tools,
+            parse_tool_calls=parse_tool_calls,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         async for event in self._events(requests, timeout_s, raise_on_error, chunks=chunks):
             yield event
 
@@ -317,8 +325,30 @@ class RolloutClient:
         """The validated rollout requests of `stream`'s arguments, not sent: for `run`. `request_ids`: B ids of your
         own (unique across the fleet; a batch job uses `batch:{id}:{custom_id}`), default fresh ones. Their
         deadline runs from now. Raises `InvalidRequestError`."""
-        extra: dict[str, Any] = {"tools": tools, "parse_tool_calls": parse_tool_calls}
-        extra["chat_template_kwargs"] = chat_template_kwargs
+        return await self._prompt_requests(
+            prompts,
+            sampling_params,
+            session_ids,
+            group_ids,
+            timeout_s,
+            request_ids,
+            tools=tools,
+            parse_tool_calls=parse_tool_calls,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
+    async def _prompt_requests(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: Params | Sequence[Params],
+        session_ids: Sequence[str | None] | None,
+        group_ids: Sequence[str | None] | None,
+        timeout_s: float | None,
+        request_ids: Sequence[str] | None,
+        **extra: Any,
+    ) -> list[RolloutRequest]:
+        """`_generation_requests` of prompts as `stream` takes them (ids, text or conversations), with `request_ids`
+        of the caller's own if given."""
         fields = [_prompt_fields(prompt) for prompt in prompts]
         if request_ids is not None:
             if len(request_ids) != len(fields):

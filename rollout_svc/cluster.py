@@ -79,10 +79,8 @@ class PrivateRedis:
         if self.password:
             args += ["--requirepass", self.password]
         if not all(is_loopback(host) for host in self.bind.split(",")):
-            args += [
-                "--protected-mode",
-                "no",
-            ]  # reachable from other hosts: `up` refuses that without users or a password
+            # Reachable from other hosts: `up` refuses that without users or a password.
+            args += ["--protected-mode", "no"]
         return args
 
     def start(self, timeout_s: float = 10.0) -> None:

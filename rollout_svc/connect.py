@@ -92,18 +92,23 @@ def parse_sentinel(url: str) -> SentinelURL:
 RETRIES = 3
 
 
-def _retry_async() -> Any:
-    from redis.asyncio.retry import Retry
+def _retry(retry_class: Any) -> Any:
+    """redis-py's `Retry` (`redis.retry.Retry`, or the asyncio one) with this module's policy."""
     from redis.backoff import ExponentialBackoff
 
-    return Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES, supported_errors=(RedisConnectionError,))
+    return retry_class(ExponentialBackoff(cap=0.5, base=0.05), RETRIES, supported_errors=(RedisConnectionError,))
+
+
+def _retry_async() -> Any:
+    from redis.asyncio.retry import Retry
+
+    return _retry(Retry)
 
 
 def _retry_sync() -> Any:
-    from redis.backoff import ExponentialBackoff
     from redis.retry import Retry
 
-    return Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES, supported_errors=(RedisConnectionError,))
+    return _retry(Retry)
 
 
 def _sentinel_kwargs(spec: SentinelURL, kwargs: dict[str, Any], retry: Any) -> dict[str, Any]:

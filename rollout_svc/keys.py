@@ -64,7 +64,7 @@ class Keys:
         return f"{self.prefix}:batch:{batch_id}:output"
 
     def batch_submitted(self, batch_id: str) -> str:
-        """Set: the custom_ids whose requests were enqueued (a resumed run awaits these instead of sending them)."""
+        """Set: the custom_ids marked just before their requests are sent (a resumed run awaits those Redis holds)."""
         return f"{self.prefix}:batch:{batch_id}:submitted"
 
     def batch_lease(self, batch_id: str) -> str:

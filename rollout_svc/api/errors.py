@@ -5,6 +5,7 @@ NotFoundError, 429 RateLimitError, 5xx InternalServerError)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -81,6 +82,15 @@ def from_exception(exc: BaseException) -> APIError:
     return APIError(500, f"internal error ({type(exc).__name__}); see the server's log", code="internal_error")
 
 
+def invalid_body(errors: Sequence[Any]) -> APIError:
+    """400 for a body that failed validation (pydantic's `errors()`): every error as `field: message`, the first
+    one's field as `param` (FastAPI's `body` prefix left out)."""
+    first = errors[0] if errors else {}
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}" for e in errors)
+    return APIError(400, message or "invalid request body", param=".".join(location) or None)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error in OpenAI's shape: ours, bad bodies (400, naming the field), unknown routes (404)."""
 
@@ -90,13 +100,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}" for e in errors
-        )
-        return APIError(400, message or "invalid request body", param=".".join(location) or None).response()
+        return invalid_body(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
