@@ -22,9 +22,9 @@ from rollout_svc.api.schemas import ChatCompletionRequest, CompletionRequest
 from rollout_svc.batch import TERMINAL, BatchLine, BatchStore, output_line, parse_lines, write_atomically
 from rollout_svc.client import RolloutClient
 from rollout_svc.config import Settings
-from rollout_svc.errors import ProtocolError, QueueFullError, RequestTimeoutError
-from rollout_svc.keys import PAYLOAD_FIELD
-from rollout_svc.protocol import RolloutRequest, Trajectory, decode
+from rollout_svc.errors import QueueFullError, RequestTimeoutError
+from rollout_svc.protocol import RolloutRequest, Trajectory
+from rollout_svc.streams import RequestStreams
 
 log = logging.getLogger("rollout_svc.batch")
 CANCEL_POLL_S = 0.5
@@ -260,25 +260,11 @@ class BatchRun:
                 ids_of[line.custom_id] = self._request_ids(line, self._plan(line))
         if not ids_of:
             return set()
-        owner = {rid: cid for cid, rids in ids_of.items() for rid in rids}
-        keys, rds = self.settings.keys, self.store.redis
-        streams = [keys.results(f"batch-{self.batch_id}"), keys.requests]
-        streams += [keys.pinned_requests(w.decode()) for w in await rds.smembers(keys.workers)]
-        found: set[str] = set()
-        for stream in streams:
-            start = "-"
-            while True:
-                entries = await rds.xrange(stream, start, "+", count=1000)
-                for _, fields in entries:
-                    try:
-                        request_id = getattr(decode(fields.get(PAYLOAD_FIELD, b"")), "request_id", None)
-                    except ProtocolError:
-                        continue
-                    if request_id in owner:
-                        found.add(request_id)
-                if len(entries) < 1000:
-                    break
-                start = "(" + entries[-1][0].decode()
+        keys = self.settings.keys
+        streams = RequestStreams(self.store.redis, keys, self.settings.session_ttl_s)
+        found = await streams.held(
+            {rid for rids in ids_of.values() for rid in rids}, keys.results(f"batch-{self.batch_id}")
+        )
         return {cid for cid, rids in ids_of.items() if all(rid in found for rid in rids)}
 
     @staticmethod

@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     control_timeout_s: float = Field(60.0, gt=0, description="how long a control command waits for every ack")
     max_deliveries: int = Field(3, ge=1, description="deliveries before an entry becomes a dead letter")
     read_block_ms: int = Field(100, ge=1, description="XREADGROUP / XREAD block time")
+    redis_outage_s: float = Field(
+        30.0, ge=0, description="client: how long an enqueue keeps retrying a Redis that is away before it raises"
+    )
 
     checkpoint_root: Path | None = Field(
         None, description="workers: the only directory whose checkpoints they load (env ROLLOUT_CHECKPOINT_ROOT)"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
@@ -118,8 +119,35 @@ def _sentinel_kwargs(spec: SentinelURL, kwargs: dict[str, Any], retry: Any) -> d
     return {**spec.sentinel_kwargs(), "retry": retry, **timeouts}
 
 
+# Every connection times out and probes an idle peer, so a link cut without a reset (a host dropped off the network,
+# a firewall that forgets the flow) raises instead of hanging a worker or a client. Our blocking reads block for
+# `read_block_ms` (100 ms) at a time, far inside the timeout; RQ raises the timeout of its own connection for its
+# longer blocking pops.
+SOCKET_TIMEOUT_S = 10.0  # a reply (or, on a blocking read, its block time plus this) slower than this raises
+CONNECT_TIMEOUT_S = 5.0
+KEEPALIVE_OPTIONS = {  # an idle connection's peer is probed after 5 s, every 1 s; gone after 3 unanswered probes
+    option: value
+    for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3))
+    if (option := getattr(socket, name, None)) is not None
+}
+
+
+def _timeouts(url: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The caller's kwargs with this module's socket timeouts and TCP keepalive where the caller set none."""
+    kwargs.setdefault("socket_timeout", SOCKET_TIMEOUT_S)
+    kwargs.setdefault("socket_connect_timeout", CONNECT_TIMEOUT_S)
+    if urlparse(url).scheme != "unix":  # a Unix socket has no keepalive (and redis-py refuses the options)
+        kwargs.setdefault("socket_keepalive", True)
+        kwargs.setdefault("socket_keepalive_options", KEEPALIVE_OPTIONS)
+    return kwargs
+
+
 def redis_async(url: str, **kwargs: Any) -> redis.asyncio.Redis:
-    """An asyncio Redis client for `url` (any scheme above); `kwargs` go to the client (decode_responses, ...)."""
+    """An asyncio Redis client for `url` (any scheme above); `kwargs` go to the client (decode_responses, ...).
+
+    Every connection gets socket timeouts and TCP keepalive (`SOCKET_TIMEOUT_S`, `KEEPALIVE_OPTIONS`) unless
+    `kwargs` set them; a command whose connection died is retried on a fresh one (`RETRIES`)."""
+    _timeouts(url, kwargs)
     kwargs.setdefault("retry", _retry_async())
     if not is_sentinel(url):
         pool_class = kwargs.pop("connection_pool_class", None)
@@ -151,7 +179,8 @@ class _SentinelRedis(redis.asyncio.Redis):
 
 
 def redis_sync(url: str, **kwargs: Any) -> redis.Redis:
-    """A blocking Redis client for `url` (any scheme above)."""
+    """A blocking Redis client for `url` (any scheme above), with the same timeouts, keepalive and retries."""
+    _timeouts(url, kwargs)
     kwargs.setdefault("retry", _retry_sync())
     if not is_sentinel(url):
         return redis.Redis.from_url(url, **kwargs)
@@ -162,6 +191,17 @@ def redis_sync(url: str, **kwargs: Any) -> redis.Redis:
     single = kwargs.pop("single_connection_client", False)
     pool = SentinelConnectionPool(spec.service_name, sentinel, **spec.primary_kwargs(), **kwargs)
     return redis.Redis(connection_pool=pool, single_connection_client=single)
+
+
+async def server_run_id(client: redis.asyncio.Redis) -> str | None:
+    """The Redis server's `run_id` (INFO server): a new one after every restart and every failover, which is how a
+    process notices that Redis may have lost recent writes. None if Redis will not say (INFO renamed or refused)."""
+    try:
+        info: Any = await client.info("server")
+    except redis.exceptions.ResponseError:
+        return None
+    run_id = info.get("run_id")
+    return run_id.decode() if isinstance(run_id, bytes) else run_id
 
 
 def eviction_warning(policy: str | None, maxmemory: int) -> str | None:

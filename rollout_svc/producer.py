@@ -5,11 +5,17 @@ waiting in one pipelined round trip, and the reader routes each result to its ca
 request cut by a pause in abort mode (or its worker shutting down) comes back as a partial trajectory; the
 reader resubmits it under a new request id with its tokens so far (a `Continuation`) and the remaining deadline,
 and the caller only ever sees the merged trajectory. An explicit abort, a cancel and a deadline are final.
+
+A third task watches Redis itself: a new server `run_id` means Redis restarted or failed over, and may have come back
+without its recent writes (a restart without persistence, a replica promoted before it had them). The connection
+then asks Redis which of the requests it awaits it still holds and resubmits the rest under the same ids, so no
+caller waits out its timeout for a request Redis forgot; a request both answered and resubmitted is answered once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -19,10 +25,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollout_svc.config import Settings
-from rollout_svc.connect import redis_async
+from rollout_svc.connect import redis_async, server_run_id
 from rollout_svc.control import ControlPlane
 from rollout_svc.errors import ProtocolError, QueueFullError
 from rollout_svc.keys import PAYLOAD_FIELD
@@ -41,6 +49,8 @@ from rollout_svc.streams import ENQUEUE_CHUNK, Enqueue, Placed, RequestStreams
 
 log = logging.getLogger("rollout_svc.client")
 RETRIED_CAUSES = ("pause", "shutdown", "stale")  # aborts the client hides by retrying
+REDIS_CHECK_S = 1.0  # how often a connection asks Redis for its run_id
+REDIS_AWAY = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 @dataclass
@@ -48,10 +58,14 @@ class ClientStats:
     """What a connection has seen. `duplicates`: results no caller awaited (an at-least-once redelivery, or the
     answer to a cancelled request); `retries`: token-exact resubmissions; `cancelled`: requests cancelled;
     `regenerated`: trajectories dropped as staler than `max_staleness` and generated again; `staleness`: how many
-    trajectories arrived at each staleness (committed weight version at receipt minus their first token's)."""
+    trajectories arrived at each staleness (committed weight version at receipt minus their first token's);
+    `redis_changes`: times Redis restarted or failed over under this connection; `resubmitted`: requests sent again
+    because Redis no longer held them then."""
 
     duplicates: int = 0
     retries: int = 0
+    redis_changes: int = 0
+    resubmitted: int = 0
     cancelled: int = 0
     regenerated: int = 0
     staleness: Counter[int] = field(default_factory=Counter)
@@ -168,14 +182,17 @@ class Connection:
         self.waiting: dict[str, tuple[Call, int]] = {}  # request id -> its call and position
         self.placed: dict[str, Placed] = {}  # request id -> where it was enqueued (what a cancel sweeps)
         self._cancelling: set[str] = set()  # cancelled, their cancel not yet sent: their placements are kept
+        self._retried: dict[str, Request] = {}  # request id -> a retry or regeneration awaited under it
         self.stats = ClientStats()
         self.committed_version = 0  # the fleet's committed weight version, read with every batch of results
         self._request_numbers = itertools.count()
         self._closing = False
+        self._closed = asyncio.Event()
         self._reread = False  # the reader goes back to the start of the results stream (see `attach`)
         self.outbox: asyncio.Queue[_EnqueueOp | _CancelOp | None] = asyncio.Queue()
         self.reader = asyncio.create_task(self._read_results())
         self.submitter = asyncio.create_task(self._submit_ops())
+        self.watcher = asyncio.create_task(self._watch_redis())
 
     def new_id(self) -> str:
         """A request (or group) id unique across producers: this producer's id and a counter."""
@@ -217,6 +234,7 @@ class Connection:
         ids = [call.attempts[i] for i in call.unfinished()]
         for request_id in ids:
             self.waiting.pop(request_id, None)
+            self._retried.pop(request_id, None)
         self._cancelling.update(ids)
         if ids:
             self.stats.cancelled += len(ids)
@@ -225,6 +243,7 @@ class Connection:
     def forget(self, call: Call) -> None:
         for request_id in call.attempts:
             self.waiting.pop(request_id, None)
+            self._retried.pop(request_id, None)
             if request_id not in self._cancelling:
                 self.placed.pop(request_id, None)
 
@@ -252,11 +271,26 @@ class Connection:
                 return
 
     async def _run_enqueues(self, ops: list[_EnqueueOp]) -> None:
+        """Enqueue the ops' batches in one round trip. While Redis is away (restarting, failing over) this retries for
+        `redis_outage_s`; a batch whose reply was lost may then be enqueued twice, which delivers it twice
+        (at-least-once) and is answered once (the reader drops the duplicate result)."""
         outcomes: list[Any]
-        try:
-            outcomes = await self.streams.enqueue_batches([op.items for op in ops], [op.limit for op in ops])
-        except Exception as exc:  # Redis away: every waiting caller hears it
-            outcomes = [exc] * len(ops)
+        deadline, failures = time.monotonic() + self.settings.redis_outage_s, 0
+        while True:
+            try:
+                outcomes = await self.streams.enqueue_batches([op.items for op in ops], [op.limit for op in ops])
+            except REDIS_AWAY as exc:
+                failures += 1
+                if time.monotonic() < deadline and not self._closing:
+                    if failures == 1:
+                        log.warning("Redis is away (%s); retrying the enqueue for up to %.0f s", exc,
+                                    self.settings.redis_outage_s)  # fmt: skip
+                    await asyncio.sleep(min(1.0, 0.05 * 2**failures))
+                    continue
+                outcomes = [exc] * len(ops)  # every waiting caller hears it
+            except Exception as exc:
+                outcomes = [exc] * len(ops)
+            break
         for op, outcome in zip(ops, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 if not op.done.done():
@@ -310,6 +344,7 @@ class Connection:
             self.stats.duplicates += 1  # at-least-once delivery: a requeued request may answer twice
             return
         self.placed.pop(result.request_id, None)
+        self._retried.pop(result.request_id, None)
         call, index = target
         if isinstance(result, Trajectory):
             if self._retry(call, index, result):
@@ -406,22 +441,64 @@ class Connection:
         `failed()` ends the position if the request could not be enqueued."""
         call.partial[index], call.attempts[index] = partial, request.request_id
         self.waiting[request.request_id] = (call, index)
+        self._retried[request.request_id] = request
 
         def enqueued(future: asyncio.Future[None]) -> None:
             if future.cancelled() or future.exception() is None:
                 return
             log.warning("could not resubmit %s (%s)", request.request_id, future.exception())
+            self._retried.pop(request.request_id, None)
             if self.waiting.pop(request.request_id, None) is not None:
                 failed()
 
         self._enqueue([request], -1).add_done_callback(enqueued)
 
+    async def _watch_redis(self) -> None:
+        """Ask Redis for its run_id every `REDIS_CHECK_S`; when it changes, resubmit what Redis no longer holds."""
+        known: str | None = None
+        while not self._closing:
+            try:
+                run_id = await server_run_id(self.redis)
+                if run_id is None:
+                    log.info("Redis does not answer INFO: a restart that loses writes will not be noticed")
+                    return
+                if known is not None and run_id != known:
+                    self.stats.redis_changes += 1
+                    log.warning("Redis restarted or failed over (run_id %s -> %s)", known[:8], run_id[:8])
+                    await self._resubmit_lost()
+                known = run_id
+            except (RedisError, OSError) as exc:  # away: asked again; a change is still seen once it is back
+                log.debug("asking Redis for its run_id failed (%s)", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closed.wait(), REDIS_CHECK_S)
+
+    async def _resubmit_lost(self) -> None:
+        """Resubmit, under the same ids and past admission, the awaited requests that Redis no longer holds."""
+        awaited = set(self.waiting)
+        held = await self.streams.held(awaited, self.results)
+        lost = [rid for rid in awaited - held if rid in self.waiting]
+        if not lost:
+            return
+        requests = [self._attempt(rid) for rid in lost]
+        self.stats.resubmitted += len(requests)
+        log.warning("Redis no longer holds %d of the %d requests awaited here: resubmitting them", len(lost),
+                    len(awaited))  # fmt: skip
+        await self._enqueue(requests, -1)
+
+    def _attempt(self, request_id: str) -> Request:
+        """The request awaited under `request_id`: a call's own, or a retry or regeneration of it."""
+        call, index = self.waiting[request_id]
+        return self._retried.get(request_id) or call.requests[index]
+
     async def close(self) -> None:
         # Let the reader finish its blocking read rather than cancel it: a pipeline cancelled mid-read
         # can leave redis-py waiting on a reply that never comes.
         self._closing = True
+        self._closed.set()
         self.outbox.put_nowait(None)
-        _, pending = await asyncio.wait([self.reader, self.submitter], timeout=self.settings.read_block_ms / 1000 + 5)
+        _, pending = await asyncio.wait(
+            [self.reader, self.submitter, self.watcher], timeout=self.settings.read_block_ms / 1000 + 5
+        )
         for task in pending:
             task.cancel()
         try:

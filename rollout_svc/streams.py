@@ -20,15 +20,16 @@ since this process last read it, the script answers `stale` and the call is rebu
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, ResponseError
 
-from rollout_svc.errors import QueueFullError
+from rollout_svc.errors import ProtocolError, QueueFullError
 from rollout_svc.keys import DELIVERIES_FIELD, EPOCH_FIELD, PAYLOAD_FIELD, SESSION_FIELD, WORKERS_GROUP, Keys
+from rollout_svc.protocol import decode
 from rollout_svc.stream_scripts import (
     DEAD_LETTER_LUA,
     ENQUEUE_LUA,
@@ -383,6 +384,44 @@ class RequestStreams:
             start = b"(" + after
         records: Any = await self.redis.xrange(stream, min=start, count=count)
         return [_entry(stream, entry_id, fields, delivered=0) for entry_id, fields in records]
+
+    async def pending_ids(self, stream: str, consumer: str, count: int) -> set[bytes]:
+        """The ids of up to `count` entries of `stream` delivered to `consumer` and not acked (XPENDING)."""
+        if await self._group_info(stream) is None:
+            return set()
+        pending: Any = await self.redis.xpending_range(stream, WORKERS_GROUP, "-", "+", count, consumername=consumer)
+        return {item["message_id"] for item in pending}
+
+    async def held(self, request_ids: Collection[str], results: str) -> set[str]:
+        """Which of `request_ids` Redis still holds: an entry queued or pending in a requests stream (shared, tokens,
+        or a registered worker's pinned stream), or a result in the results stream `results`.
+
+        What a producer asks after Redis restarted or failed over, to resubmit what it lost. The requests streams are
+        read before the results stream: a worker's publish script adds a result and deletes its request in one step,
+        so a request answered during the scan is still found. One that a reaper moves between streams during the
+        scan may be missed and sent again, which delivers it twice (at-least-once; the producer drops the
+        duplicate result). Cost: one pass over each stream, 1,000 entries per XRANGE, each entry decoded.
+        """
+        wanted = set(request_ids)
+        if not wanted:
+            return set()
+        streams = [self.keys.requests, self.keys.token_requests]
+        workers: Any = await self.redis.smembers(self.keys.workers)
+        streams += [self.keys.pinned_requests(w.decode() if isinstance(w, bytes) else w) for w in workers]
+        found: set[str] = set()
+        for stream in [*streams, results]:
+            start = b"-"
+            while True:
+                records: Any = await self.redis.xrange(stream, min=start, count=1000)
+                for _, fields in records:
+                    with contextlib.suppress(ProtocolError):
+                        request_id = getattr(decode(fields.get(PAYLOAD_FIELD, b"")), "request_id", None)
+                        if request_id in wanted:
+                            found.add(request_id)
+                if len(records) < 1000:
+                    break
+                start = b"(" + records[-1][0]
+        return found
 
     async def requeue(self, items: Sequence[Enqueue], done: Iterable[Entry]) -> list[Placed]:
         """In one script: enqueue `items` again (no admission limit: nothing is lost), XACK + XDEL `done`."""

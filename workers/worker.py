@@ -16,7 +16,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from rollout_svc.config import Settings
-from rollout_svc.connect import redis_async, warn_if_evicting
+from rollout_svc.connect import redis_async, server_run_id, warn_if_evicting
 from rollout_svc.control import NUDGE_CANCEL, ControlPlane
 from rollout_svc.errors import EngineDeadError
 from rollout_svc.protocol import WorkerStatus
@@ -91,6 +91,7 @@ class Worker:
         self._read_returned = asyncio.Event()
         self._take_client_id: int | None = None  # its connection's id, for CLIENT UNBLOCK
         self._read_failures: dict[str, int] = {}  # loop name -> reads failed in a row
+        self._redis_run_id: str | None = None  # the Redis server's run_id when last asked (a new one: it restarted)
 
     @property
     def worker_id(self) -> str:
@@ -191,6 +192,7 @@ class Worker:
         and converge on the control state before taking the first request (a fleet paused stays paused)."""
         await self.control.load_scripts()  # the same scripts the worker's other handles run
         await warn_if_evicting(self.redis, f"worker {self.worker_id}")
+        self._redis_run_id = await server_run_id(self.redis)
         await self._ensure_groups()
         await self.reaper.reclaim(self.worker_id, backlog=False)
         await self._register()
@@ -393,6 +395,7 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         while not self._stopping.is_set():
             try:
+                await self._check_redis()
                 if not self._fenced and not await self._beat():
                     await self._reincarnate()
                 await self._cancel_tombstoned()
@@ -401,6 +404,38 @@ class Worker:
             except ResponseError as exc:
                 log.warning("heartbeat: %s", exc)
             await self._idle(self.settings.heartbeat_interval_s)
+
+    async def _check_redis(self) -> None:
+        """Notice a Redis that restarted or failed over (a new run_id), and reconcile with what it holds now."""
+        run_id = await server_run_id(self.redis)
+        if run_id is None or run_id == self._redis_run_id:
+            return
+        known, self._redis_run_id = self._redis_run_id, run_id
+        if known is not None:
+            log.warning("Redis restarted or failed over (run_id %s -> %s): reconciling", known[:8], run_id[:8])
+            await self._reconcile()
+
+    async def _reconcile(self) -> None:
+        """After Redis came back, perhaps without its recent writes (a restart without persistence, a replica promoted
+        before it had them): recreate the consumer groups, abort the requests in flight whose entries Redis no longer
+        holds as pending on this worker (their producers send them again, and a result for them would be fenced),
+        and converge at once, which re-seeds a missing control state from what this worker last applied. A missing
+        heartbeat is refused at the next beat, and the worker comes back as a new incarnation."""
+        await self._ensure_groups()
+        records = self.index.records()
+        pending = {
+            stream: await self.streams.pending_ids(stream, self.worker_id, len(records) + 1000)
+            for stream in {record.entry.stream for record in records}
+        }
+        lost = [record for record in records if record.entry.entry_id not in pending[record.entry.stream]]
+        if lost:
+            log.warning(
+                "Redis no longer holds %d of the %d requests in flight here: aborting them (their producers resubmit)",
+                len(lost), len(records),
+            )  # fmt: skip
+            await self.index.cancel_all(lost, "shutdown")
+        self._wake.set()
+        self._weights_wake.set()
 
     async def _reap_loop(self) -> None:
         while not self._stopping.is_set():

@@ -49,3 +49,20 @@ def test_batch_lines_are_checked_before_a_batch_is_created():
     ]:
         with pytest.raises(InvalidRequestError, match=message):
             parse_lines(content.encode(), "/v1/chat/completions")
+
+
+def test_every_connection_has_socket_timeouts_and_tcp_keepalive():
+    """A link cut without a reset must raise, not hang: timeouts and keepalive unless the caller sets its own."""
+    import socket
+
+    from rollout_svc.connect import KEEPALIVE_OPTIONS, SOCKET_TIMEOUT_S, redis_async, redis_sync
+
+    for client in (redis_async("redis://127.0.0.1:1/0"), redis_sync("redis://127.0.0.1:1/0")):
+        kwargs = client.connection_pool.connection_kwargs
+        assert kwargs["socket_timeout"] == SOCKET_TIMEOUT_S and kwargs["socket_connect_timeout"] > 0
+        assert kwargs["socket_keepalive"] is True
+        assert kwargs["socket_keepalive_options"] == KEEPALIVE_OPTIONS
+    assert KEEPALIVE_OPTIONS[socket.TCP_KEEPIDLE] < SOCKET_TIMEOUT_S  # an idle peer is probed well inside a timeout
+    assert redis_sync("redis://h:1/0", socket_timeout=None).connection_pool.connection_kwargs["socket_timeout"] is None
+    unix = redis_sync("unix:///tmp/redis.sock").connection_pool.connection_kwargs
+    assert unix["socket_timeout"] == SOCKET_TIMEOUT_S and "socket_keepalive" not in unix

@@ -1,0 +1,188 @@
+"""Redis restarts under load, on a redis-server of each test's own (the shared one cannot be restarted).
+
+With an append-only file, Redis stopped with SIGTERM and started again loses nothing: every request in flight
+comes back. Killed and started again *empty* (no persistence: what a replica promoted before it had the recent
+writes looks like, at its worst), it forgot every queued request, every pending entry, the workers' heartbeats
+and the control state: the producer notices the new run_id and resubmits what it still awaits, the workers
+recreate their groups and come back, and every request is answered long before its timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from rollout_svc import RolloutClient
+from rollout_svc.config import Settings
+from rollout_svc.producer import ClientStats
+from tests.support import WorkerProcs, async_wait_until, free_port
+
+pytestmark = pytest.mark.timeout(150)
+REQUESTS = 2000
+TIMEOUT_S = 120.0  # the requests' own timeout: "none after waiting out a timeout" means far inside it
+
+
+class RedisServer:
+    """A redis-server that a test can kill and start again on the same port (and data dir)."""
+
+    def __init__(self, workdir: Path, appendonly: bool) -> None:
+        self.port, self.workdir, self.appendonly = free_port(), workdir, appendonly
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        assert binary, "redis-server is not on PATH"
+        persistence = (
+            ["--appendonly", "yes", "--appendfsync", "everysec"] if self.appendonly else ["--appendonly", "no"]
+        )
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--dir", str(self.workdir),
+             *persistence],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 10
+        try:
+            while True:
+                try:
+                    if client.ping():
+                        return
+                except (redis.ConnectionError, redis.BusyLoadingError):
+                    assert time.monotonic() < deadline, "redis-server did not start"
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self, sig: int) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, sig)
+        self.process.wait(timeout=30)
+        self.process = None
+
+
+@pytest.fixture
+def server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path, appendonly=request.param)
+    server.start()
+    yield server
+    if server.process is not None:
+        server.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def fleet(server: RedisServer, tmp_path: Path) -> Iterator[tuple[Settings, WorkerProcs]]:
+    settings = Settings(
+        redis_url=server.url, key_prefix="test", heartbeat_interval_s=0.2, heartbeat_ttl_s=2.0, read_block_ms=50
+    )
+    procs = WorkerProcs(settings, tmp_path)
+    for name in ("w1", "w2"):
+        procs.start(name, "--engine", "echo", "--echo-token-delay-s", "0.02", "--max-num-seqs", "64")
+    procs.wait_live("w1", "w2")
+    yield settings, procs
+    procs.stop_all()
+
+
+async def _restart_during(
+    settings: Settings, server: RedisServer, sig: int, down_s: float
+) -> tuple[list, float, ClientStats]:
+    """2,000 requests in flight; Redis stopped with `sig` once the workers are busy, started `down_s` later."""
+    async with RolloutClient(settings) as client:
+        started = time.monotonic()
+        task = asyncio.ensure_future(
+            client.generate([_prompt(i) for i in range(REQUESTS)], {"max_tokens": 16}, timeout_s=TIMEOUT_S)
+        )
+
+        async def busy() -> bool:
+            return sum(w.served for w in await client.workers()) >= 100
+
+        await async_wait_until(busy, 30, "the workers to serve their first requests")
+        server.stop(sig)
+        await asyncio.sleep(down_s)
+        server.start()
+        trajectories = await task
+        return trajectories, time.monotonic() - started, client.stats
+
+
+def _prompt(i: int) -> list[int]:
+    return [5, 6, 7, i % 50 + 10] * 5  # echoed: 16 tokens at 0.02 s each, cut at max_tokens (finish "length")
+
+
+def _check(trajectories: list) -> None:
+    assert len(trajectories) == REQUESTS
+    assert len({t.request_id for t in trajectories}) == REQUESTS, "a request was answered twice"
+    bad = [
+        t
+        for i, t in enumerate(trajectories)
+        if t.finish_reason != "length" or t.completion_token_ids != _prompt(i)[:16]
+    ]
+    assert not bad, f"{len(bad)} of {REQUESTS} not served whole: {bad[:1]}"
+
+
+@pytest.mark.parametrize("server", [True], indirect=True, ids=["appendonly"])
+def test_redis_stopped_with_sigterm_and_restarted_loses_no_request(
+    server: RedisServer, fleet: tuple[Settings, WorkerProcs]
+) -> None:
+    settings, procs = fleet
+    trajectories, took, stats = asyncio.run(_restart_during(settings, server, signal.SIGTERM, 1.0))
+    _check(trajectories)
+    assert took < TIMEOUT_S / 2, f"{took:.0f} s"
+    assert stats.redis_changes == 1
+    assert all(proc.poll() is None for proc in procs.procs.values()), "a worker died with Redis"
+
+
+@pytest.mark.parametrize("server", [False], indirect=True, ids=["no-persistence"])
+def test_redis_restarted_empty_answers_every_request_without_waiting_out_a_timeout(
+    server: RedisServer, fleet: tuple[Settings, WorkerProcs]
+) -> None:
+    settings, procs = fleet
+    trajectories, took, stats = asyncio.run(_restart_during(settings, server, signal.SIGKILL, 1.0))
+    _check(trajectories)
+    assert took < 60, f"took {took:.0f} s: callers waited for requests Redis had forgotten"
+    assert stats.redis_changes == 1
+    assert stats.resubmitted > 0, "Redis came back empty, yet nothing was resubmitted"
+    assert all(proc.poll() is None for proc in procs.procs.values()), "a worker died with Redis"
+    rds = redis.Redis.from_url(settings.redis_url)
+    try:
+        live = {w.decode() for w in rds.smembers(settings.keys.workers)}
+        assert len(live) == 2, f"workers did not come back: {live}"
+    finally:
+        rds.close()
+
+
+@pytest.mark.parametrize("server", [False], indirect=True, ids=["no-persistence"])
+def test_a_paused_fleet_stays_paused_when_redis_comes_back_empty(
+    server: RedisServer, fleet: tuple[Settings, WorkerProcs]
+) -> None:
+    """The workers write back the control state they last applied (DESIGN.md section 4): a request queued after the
+    restart waits for `resume`, and the epoch goes on from where it was."""
+    settings, _ = fleet
+
+    async def main() -> None:
+        async with RolloutClient(settings) as client:
+            epoch = await client.pause(mode="abort")
+            server.stop(signal.SIGKILL)
+            server.start()
+
+            async def reseeded() -> bool:
+                state = await client.fleet_state()
+                return state.epoch >= epoch and state.paused
+
+            await async_wait_until(reseeded, 20, "the workers to write the control state back")
+            task = asyncio.ensure_future(client.generate([[1, 2, 3]], {"max_tokens": 4}, timeout_s=30))
+            await asyncio.sleep(1.0)
+            assert not task.done(), "a request ran on a fleet that was paused before Redis forgot it"
+            assert await client.resume() > epoch
+            [trajectory] = await task
+            assert (trajectory.finish_reason, trajectory.completion_token_ids) == ("stop", [1, 2, 3])
+
+    asyncio.run(main())
