@@ -20,6 +20,7 @@ import typer
 from redis.exceptions import RedisError
 
 from rollout_svc.cli_batch import batch_app, batch_worker
+from rollout_svc.cli_dead_letters import dead_letters_app
 from rollout_svc.config import EngineSettings, Settings
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ acl_app = typer.Typer(no_args_is_help=True, help="Redis ACL users: producer, wor
 app.add_typer(acl_app, name="acl")
 app.add_typer(batch_app, name="batch")
 app.command("batch-worker")(batch_worker)
+app.add_typer(dead_letters_app, name="dead-letters")
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 RedisUrl = Annotated[

@@ -100,5 +100,5 @@ class Reaper:
             error = ErrorResult(request_id=address[0], code=code, message=message, worker_id=worker_id)
             reply = (address[1], encode(error))
         return await self.streams.dead_letter(
-            entry, code, worker_id, self.settings.dead_letter_maxlen, self.settings.results_ttl_s, reply
+            entry, code, worker_id, self.settings.dead_letter_maxlen, self.settings.results_ttl_s, reply, message
         )

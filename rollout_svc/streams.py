@@ -345,14 +345,21 @@ class RequestStreams:
         maxlen: int,
         results_ttl_s: float,
         reply: tuple[str, bytes] | None = None,
+        message: str = "",
     ) -> bool:
-        """Copy the entry to the dead-letter stream, tell its producer if known, XACK + XDEL it: one script,
-        fenced like a publish. Returns False if the entry was no longer pending here."""
+        """Copy the entry to the dead-letter stream (with `reason`, an error code, and `message`, in words), tell its
+        producer if known, XACK + XDEL it: one script, fenced like a publish. Returns False if the entry was no
+        longer pending here."""
         keys = [entry.stream, self.keys.dead, reply[0] if reply else self.keys.dead]
         fields: list[str | bytes | int] = [b"payload", entry.payload, b"reason", reason, b"stream", entry.stream]
         fields += [b"entry_id", entry.entry_id, b"deliveries", entry.deliveries, b"worker_id", worker_id]
+        fields += [b"message", message]
         args = [WORKERS_GROUP, entry.entry_id, maxlen, int(results_ttl_s), reply[1] if reply else b"", *fields]
         return bool(await self._scripts["dead_letter"](keys=keys, args=args))
+
+    async def delete_dead_letters(self, entry_ids: Sequence[str | bytes]) -> int:
+        """Delete dead letters (replayed by an operator) from the dead-letter stream; returns how many were there."""
+        return int(await self.redis.xdel(self.keys.dead, *entry_ids)) if entry_ids else 0
 
     # --- reclaiming a dead worker's requests --------------------------------------------------------------
 
