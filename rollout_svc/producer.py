@@ -183,6 +183,7 @@ class Connection:
         self.placed: dict[str, Placed] = {}  # request id -> where it was enqueued (what a cancel sweeps)
         self._cancelling: set[str] = set()  # cancelled, their cancel not yet sent: their placements are kept
         self._retried: dict[str, Request] = {}  # request id -> a retry or regeneration awaited under it
+        self._sending: dict[str, int] = {}  # request id -> its enqueues not yet answered by Redis
         self.stats = ClientStats()
         self.committed_version = 0  # the fleet's committed weight version, read with every batch of results
         self._request_numbers = itertools.count()
@@ -226,7 +227,10 @@ class Connection:
     def _enqueue(self, requests: Sequence[Request], limit: int) -> asyncio.Future[None]:
         done = self.loop.create_future()
         items = [_enqueue_item(r) for r in requests]
-        self.outbox.put_nowait(_EnqueueOp(items, limit, [r.request_id for r in requests], done))
+        request_ids = [r.request_id for r in requests]
+        for request_id in request_ids:
+            self._sending[request_id] = self._sending.get(request_id, 0) + 1
+        self.outbox.put_nowait(_EnqueueOp(items, limit, request_ids, done))
         return done
 
     def cancel(self, call: Call) -> None:
@@ -292,6 +296,9 @@ class Connection:
                 outcomes = [exc] * len(ops)
             break
         for op, outcome in zip(ops, outcomes, strict=True):
+            for request_id in op.request_ids:
+                if (left := self._sending.pop(request_id, 1) - 1) > 0:
+                    self._sending[request_id] = left
             if isinstance(outcome, BaseException):
                 if not op.done.done():
                     op.done.set_exception(outcome)
@@ -476,7 +483,8 @@ class Connection:
         """Resubmit, under the same ids and past admission, the awaited requests that Redis no longer holds."""
         awaited = set(self.waiting)
         held = await self.streams.held(awaited, self.results)
-        lost = [rid for rid in awaited - held if rid in self.waiting]
+        # Not those still being enqueued (an enqueue riding out the outage sends them once it is back).
+        lost = [rid for rid in awaited - held if rid in self.waiting and rid not in self._sending]
         if not lost:
             return
         requests = [self._attempt(rid) for rid in lost]

@@ -50,6 +50,11 @@ class Reaper:
         """
         if not await self.registry.try_reap_lock(worker_id, reaper_id, REAP_LOCK_TTL_S):
             return None
+        if await self.registry.alive(worker_id):
+            # A process came back under this id after it was found dead (a restart under the same id, which holds
+            # this lock while it starts): its streams are its own again, and requeueing them would place them back.
+            await self.registry.release_reap_lock(worker_id, reaper_id)
+            return None
         moved = await self.reclaim(worker_id, backlog=True)
         await self.registry.forget(worker_id)
         return moved

@@ -23,6 +23,12 @@ if ARGV[4] ~= '' then redis.call('PUBLISH', ARGV[4], ARGV[5]) end
 return 1
 """
 
+# KEYS: [1] a reap lock. ARGV: [1] its holder. Deletes the lock only if that holder still holds it.
+RELEASE_LOCK_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 
 class Registry:
     """A worker is live while its heartbeat hash exists; it expires `heartbeat_ttl_s` after the last beat."""
@@ -31,6 +37,7 @@ class Registry:
         self.redis, self.keys = redis, keys
         self._ttl_ms = int(heartbeat_ttl_s * 1000)
         self._beat = redis.register_script(HEARTBEAT_LUA)
+        self._release = redis.register_script(RELEASE_LOCK_LUA)
 
     async def load_scripts(self) -> None:
         """Load the script once, so that no EVALSHA meets NOSCRIPT in the normal course."""
@@ -94,6 +101,14 @@ class Registry:
     async def try_reap_lock(self, dead_worker_id: str, reaper_id: str, ttl_s: float) -> bool:
         """Only one live worker reclaims a dead worker's requests at a time; the lock expires if it dies."""
         return bool(await self.redis.set(self.keys.reap_lock(dead_worker_id), reaper_id, nx=True, px=int(ttl_s * 1000)))
+
+    async def release_reap_lock(self, worker_id: str, holder: str) -> bool:
+        """Release a reap lock if `holder` still holds it (it may have expired and been taken by another)."""
+        return bool(await self._release(keys=[self.keys.reap_lock(worker_id)], args=[holder]))
+
+    async def alive(self, worker_id: str) -> bool:
+        """Whether this worker's heartbeat has not expired."""
+        return bool(await self.redis.exists(self.keys.worker(worker_id)))
 
     async def forget(self, dead_worker_id: str) -> None:
         """After a dead worker's requests are reclaimed: drop its id, session index and lock."""

@@ -84,6 +84,10 @@ class InFlightIndex:
                 self._deadlines = [d for d in self._deadlines if d[2] in self]
                 heapq.heapify(self._deadlines)
 
+    def running(self, request_id: str) -> InFlight | None:
+        """The in-flight record of this request id (or of a request it retries), if any."""
+        return self._by_request.get(request_id)
+
     def remove(self, record: InFlight) -> None:
         if self._by_key.pop((record.entry.stream, record.entry.entry_id), None) is None:
             return

@@ -95,6 +95,12 @@ class RequestServer:
             message = f"delivered {entry.deliveries} times without a result"
             await self.reaper.dead_letter(entry, "max_deliveries", message, self.state.worker_id)
             return
+        if self.index.running(request.request_id) is not None:
+            # A second delivery of a request this worker runs already (its enqueue was sent again after a lost reply,
+            # or resubmitted after Redis restarted): acked without an answer; the copy in flight answers.
+            record.reply_to = None
+            self._publish(record)
+            return
         self.index.decoded(record, request)
         if isinstance(request, RolloutRequest) and self.rules.hits(record):
             return self._answer(record, request, unrun_trajectory(request, "user", self.state.worker_id))

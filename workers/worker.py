@@ -20,7 +20,7 @@ from rollout_svc.connect import redis_async, server_run_id, warn_if_evicting
 from rollout_svc.control import NUDGE_CANCEL, ControlPlane
 from rollout_svc.errors import EngineDeadError
 from rollout_svc.protocol import WorkerStatus
-from rollout_svc.reaper import Reaper
+from rollout_svc.reaper import REAP_LOCK_TTL_S, Reaper
 from rollout_svc.registry import Registry
 from rollout_svc.streams import Entry, RequestStreams
 from rollout_svc.weight_sync import WeightSyncPlane
@@ -194,8 +194,26 @@ class Worker:
         await warn_if_evicting(self.redis, f"worker {self.worker_id}")
         self._redis_run_id = await server_run_id(self.redis)
         await self._ensure_groups()
-        await self.reaper.reclaim(self.worker_id, backlog=False)
-        await self._register()
+        holder = await self._hold_own_reap_lock()
+        try:
+            await self.reaper.reclaim(self.worker_id, backlog=False)
+            await self._register()
+        finally:
+            await self.registry.release_reap_lock(self.worker_id, holder)
+
+    async def _hold_own_reap_lock(self) -> str:
+        """Take the reap lock of this worker's own id before registering under it. An earlier process with this id
+        (a restart under the same id) may be being reaped right now: the reaper deletes the pinned stream and the
+        consumer when it is done, so this waits for it (at most the lock's TTL), and then no reaper starts on this
+        id until it is registered and live. Returns the lock's holder value."""
+        holder = f"starting:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        deadline = time.monotonic() + REAP_LOCK_TTL_S + 5
+        while not await self.registry.try_reap_lock(self.worker_id, holder, REAP_LOCK_TTL_S):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the reap lock of worker id {self.worker_id} stayed held for {REAP_LOCK_TTL_S} s")
+            log.info("another worker is requeueing what an earlier %s left; waiting for it", self.worker_id)
+            await asyncio.sleep(0.2)
+        return holder
 
     async def _register(self) -> None:
         """Register under the current id (state `starting`), then converge, and acknowledge if that completed
@@ -308,7 +326,9 @@ class Worker:
         try:
             entries = await read
         except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            # NOGROUP: Redis lost the group (a restart without persistence). UNBLOCKED ... no longer exists: the
+            # stream was deleted under a blocked read (a reaper draining this id's earlier process).
+            if "NOGROUP" not in str(exc) and "no longer exists" not in str(exc):
                 raise
             await self._ensure_groups()
             return None

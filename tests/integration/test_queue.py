@@ -208,6 +208,31 @@ async def test_entry_over_max_deliveries_becomes_dead_letter_with_error_result(s
     assert fields[b"reason"] == b"max_deliveries" and int(fields[b"deliveries"]) == settings.max_deliveries + 1
 
 
+async def test_a_request_enqueued_twice_on_one_worker_runs_once_and_is_answered_once(
+    settings, echo_workers, workers, rds
+):
+    """Twins (an enqueue sent again after its reply was lost, or resubmitted after Redis restarted) that reach one
+    worker: the second is acked without an answer while the first runs (found by the chaos soak: both ran, and the
+    engine's per-request-id bookkeeping failed on the second)."""
+    [worker] = echo_workers(1, "--echo-token-delay-s", "0.05")
+    replies = Results(rds, settings.keys.results("test-producer"))
+    request = RolloutRequest(
+        request_id="twin", prompt_token_ids=[1, 2, 3, 4], reply_to=replies.stream, sampling_params={"max_tokens": 4}
+    )
+    redis_async = Redis.from_url(settings.redis_url)
+    try:
+        streams = RequestStreams(redis_async, settings.keys, settings.session_ttl_s)
+        await streams.enqueue([Enqueue(encode(request)), Enqueue(encode(request))], 100)
+    finally:
+        await redis_async.aclose()
+    [trajectory] = replies.read(1)
+    assert trajectory.request_id == "twin" and trajectory.completion_token_ids == [1, 2, 3, 4]
+    await async_wait_until(lambda: rds.xlen(settings.keys.requests) == 0, 5, "both entries to be acked")
+    time.sleep(0.5)
+    assert rds.xlen(replies.stream) == 1, "the twin was answered too"
+    assert "ERROR" not in workers.log(worker) and "Traceback" not in workers.log(worker)
+
+
 async def test_admission_is_bounded(settings, rds):
     bounded = settings.model_copy(update={"max_queued_requests": 10})
     async with RolloutClient(bounded) as client:

@@ -67,6 +67,23 @@ async def test_reaper_requeues_what_a_dead_worker_held_and_re_places_its_session
     assert rds.xpending(keys.requests, WORKERS_GROUP)["pending"] == 0
 
 
+async def test_a_worker_back_under_its_id_is_not_reaped(plane, settings, rds):
+    """Found dead, then back under the same id (a restart under the same id) before the reaper took its lock: its
+    pinned stream, consumer and registration are its own again (found by the chaos soak: a reaper requeued them
+    back into the stream it drained, thousands of times, then deleted it under the live worker)."""
+    keys, streams = settings.keys, plane.streams
+    await register(plane, "w-back")
+    await register(plane, "w-reaper")
+    await streams.enqueue([request("r1", keys.results("p"), "s1")], 100)
+    rds.delete(keys.worker("w-back"))
+    assert await plane.registry.dead_workers() == ["w-back"]
+    await register(plane, "w-back")  # its replacement registers
+    assert await Reaper(plane.redis, settings).reap("w-back", "w-reaper") is None
+    assert rds.xlen(keys.pinned_requests("w-back")) == 1 and rds.sismember(keys.workers, "w-back")
+    assert rds.xinfo_stream(keys.pinned_requests("w-back"))["entries-added"] == 1  # nothing requeued into it
+    assert not rds.exists(keys.reap_lock("w-back"))  # released: reapable if it dies again
+
+
 async def test_an_entry_over_max_deliveries_becomes_a_dead_letter_and_its_producer_is_told(plane, settings, rds):
     keys = settings.keys
     await register(plane, "w1")
