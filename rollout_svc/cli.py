@@ -1,4 +1,4 @@
-"""The `rollout-svc` command: up, worker, serve, status, the control commands, demo, bench, model prepare."""
+"""The `rollout-svc` command: up, worker, serve, status, the control commands, demo, bench, chaos, model prepare."""
 
 from __future__ import annotations
 
@@ -500,6 +500,33 @@ def bench(
         api_in_flight,
         batch_lines,
     )
+
+
+@app.command()
+def chaos(
+    minutes: Annotated[float, typer.Option(min=0.1, help="Minutes of load and faults (then drain and checks).")] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Seed of the fault schedule and the load (default: random).")] = None,
+    workers: Annotated[int, typer.Option(min=2, help="Echo workers.")] = 3,
+    log_dir: Annotated[
+        Path | None, typer.Option(help="Keep the logs here (default: a temporary folder, removed after a clean run).")
+    ] = None,
+) -> None:
+    """Jepsen-style soak: sessions and batches through echo workers while workers are killed (-9) and stalled past
+    their heartbeat TTL, Redis restarts, the fleet pauses and sessions are aborted; then the ledger is checked.
+    Ends with one JSON line {"requests", "faults", "violations", ...}; exits 1 if there are violations."""
+    import random
+
+    from rollout_svc.chaos import ChaosConfig, run_chaos
+
+    seed = random.randrange(10**6) if seed is None else seed
+    try:
+        summary = run_chaos(ChaosConfig(minutes=minutes, seed=seed, workers=workers, log_dir=log_dir))
+    except KeyboardInterrupt:
+        typer.echo("chaos: interrupted; every child process was killed", err=True)
+        raise typer.Exit(130) from None
+    print(json.dumps(summary), flush=True)
+    if summary["violations"]:
+        raise typer.Exit(1)
 
 
 @acl_app.command("rules")

@@ -1,0 +1,131 @@
+"""The chaos soak's checks, fed made-up histories: each violation it should see, it sees; a clean history is clean."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_svc.chaos_ledger import Answer, Ledger, Submitted, check
+from rollout_svc.protocol import Trajectory
+
+T0 = 1_000_000.0
+PROMPT = [72, 101, 108, 108, 111, 33]  # "Hello!"
+
+
+def submit(ledger: Ledger, request_id: str, at: float = T0, session_id: str | None = None, max_tokens: int = 4) -> None:
+    ledger.submit(Submitted(request_id, PROMPT, max_tokens, at, session_id, f"call of {request_id}"))
+
+
+def echo(request_id: str, max_tokens: int = 4, **fields: Any) -> Trajectory:
+    """What the echo engine answers: the prompt, cut at max_tokens."""
+    values: dict[str, Any] = {
+        "request_id": request_id,
+        "prompt_token_ids": PROMPT,
+        "completion_token_ids": PROMPT[:max_tokens],
+        "finish_reason": "length" if len(PROMPT) > max_tokens else "stop",
+        "worker_id": "w0",
+        "queue_time_s": 0.01,
+        "generation_time_s": 0.1,
+    }
+    return Trajectory(**(values | fields))
+
+
+def answer(ledger: Ledger, trajectory: Trajectory, at: float = T0 + 1) -> None:
+    ledger.answer(trajectory.request_id, Answer(at, trajectory=trajectory))
+
+
+def checks(ledger: Ledger) -> list[str]:
+    return [v["check"] for v in check(ledger).violations]
+
+
+def test_a_clean_history_has_no_violations_and_counts_its_outcomes():
+    ledger = Ledger(T0)
+    submit(ledger, "a")
+    answer(ledger, echo("a"))
+    submit(ledger, "b", max_tokens=10)
+    answer(ledger, echo("b", max_tokens=10))
+    submit(ledger, "c")
+    ledger.answer("c", Answer(T0 + 1, refused="ConnectionError: Redis away"))
+    submit(ledger, "d")
+    answer(ledger, echo("d", finish_reason="error", completion_token_ids=[], error_code="max_deliveries"))
+    verdict = check(ledger)
+    assert verdict.violations == []
+    assert verdict.outcomes == {"ok": 2, "refused": 1, "dead_letter": 1}
+
+
+def test_a_request_never_answered_or_answered_twice_is_a_violation():
+    ledger = Ledger(T0)
+    submit(ledger, "lost")
+    submit(ledger, "twice")
+    answer(ledger, echo("twice"))
+    answer(ledger, echo("twice"))
+    answer(ledger, echo("stranger"))
+    violations = check(ledger).violations
+    assert [(v["check"], v["request_id"]) for v in violations] == [
+        ("exactly_once", "lost"),
+        ("exactly_once", "twice"),
+        ("exactly_once", "stranger"),
+    ]
+
+
+def test_late_and_wrong_answers_are_violations_naming_the_faults_near_them():
+    ledger = Ledger(T0)
+    ledger.fault("redis_restart", "SIGKILL", T0 - 1)
+    ledger.fault("stall", "w1", T0 + 100)  # after the answer: not named
+    submit(ledger, "late")
+    ledger.answer("late", Answer(T0 + 30, late=True))
+    submit(ledger, "short")
+    answer(ledger, echo("short", completion_token_ids=PROMPT[:3]))
+    submit(ledger, "misrouted")
+    answer(ledger, echo("someone-else"))
+    ledger.answers["misrouted"] = ledger.answers.pop("someone-else")
+    submit(ledger, "failed")
+    answer(ledger, echo("failed", finish_reason="error", completion_token_ids=[], error_code="engine_error"))
+    violations = {v["request_id"]: v for v in check(ledger).violations}
+    assert {k: v["check"] for k, v in violations.items()} == {
+        "late": "late",
+        "short": "wrong_answer",
+        "misrouted": "wrong_answer",
+        "failed": "wrong_answer",
+    }
+    assert violations["late"]["faults_near"] == ["-1.0 s redis_restart SIGKILL"]
+
+
+def test_an_explicit_abort_is_an_answer_only_if_an_abort_of_its_session_came_after_it_was_sent():
+    ledger = Ledger(T0)
+    aborted = {"finish_reason": "abort", "abort_cause": "user", "completion_token_ids": PROMPT[:2]}
+    submit(ledger, "hit", session_id="s1")
+    answer(ledger, echo("hit", **aborted))
+    ledger.session_aborted("s1", T0 + 0.5)
+    submit(ledger, "unexplained", at=T0 + 1, session_id="s1")  # sent after the only abort of s1
+    answer(ledger, echo("unexplained", **aborted), at=T0 + 2)
+    submit(ledger, "garbled", session_id="s1")
+    answer(ledger, echo("garbled", **(aborted | {"completion_token_ids": [1, 2]})))
+    verdict = check(ledger)
+    assert verdict.outcomes["aborted_by_user"] == 1
+    assert {v["request_id"]: v["check"] for v in verdict.violations} == {
+        "unexplained": "unexplained_abort",
+        "garbled": "wrong_answer",
+    }
+
+
+def test_one_session_on_two_workers_at_once_is_a_violation_but_not_one_after_the_other():
+    ledger = Ledger(T0)
+    for request_id, worker_id, queue_time_s in [("a", "w0", 0.0), ("b", "w1", 0.05), ("c", "w1", 0.2)]:
+        submit(ledger, request_id, session_id="s1")
+        answer(ledger, echo(request_id, worker_id=worker_id, queue_time_s=queue_time_s, generation_time_s=0.1))
+    # "a" runs on w0 over [0, 0.1], "b" on w1 over [0.05, 0.15]: at once. "c" on w1 over [0.2, 0.3]: after both.
+    verdict = check(ledger)
+    assert [(v["check"], v["request_id"]) for v in verdict.violations] == [("sessions", "b")]
+    assert "served by w0 and w1 at once" in verdict.violations[0]["what"]
+    assert verdict.sessions["moves"] == 1
+
+
+def test_trajectories_retried_after_an_abort_are_not_timed():
+    ledger = Ledger(T0)
+    submit(ledger, "a", session_id="s1")
+    answer(ledger, echo("a", worker_id="w0"))
+    submit(ledger, "b", session_id="s1")
+    answer(ledger, echo("b", worker_id="w1", interruptions=1))  # its summed times say nothing of when it ran where
+    verdict = check(ledger)
+    assert verdict.violations == []
+    assert verdict.sessions["untimed"] == 1 and verdict.sessions["timed_requests"] == 1
