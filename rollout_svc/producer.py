@@ -32,7 +32,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rollout_svc.config import Settings
 from rollout_svc.connect import redis_async, server_run_id
 from rollout_svc.control import ControlPlane
-from rollout_svc.errors import ProtocolError, QueueFullError
+from rollout_svc.errors import ProtocolError, QueueFullError, RolloutError
 from rollout_svc.keys import PAYLOAD_FIELD
 from rollout_svc.protocol import (
     Continuation,
@@ -283,6 +283,8 @@ class Connection:
         while True:
             try:
                 outcomes = await self.streams.enqueue_batches([op.items for op in ops], [op.limit for op in ops])
+            except RolloutError as exc:  # our errors (some are TimeoutErrors, hence OSErrors): not Redis being away
+                outcomes = [exc] * len(ops)
             except REDIS_AWAY as exc:
                 failures += 1
                 if time.monotonic() < deadline and not self._closing:

@@ -186,3 +186,28 @@ def test_a_paused_fleet_stays_paused_when_redis_comes_back_empty(
             assert (trajectory.finish_reason, trajectory.completion_token_ids) == ("stop", [1, 2, 3])
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("server", [True], indirect=True, ids=["appendonly"])
+def test_a_control_command_issued_while_redis_is_away_goes_through_once_it_is_back(
+    server: RedisServer, fleet: tuple[Settings, WorkerProcs]
+) -> None:
+    settings, _ = fleet
+
+    async def main() -> None:
+        async with RolloutClient(settings) as client:
+            assert len(await client.workers()) == 2
+            server.stop(signal.SIGTERM)
+
+            async def back_in_a_second() -> None:
+                await asyncio.sleep(1.0)
+                await asyncio.to_thread(server.start)
+
+            back = asyncio.ensure_future(back_in_a_second())
+            epoch = await client.pause(mode="keep")  # issued while Redis is down
+            await back
+            assert await client.is_paused() is True
+            assert await client.resume() > epoch
+            assert await client.is_paused() is False
+
+    asyncio.run(main())
