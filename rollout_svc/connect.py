@@ -18,6 +18,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
@@ -202,6 +203,22 @@ async def server_run_id(client: redis.asyncio.Redis) -> str | None:
         return None
     run_id = info.get("run_id")
     return run_id.decode() if isinstance(run_id, bytes) else run_id
+
+
+async def next_message(pubsub: Any, timeout_s: float, **kwargs: Any) -> Any:
+    """`pubsub.get_message(timeout=timeout_s)`, raising `ConnectionError` where redis-py would spin.
+
+    When TCP keepalive gives up on a subscription's idle connection, the socket fails with ETIMEDOUT, which Python
+    raises as the built-in `TimeoutError`, the same class as `asyncio.TimeoutError`: redis-py (8.1) takes it for its
+    own read timeout, and from then on `get_message` returns None at once, forever, never yielding to the event loop
+    (found by cutting a worker host off the network). A None that came back in under half the timeout, twice in a
+    row, is that failure: raised as a connection error, the caller resubscribes."""
+    for _ in range(2):
+        started = time.monotonic()
+        message = await pubsub.get_message(timeout=timeout_s, **kwargs)
+        if message is not None or time.monotonic() - started >= timeout_s / 2:
+            return message
+    raise RedisConnectionError("the subscription's connection failed (get_message returned at once)")
 
 
 def eviction_warning(policy: str | None, maxmemory: int) -> str | None:

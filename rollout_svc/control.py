@@ -36,6 +36,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollout_svc.acl import ADMIN, permission_denied
 from rollout_svc.config import Settings
+from rollout_svc.connect import next_message
 from rollout_svc.errors import (
     AccessDeniedError,
     ControlCommandError,
@@ -350,7 +351,7 @@ class ControlPlane:
                 next_poll = now + ACK_POLL_S
                 continue
             try:
-                message = await acks.get_message(ignore_subscribe_messages=True, timeout=min(next_poll, deadline) - now)
+                message = await next_message(acks, min(next_poll, deadline) - now, ignore_subscribe_messages=True)
             except (RedisConnectionError, OSError):  # the subscription died with its connection (a Redis restart)
                 with contextlib.suppress(RedisError, OSError):
                     await acks.aclose()

@@ -16,7 +16,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from rollout_svc.config import Settings
-from rollout_svc.connect import redis_async, server_run_id, warn_if_evicting
+from rollout_svc.connect import next_message, redis_async, server_run_id, warn_if_evicting
 from rollout_svc.control import NUDGE_CANCEL, ControlPlane
 from rollout_svc.errors import EngineDeadError
 from rollout_svc.protocol import WorkerStatus
@@ -503,7 +503,7 @@ class Worker:
             try:
                 if pubsub is None:
                     pubsub = await self.control.subscribe()
-                message = await pubsub.get_message(timeout=self.settings.read_block_ms / 1000)
+                message = await next_message(pubsub, self.settings.read_block_ms / 1000)
                 failures = 0
             except REDIS_ERRORS as exc:
                 failures += 1
