@@ -51,7 +51,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from rollout_svc.chaos_ledger import Answer, Ledger, Submitted, Verdict, check
-from rollout_svc.client import RolloutClient
+from rollout_svc.client import RolloutClient, error_trajectory
 from rollout_svc.cluster import PrivateRedis, settings_env
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.connect import redis_async
@@ -387,17 +387,7 @@ def _tokens(rng: random.Random, low: int, high: int) -> list[int]:
 
 
 def _as_trajectory(request: RolloutRequest, result: Trajectory | ErrorResult) -> Trajectory:
-    if isinstance(result, Trajectory):
-        return result
-    return Trajectory(
-        request_id=result.request_id,
-        session_id=request.session_id,
-        prompt_token_ids=request.prompt_token_ids or [],
-        finish_reason="error",
-        worker_id=result.worker_id,
-        error=result.message,
-        error_code=result.code,
-    )
+    return result if isinstance(result, Trajectory) else error_trajectory(request, result)
 
 
 # --- the nemesis ---------------------------------------------------------------------------------------------------

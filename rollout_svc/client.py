@@ -471,7 +471,7 @@ class RolloutClient:
             if raise_on_error:
                 raise GenerationError(result.request_id, result.code, result.message, result.recoverable)
             assert isinstance(request, RolloutRequest)
-            return _error_trajectory(request, result)
+            return error_trajectory(request, result)
         return result
 
     # --- tokens -----------------------------------------------------------------------------------------
@@ -699,7 +699,8 @@ def _per_prompt(values: Sequence[str | None] | None, count: int, name: str) -> l
     return list(values)
 
 
-def _error_trajectory(request: RolloutRequest, error: ErrorResult) -> Trajectory:
+def error_trajectory(request: RolloutRequest, error: ErrorResult) -> Trajectory:
+    """An error result as the trajectory a caller gets (`finish_reason=\"error\"`, the error's message and code)."""
     return Trajectory(
         request_id=request.request_id,
         session_id=request.session_id,
