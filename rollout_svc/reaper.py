@@ -20,6 +20,7 @@ from rollout_svc.streams import Enqueue, Entry, RequestStreams
 
 log = logging.getLogger("rollout_svc.reaper")
 REAP_LOCK_TTL_S = 60.0
+FORGET_ATTEMPTS = 10  # a consumer still taking entries while it is reaped: requeue, and try to forget it, this often
 
 
 class Reaper:
@@ -29,14 +30,22 @@ class Reaper:
         self.settings, self.keys = settings, settings.keys
         self.streams = RequestStreams(redis, self.keys, settings.session_ttl_s)
         self.registry = Registry(redis, self.keys, settings.heartbeat_ttl_s)
+        self._ttl_ms = int(settings.heartbeat_ttl_s * 1000)
 
     async def reap_dead(self, reaper_id: str) -> dict[str, int]:
-        """Reclaim every registered worker whose heartbeat expired and whose reap lock this caller wins.
+        """Reclaim every registered worker whose heartbeat expired and whose reap lock this caller wins, and every
+        consumer that holds pending entries, is idle past the heartbeat TTL and has no heartbeat (a worker reaped
+        while it lived that took more before it noticed, then died: it is no longer registered).
 
         Returns {dead worker id: requests requeued}.
         """
         reaped = {}
-        for dead_worker_id in await self.registry.dead_workers():
+        dead = await self.registry.dead_workers()
+        for stream in (self.keys.requests, self.keys.token_requests):
+            for consumer in await self.streams.orphaned_consumers(stream, self._ttl_ms):
+                if consumer not in dead and not await self.registry.alive(consumer):
+                    dead.append(consumer)
+        for dead_worker_id in dead:
             moved = await self.reap(dead_worker_id, reaper_id)
             if moved is not None:
                 reaped[dead_worker_id] = moved
@@ -72,7 +81,13 @@ class Reaper:
                 moved += await self.requeue(entries)
             await self.streams.delete(pinned)
             for stream in (self.keys.requests, self.keys.token_requests):
-                await self.streams.forget_consumer(stream, worker_id)
+                # A worker reaped while it lived (Redis forgot its heartbeat; a stall) may take more meanwhile: its
+                # consumer goes only once it holds nothing, what it took since being requeued first.
+                for _ in range(FORGET_ATTEMPTS):
+                    if await self.streams.forget_consumer(stream, worker_id):
+                        break
+                    while entries := await self.streams.pending_of(stream, worker_id):
+                        moved += await self.requeue(entries)
         return moved
 
     async def requeue(self, entries: list[Entry]) -> int:

@@ -216,3 +216,15 @@ for a = 3, #ARGV, 3 do
 end
 return swept
 """
+
+# KEYS: [1] a requests stream. ARGV: [1] group, [2] consumer. Deletes the consumer only if it holds no pending entry:
+# XGROUP DELCONSUMER drops a consumer's pending entries with it, and an entry dropped so (not acked, not deleted,
+# before the group's last-delivered id) is never delivered again. Returns 1 if the consumer is gone (or the group
+# is), 0 if it still holds entries (delivered to it after they were requeued: a worker reaped while it lived).
+FORGET_CONSUMER_LUA = """
+local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if not ok then return 1 end
+if #pending > 0 then return 0 end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""

@@ -34,6 +34,7 @@ from rollout_svc.stream_scripts import (
     DEAD_LETTER_LUA,
     ENQUEUE_LUA,
     FINISH_SESSION_LUA,
+    FORGET_CONSUMER_LUA,
     PIN_LUA,
     PUBLISH_LUA,
     SWEEP_LUA,
@@ -103,6 +104,7 @@ class RequestStreams:
                 ("publish", PUBLISH_LUA),
                 ("dead_letter", DEAD_LETTER_LUA),
                 ("sweep", SWEEP_LUA),
+                ("forget_consumer", FORGET_CONSUMER_LUA),
             )
         }
         self._workers: list[str] | None = None  # registered worker ids, as the scripts were last given them
@@ -444,9 +446,19 @@ class RequestStreams:
         """Delete a stream (a reclaimed worker's pinned stream, once drained)."""
         await self.redis.delete(stream)
 
-    async def forget_consumer(self, stream: str, consumer: str) -> None:
-        with contextlib.suppress(ResponseError):  # no such group: nothing to forget
-            await self.redis.xgroup_delconsumer(stream, WORKERS_GROUP, consumer)
+    async def forget_consumer(self, stream: str, consumer: str) -> bool:
+        """Delete a consumer of the `workers` group if it holds no pending entry (one script). Returns False if it
+        holds some: requeue them and ask again (deleting it would drop them, never to be delivered again)."""
+        return bool(await self._scripts["forget_consumer"](keys=[stream], args=[WORKERS_GROUP, consumer]))
+
+    async def orphaned_consumers(self, stream: str, idle_ms: int) -> list[str]:
+        """Consumers of `stream`'s group holding pending entries and idle for `idle_ms` or longer (XINFO CONSUMERS)."""
+        try:
+            consumers: Any = await self.redis.xinfo_consumers(stream, WORKERS_GROUP)
+        except ResponseError:  # no such stream or group
+            return []
+        names = [c["name"] for c in consumers if c["pending"] > 0 and c["idle"] >= idle_ms]
+        return [n.decode() if isinstance(n, bytes) else n for n in names]
 
     # --- results and inspection -------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from rollout_svc.protocol import (
     unrun_trajectory,
 )
 from rollout_svc.reaper import Reaper
-from rollout_svc.streams import RequestStreams
+from rollout_svc.streams import Enqueue, RequestStreams
 from workers.engine import Completion, Engine, joined
 from workers.inflight import AbortRules, InFlight, InFlightIndex
 from workers.metrics import WorkerMetrics
@@ -106,8 +106,14 @@ class RequestServer:
             return self._answer(record, request, unrun_trajectory(request, "user", self.state.worker_id))
         if isinstance(request, RolloutRequest) and request.session_id and entry.stream == self.streams.keys.requests:
             # A session's request in the shared stream (no live worker when it was sent, or requeued from a
-            # dead one): pin the session here, unless a live worker holds it already.
-            await self.streams.pin_session(request.session_id, self.state.worker_id)
+            # dead one): pin the session here, unless a live worker holds it already. If one does (it took a
+            # request of the same session from the shared stream first), this one goes to it: a session runs on
+            # one worker at a time (found by the chaos soak: two requests of one turn ran on two workers at once).
+            holder = await self.streams.pin_session(request.session_id, self.state.worker_id)
+            if holder is not None and holder != self.state.worker_id:
+                forward = Enqueue(entry.payload, entry.session_id, entry.deliveries - 1, entry.epoch)
+                await self.streams.requeue([forward], [entry])  # placed on the holder; not counted as a delivery
+                return
         try:
             result = await self._run(request, record, taken_at)
         except EngineDeadError as exc:

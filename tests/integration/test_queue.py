@@ -233,6 +233,27 @@ async def test_a_request_enqueued_twice_on_one_worker_runs_once_and_is_answered_
     assert "ERROR" not in workers.log(worker) and "Traceback" not in workers.log(worker)
 
 
+async def test_a_session_queued_in_the_shared_stream_runs_on_one_worker(settings, workers, rds):
+    """Sessions enqueued while no worker was live wait in the shared stream, each a request per turn-half; the worker
+    that takes a session's request second sends it to the one that holds the session (found by the chaos soak: the
+    two requests of one turn ran on two workers at once)."""
+    sessions = [f"s{i}" for i in range(8)] * 2  # all first halves, then all second halves
+    async with RolloutClient(settings) as client:
+        task = asyncio.create_task(
+            client.generate([[1, 2, 3, 4]] * len(sessions), {"max_tokens": 4}, session_ids=sessions)
+        )
+        await async_wait_until(lambda: rds.xlen(settings.keys.requests) == 16, 5, "the requests in the shared stream")
+        for worker_id, delay in (("echo-0", "0.08"), ("echo-1", "0.01")):  # the fast one takes the other's halves
+            workers.start(worker_id, "--engine", "echo", "--max-num-seqs", "2", "--echo-token-delay-s", delay)
+            workers.wait_live(worker_id)  # the slow one first: it holds sessions whose halves still wait
+        trajectories = await task
+    by_session: dict[str, set[str]] = {}
+    for session, trajectory in zip(sessions, trajectories, strict=True):
+        by_session.setdefault(session, set()).add(trajectory.worker_id)
+    assert all(len(ids) == 1 for ids in by_session.values()), by_session
+    assert len({w for ids in by_session.values() for w in ids}) == 2  # both workers served
+
+
 async def test_admission_is_bounded(settings, rds):
     bounded = settings.model_copy(update={"max_queued_requests": 10})
     async with RolloutClient(bounded) as client:

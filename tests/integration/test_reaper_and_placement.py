@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest_asyncio
@@ -82,6 +83,44 @@ async def test_a_worker_back_under_its_id_is_not_reaped(plane, settings, rds):
     assert rds.xlen(keys.pinned_requests("w-back")) == 1 and rds.sismember(keys.workers, "w-back")
     assert rds.xinfo_stream(keys.pinned_requests("w-back"))["entries-added"] == 1  # nothing requeued into it
     assert not rds.exists(keys.reap_lock("w-back"))  # released: reapable if it dies again
+
+
+async def test_a_worker_reaped_while_it_takes_more_leaves_nothing_behind(plane, settings, rds, monkeypatch):
+    """Redis forgot a live worker's heartbeat: it is reaped while it still reads. What it takes between the reaper's
+    requeue and the forgetting of its consumer must not be dropped with the consumer (found by the 10-minute chaos
+    soak: XGROUP DELCONSUMER dropped such entries, which then sat before the group's last-delivered id, never
+    delivered again)."""
+    keys, streams = settings.keys, plane.streams
+    await register(plane, "w-alive")
+    await streams.enqueue([request("r1", keys.results("p")), request("r2", keys.results("p"))], 100)
+    [first] = await streams._readgroup("w-alive", {keys.requests: ">"}, 1, None)
+    rds.delete(keys.worker("w-alive"))  # Redis forgot its heartbeat; it lives on
+    reaper = Reaper(plane.redis, settings)
+    delete, took = streams.delete, []
+
+    async def delete_while_the_worker_reads(stream):  # the pinned stream goes after the pending entries are requeued
+        took.extend(await streams._readgroup("w-alive", {keys.requests: ">"}, 1, None))
+        await delete(stream)
+
+    monkeypatch.setattr(reaper.streams, "delete", delete_while_the_worker_reads)
+    assert await reaper.reap("w-alive", "w-reaper") == 2
+    assert decode(first.payload).request_id == "r1" and [decode(e.payload).request_id for e in took] == ["r2"]
+    again = await streams._readgroup("w-other", {keys.requests: ">"}, 10, None)
+    assert sorted(decode(e.payload).request_id for e in again) == ["r1", "r2"]  # both deliverable again
+    assert rds.xlen(keys.requests) == 2  # the requeued copies, and nothing stranded
+
+
+async def test_a_consumer_left_with_pending_entries_and_no_heartbeat_is_reaped(plane, settings, rds):
+    """A worker reaped while it lived, that took more and died before it noticed, is no longer registered: its
+    consumer (pending entries, idle past the TTL, no heartbeat) is reaped all the same."""
+    keys, streams = settings.keys, plane.streams
+    await streams.enqueue([request("r1", keys.results("p"))], 100)
+    await streams._readgroup("ghost", {keys.requests: ">"}, 1, None)
+    fast = settings.model_copy(update={"heartbeat_ttl_s": 0.05})
+    await asyncio.sleep(0.1)
+    assert await Reaper(plane.redis, fast).reap_dead("w-live") == {"ghost": 1}
+    [(_, fields)] = rds.xrange(keys.requests)
+    assert decode(fields[b"m"]).request_id == "r1" and rds.xpending(keys.requests, WORKERS_GROUP)["pending"] == 0
 
 
 async def test_an_entry_over_max_deliveries_becomes_a_dead_letter_and_its_producer_is_told(plane, settings, rds):
