@@ -106,6 +106,11 @@ class Registry:
         """Release a reap lock if `holder` still holds it (it may have expired and been taken by another)."""
         return bool(await self._release(keys=[self.keys.reap_lock(worker_id)], args=[holder]))
 
+    async def reap_lock_holder(self, worker_id: str) -> str | None:
+        """Who holds this worker id's reap lock, if anyone."""
+        holder = await self.redis.get(self.keys.reap_lock(worker_id))
+        return holder.decode() if isinstance(holder, bytes) else holder
+
     async def alive(self, worker_id: str) -> bool:
         """Whether this worker's heartbeat has not expired."""
         return bool(await self.redis.exists(self.keys.worker(worker_id)))

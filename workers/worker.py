@@ -126,7 +126,7 @@ class Worker:
         try:
             await self._wait_for_redis()
             await self.engine.start()
-            await self._prepare()
+            await self._prepare_while_redis_is_away()
             # What start-up built (the engine, its modules: millions of objects with vLLM) lives as long as the
             # process. Frozen, the collector's full passes skip it and walk only what requests allocate since;
             # and with a young generation of 50k objects, most requests' objects are freed before a pass sees them.
@@ -187,6 +187,20 @@ class Worker:
                     log.warning("waiting for Redis at %s (%s); check --redis-url", self.settings.redis_url, exc)
                 await asyncio.sleep(0.5)
 
+    async def _prepare_while_redis_is_away(self) -> None:
+        """`_prepare`, again (each step is idempotent) while Redis fails under it: a worker starting just as Redis
+        restarts comes up once it is back rather than exit."""
+        failures = 0
+        while True:
+            try:
+                return await self._prepare()
+            except REDIS_ERRORS as exc:
+                if self._stopping.is_set():
+                    raise
+                failures += 1
+                log.warning("starting: Redis failed (%s); retrying", exc)
+                await asyncio.sleep(backoff_s(failures))
+
     async def _prepare(self) -> None:
         """Create consumer groups, requeue what an earlier process with this worker id left pending, register,
         and converge on the control state before taking the first request (a fleet paused stays paused)."""
@@ -199,16 +213,19 @@ class Worker:
             await self.reaper.reclaim(self.worker_id, backlog=False)
             await self._register()
         finally:
-            await self.registry.release_reap_lock(self.worker_id, holder)
+            with contextlib.suppress(*REDIS_ERRORS):  # held by this process until it expires; taken again on a retry
+                await self.registry.release_reap_lock(self.worker_id, holder)
 
     async def _hold_own_reap_lock(self) -> str:
         """Take the reap lock of this worker's own id before registering under it. An earlier process with this id
         (a restart under the same id) may be being reaped right now: the reaper deletes the pinned stream and the
         consumer when it is done, so this waits for it (at most the lock's TTL), and then no reaper starts on this
         id until it is registered and live. Returns the lock's holder value."""
-        holder = f"starting:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        holder = f"starting:{os.getpid()}"  # the same on a retry, which may find the lock still held by it
         deadline = time.monotonic() + REAP_LOCK_TTL_S + 5
         while not await self.registry.try_reap_lock(self.worker_id, holder, REAP_LOCK_TTL_S):
+            if await self.registry.reap_lock_holder(self.worker_id) == holder:
+                break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the reap lock of worker id {self.worker_id} stayed held for {REAP_LOCK_TTL_S} s")
             log.info("another worker is requeueing what an earlier %s left; waiting for it", self.worker_id)
