@@ -91,7 +91,10 @@ class ChaosConfig:
     workers: int = 3
     capacity: int = 16  # per worker (max_num_seqs)
     token_delay_s: float = 0.01  # echo: a request of n tokens generates for n of these
-    heartbeat_ttl_s: float = 2.5
+    # Longer than a Redis restart (down up to 2 s, then its load), as any deployment's TTL must be: with 2.5 s, every
+    # restart expired every heartbeat, and the reaping and fencing that followed each one stacked up into calls
+    # past their 30 s timeout in one 10-minute run. Still short enough for dozens of stalls past it per run.
+    heartbeat_ttl_s: float = 4.0
     heartbeat_interval_s: float = 0.5
     session_drivers: int = 6
     batch_drivers: int = 2
