@@ -15,18 +15,23 @@ than `noeviction`, Redis silently deletes keys (streams, pending entries, contro
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlparse
 
 import redis
 import redis.asyncio
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from rollout_svc.errors import RolloutError
 
 log = logging.getLogger("rollout_svc.connect")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
@@ -92,6 +97,10 @@ def parse_sentinel(url: str) -> SentinelURL:
 # A command whose connection turns out dead (Redis restarted since it was pooled; a failover) is sent again on a fresh
 # one, up to 3 times with a short backoff. Only connection errors: a timeout may come after Redis ran the command.
 RETRIES = 3
+# What a Redis that is away (restarting, failing over, cut off) raises. Our own errors are not among them, though some
+# are TimeoutErrors and so OSErrors: `retry_while_away` raises those at once.
+REDIS_AWAY = (RedisConnectionError, RedisTimeoutError, OSError)
+T = TypeVar("T")
 
 
 def _retry(retry_class: Any) -> Any:
@@ -192,6 +201,28 @@ def redis_sync(url: str, **kwargs: Any) -> redis.Redis:
     single = kwargs.pop("single_connection_client", False)
     pool = SentinelConnectionPool(spec.service_name, sentinel, **spec.primary_kwargs(), **kwargs)
     return redis.Redis(connection_pool=pool, single_connection_client=single)
+
+
+async def retry_while_away(
+    attempt: Callable[[], Awaitable[T]], outage_s: float, what: str, stop: Callable[[], bool] = lambda: False
+) -> T:
+    """`attempt()`, made again while Redis is away (`REDIS_AWAY`) for up to `outage_s` seconds, backing off from 0.1 s
+    to 1 s and logging once; then, or once `stop()` is true, its error is raised. Any other error, our own
+    (`RolloutError`) included, is raised at once. An attempt whose reply was lost may have been applied: the caller
+    must tolerate it running twice."""
+    deadline, failures = time.monotonic() + outage_s, 0
+    while True:
+        try:
+            return await attempt()
+        except RolloutError:
+            raise
+        except REDIS_AWAY as exc:
+            failures += 1
+            if time.monotonic() >= deadline or stop():
+                raise
+            if failures == 1:
+                log.warning("%s: Redis is away (%s); trying again for up to %.0f s", what, exc, outage_s)
+            await asyncio.sleep(min(1.0, 0.05 * 2**failures))
 
 
 async def server_run_id(client: redis.asyncio.Redis) -> str | None:

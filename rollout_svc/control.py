@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 import uuid
 from collections.abc import Sequence
@@ -32,24 +31,20 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollout_svc.acl import ADMIN, permission_denied
 from rollout_svc.config import Settings
-from rollout_svc.connect import next_message
+from rollout_svc.connect import next_message, retry_while_away
 from rollout_svc.errors import (
     AccessDeniedError,
     ControlCommandError,
     ControlTimeoutError,
     InvalidRequestError,
     ProtocolError,
-    RolloutError,
 )
 from rollout_svc.protocol import ControlCommand, PauseMode, RolloutRequest, decode, encode, unrun_trajectory
 from rollout_svc.registry import Registry
 from rollout_svc.streams import Entry, Placed, RequestStreams, Sweep
-
-log = logging.getLogger("rollout_svc.control")
 
 HOLDER_PREFIX = "pause:"  # state field pause:{holder} = mode
 AWAKE_PREFIX = "awake:"  # state field awake:{tag} = 1, for a partial wake-up
@@ -285,24 +280,14 @@ class ControlPlane:
         `AccessDeniedError`: it comes before the issue script wrote anything (the acks subscription) or from that
         script's first write, so the state is unchanged.
         """
-        deadline, failures = time.monotonic() + self.settings.redis_outage_s, 0
-        while True:
-            try:
-                return await self._issue_and_await(issue, timeout_s, sweep)
-            except ResponseError as exc:
-                if permission_denied(exc):
-                    raise AccessDeniedError(issue.kind, ADMIN, str(exc)) from exc
-                raise
-            except RolloutError:  # ControlTimeoutError is a TimeoutError, hence an OSError: not Redis being away
-                raise
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                failures += 1
-                if time.monotonic() >= deadline:
-                    raise
-                if failures == 1:
-                    log.warning("%s: Redis is away (%s); issuing it again for up to %.0f s", issue.kind, exc,
-                                self.settings.redis_outage_s)  # fmt: skip
-                await asyncio.sleep(min(1.0, 0.05 * 2**failures))
+        try:
+            return await retry_while_away(
+                lambda: self._issue_and_await(issue, timeout_s, sweep), self.settings.redis_outage_s, issue.kind
+            )
+        except ResponseError as exc:
+            if permission_denied(exc):
+                raise AccessDeniedError(issue.kind, ADMIN, str(exc)) from exc
+            raise
 
     async def _issue_and_await(self, issue: _Issue, timeout_s: float | None, sweep: bool) -> int:
         timeout_s = self.settings.control_timeout_s if timeout_s is None else timeout_s

@@ -25,14 +25,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollout_svc.config import Settings
-from rollout_svc.connect import redis_async, server_run_id
+from rollout_svc.connect import redis_async, retry_while_away, server_run_id
 from rollout_svc.control import ControlPlane
-from rollout_svc.errors import ProtocolError, QueueFullError, RolloutError
+from rollout_svc.errors import ProtocolError, QueueFullError
 from rollout_svc.keys import PAYLOAD_FIELD
 from rollout_svc.protocol import (
     Continuation,
@@ -50,7 +48,6 @@ from rollout_svc.streams import ENQUEUE_CHUNK, Enqueue, Placed, RequestStreams
 log = logging.getLogger("rollout_svc.client")
 RETRIED_CAUSES = ("pause", "shutdown", "stale")  # aborts the client hides by retrying
 REDIS_CHECK_S = 1.0  # how often a connection asks Redis for its run_id
-REDIS_AWAY = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 @dataclass
@@ -279,24 +276,15 @@ class Connection:
         `redis_outage_s`; a batch whose reply was lost may then be enqueued twice, which delivers it twice
         (at-least-once) and is answered once (the reader drops the duplicate result)."""
         outcomes: list[Any]
-        deadline, failures = time.monotonic() + self.settings.redis_outage_s, 0
-        while True:
-            try:
-                outcomes = await self.streams.enqueue_batches([op.items for op in ops], [op.limit for op in ops])
-            except RolloutError as exc:  # our errors (some are TimeoutErrors, hence OSErrors): not Redis being away
-                outcomes = [exc] * len(ops)
-            except REDIS_AWAY as exc:
-                failures += 1
-                if time.monotonic() < deadline and not self._closing:
-                    if failures == 1:
-                        log.warning("Redis is away (%s); retrying the enqueue for up to %.0f s", exc,
-                                    self.settings.redis_outage_s)  # fmt: skip
-                    await asyncio.sleep(min(1.0, 0.05 * 2**failures))
-                    continue
-                outcomes = [exc] * len(ops)  # every waiting caller hears it
-            except Exception as exc:
-                outcomes = [exc] * len(ops)
-            break
+        try:
+            outcomes = await retry_while_away(
+                lambda: self.streams.enqueue_batches([op.items for op in ops], [op.limit for op in ops]),
+                self.settings.redis_outage_s,
+                "enqueue",
+                stop=lambda: self._closing,
+            )
+        except Exception as exc:  # Redis away past the outage, or refused: every waiting caller hears it
+            outcomes = [exc] * len(ops)
         for op, outcome in zip(ops, outcomes, strict=True):
             for request_id in op.request_ids:
                 if (left := self._sending.pop(request_id, 1) - 1) > 0:

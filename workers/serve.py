@@ -8,10 +8,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
 from rollout_svc.config import Settings
+from rollout_svc.connect import REDIS_AWAY
 from rollout_svc.errors import EngineDeadError, InvalidRequestError, ProtocolError
 from rollout_svc.protocol import (
     DetokenizeRequest,
@@ -37,7 +35,7 @@ from workers.metrics import WorkerMetrics
 from workers.state import WorkerState
 
 log = logging.getLogger("rollout_svc.worker")
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+REDIS_ERRORS = REDIS_AWAY  # what a Redis that is away raises: the worker's loops back off and try again
 RETRY_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 
 
