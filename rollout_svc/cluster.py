@@ -32,17 +32,19 @@ ACL_NEEDS_PRIVATE_REDIS = (
 )
 
 
-# Sets PR_SET_PDEATHSIG (SIGTERM), then execs the real command: if `up` itself is killed with -9, its
-# Redis and workers get SIGTERM (workers drain and requeue) instead of living on as orphans. The signal
+# Sets PR_SET_PDEATHSIG (argv[1], a signal number), then execs the real command: if `up` itself is killed with -9,
+# its Redis and workers get SIGTERM (workers drain and requeue) instead of living on as orphans. The signal
 # follows the *thread* that started the child: the main thread, or the supervisor, which lives until stop().
-_DIE_WITH_PARENT = "import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 15); os.execv(sys.argv[1], sys.argv[1:])"
+_DIE_WITH_PARENT = (
+    "import ctypes, os, sys; ctypes.CDLL(None).prctl(1, int(sys.argv[1])); os.execv(sys.argv[2], sys.argv[2:])"
+)
 
 
-def die_with_parent(args: list[str]) -> list[str]:
-    """`args`, run so that the child gets SIGTERM when this process dies (Linux; elsewhere unchanged)."""
+def die_with_parent(args: list[str], sig: signal.Signals = signal.SIGTERM) -> list[str]:
+    """`args`, run so that the child gets `sig` when this process dies (Linux; elsewhere unchanged)."""
     if not sys.platform.startswith("linux"):
         return args
-    return [sys.executable, "-c", _DIE_WITH_PARENT, *args]
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(int(sig)), *args]
 
 
 def redis_answers(url: str, timeout_s: float = 0.5) -> bool:
