@@ -94,7 +94,7 @@ def glob_escape(text: str) -> str:
 
 def roles(keys: Keys) -> dict[str, Role]:
     """The three roles for the key names of `keys` (its prefix): {name: Role}, producer, worker, admin."""
-    k = Keys(glob_escape(keys.prefix))  # every name below is a pattern; `*` stands for an id
+    k = Keys(glob_escape(keys.prefix), "*")  # every name below is a pattern; `*` stands for an id (and a shard)
     return {PRODUCER: _producer(k), WORKER: _worker(k), ADMIN: _admin(k)}
 
 
@@ -108,6 +108,7 @@ def _producer(k: Keys) -> Role:
         Grant(("+get", "+set", "+del"), (k.session("*"),)),  # session pins
         Grant(("+zadd", "+zrem", "+zcard", "+zremrangebyscore"), (k.worker_sessions("*"), k.cancelled)),
         Grant(_READ_FLEET, read_only=(k.state, k.workers, k.worker("*"))),  # placement, `workers()`, weight version
+        Grant(("+smembers",), read_only=(k.shards,)),  # the shards to place requests on
     )
     declared = tuple(p for grant in grants for p in (*grant.read_write, *grant.read_only))
     evalsha = Grant(("+evalsha",), declared)  # passes EVALSHA's own check; each redis.call is checked by the rest
@@ -118,7 +119,7 @@ def _producer(k: Keys) -> Role:
 def _worker(k: Keys) -> Role:
     streams = (k.requests, k.pinned_requests("*"), k.token_requests, k.results("*"), k.dead)
     barriers = (k.weight_barrier("*", JOINED), k.weight_barrier("*", LOADED))
-    fleet = (k.session("*"), k.worker_sessions("*"), k.workers, k.worker("*"), k.reap_lock("*"))
+    fleet = (k.session("*"), k.worker_sessions("*"), k.workers, k.worker("*"), k.reap_lock("*"), k.shards)
     read_write = (*streams, *fleet, *barriers)
     read_only = (k.state, k.commands, k.cancelled, k.weight_sync, k.weight_manifest("*"))
     return Role(

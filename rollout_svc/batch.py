@@ -39,6 +39,7 @@ from typing import Any
 import redis
 from redis.asyncio import BlockingConnectionPool, Redis
 
+from rollout_svc.cluster_connect import refuse_cluster
 from rollout_svc.config import Settings
 from rollout_svc.connect import redis_async, redis_sync, warn_if_evicting_sync
 from rollout_svc.errors import InvalidRequestError
@@ -342,6 +343,7 @@ def enqueue_job(settings: Settings, batch_id: str, attempt: int = 0) -> str:
     """Enqueue a run of a batch on RQ (JSON arguments; retried up to 3 times if it raises). Returns the job id."""
     from rq import Retry
 
+    refuse_cluster(settings.redis_url, "batch jobs")
     connection = redis_sync(settings.redis_url)
     try:
         job = _queue(settings, connection).enqueue(
@@ -410,6 +412,7 @@ def run_batch_worker(settings: Settings, burst: bool = False, check_interval_s: 
 
     from rollout_svc.cluster import settings_env
 
+    refuse_cluster(settings.redis_url, "batch workers")
     os.environ.update(settings_env(settings))  # the work horse (a fork) builds its Settings from these
     connection = redis_sync(settings.redis_url)
     warn_if_evicting_sync(connection, "batch worker")

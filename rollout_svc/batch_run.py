@@ -23,8 +23,8 @@ from rollout_svc.batch import TERMINAL, BatchLine, BatchStore, output_line, pars
 from rollout_svc.client import RolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.errors import QueueFullError, RequestTimeoutError
+from rollout_svc.fleet import Fleet
 from rollout_svc.protocol import RolloutRequest, Trajectory
-from rollout_svc.streams import RequestStreams
 
 log = logging.getLogger("rollout_svc.batch")
 CANCEL_POLL_S = 0.5
@@ -260,11 +260,14 @@ class BatchRun:
                 ids_of[line.custom_id] = self._request_ids(line, self._plan(line))
         if not ids_of:
             return set()
-        keys = self.settings.keys
-        streams = RequestStreams(self.store.redis, keys, self.settings.session_ttl_s)
-        found = await streams.held(
-            {rid for rids in ids_of.values() for rid in rids}, keys.results(f"batch-{self.batch_id}")
-        )
+        wanted = {rid for rids in ids_of.values() for rid in rids}
+        fleet = Fleet(self.settings)
+        try:
+            await fleet.refresh()
+            held = await fleet.each(lambda link: link.streams.held(wanted, link.keys.results(f"batch-{self.batch_id}")))
+        finally:
+            await fleet.close()
+        found = set().union(*held.values())
         return {cid for cid, rids in ids_of.items() if all(rid in found for rid in rids)}
 
     @staticmethod

@@ -1,5 +1,7 @@
 """`rollout-svc bench`: queue overhead (echo engine), generation efficiency (service vs direct vLLM), the
-control path (`bench_control`), weight sync (`bench_weights`) and the HTTP API beside the Python client (`bench_api`).
+control path (`bench_control`), weight sync (`bench_weights`), the HTTP API beside the Python client (`bench_api`),
+batch jobs (`bench_batch`), the hop beside vllm-router (`bench_hop`) and scaling over the shards of a Redis Cluster
+(`bench_shards`).
 
 Writes BENCHMARKS.md with the command that produced every figure. Figures are compared as ratios
 within one run: these machines are shared and noisy. Each section prints a progress line (`rollout_svc.progress`)
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from rollout_svc import bench_api, bench_batch, bench_control, dataset
+from rollout_svc import bench_api, bench_batch, bench_control, bench_hop, bench_shards, dataset
 from rollout_svc.client import RolloutClient
 from rollout_svc.cluster import LocalCluster, cpu_sets
 from rollout_svc.config import EngineSettings, Settings
@@ -76,6 +78,9 @@ def run_bench(
     frozen = bench_control.frozen_beyond_pause(redis_url, 10, _log_dir(), console)
     api = bench_api.api_overhead(redis_url, api_requests, api_in_flight, _log_dir(), console)
     batch = bench_batch.batch_overhead(redis_url, batch_lines, _log_dir(), console)
+    hop = bench_hop.run_hop_bench(redis_url, console, _log_dir(), command=command)
+    shards_plan = bench_shards.ShardsPlan(requests=requests)
+    shards = bench_shards.run_shards_bench(console, _log_dir(), shards_plan, command=command)
     generation: list[GenerationFigures] = []
     weights: list[str] = []
     if model is not None:
@@ -85,7 +90,8 @@ def run_bench(
         weights = bench_weights.report(bench_weights.weight_sync(redis_url, model, _log_dir(), console))
     text = _report(command, queue, generation, prompts, max_tokens, requests)
     sections = bench_control.report(control, frozen) + weights + bench_api.report(api)
-    output.write_text(text + "\n".join(sections + bench_batch.report(batch, command)) + "\n")
+    text += "\n".join(sections + bench_batch.report(batch, command)) + "\n"
+    output.write_text(text + bench_hop.render_hop(hop) + bench_shards.render_shards(shards))
     console.print(f"wrote {output}")
 
 

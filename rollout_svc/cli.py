@@ -25,7 +25,7 @@ from rollout_svc.config import EngineSettings, Settings
 
 if TYPE_CHECKING:
     from rollout_svc.cluster import LocalCluster
-    from rollout_svc.control import ControlPlane
+    from rollout_svc.fleet import FleetControl
     from rollout_svc.launch import RayWorkerGroup
 
 app = typer.Typer(
@@ -107,9 +107,19 @@ def up(
         typer.Option(
             envvar="ROLLOUT_REDIS_DATA_DIR",
             help="The private Redis's append-only file goes here, so restarting `up` keeps queued requests "
-            "(default: <cache dir>/redis/<port>).",
+            "(default: <cache dir>/redis/<port>). With --redis-cluster: one folder per port in it, kept across "
+            "restarts (default: a new cluster each time).",
         ),
     ] = None,
+    redis_cluster: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            metavar="N",
+            help="Start a local Redis Cluster of N primaries (on the --redis-url port and the next N-1) instead of "
+            "one Redis, or use the cluster that answers there; worker i joins shard g{i % N}. 0: off.",
+        ),
+    ] = 0,
     ray_address: Annotated[
         str | None,
         typer.Option(
@@ -133,11 +143,14 @@ def up(
     With --acl (a private Redis only) anonymous connections can do nothing: workers connect as `worker`, the API as
     `admin`, and the three users' URLs are written to --acl-file (mode 0600). Ctrl-C or SIGTERM stops everything,
     leaving no process behind.
+
+    With --redis-cluster N the workers are spread over N shards (worker i in g{i % N}) on a local Redis Cluster.
     """
     from rollout_svc.cluster import ACL_NEEDS_PRIVATE_REDIS, LocalCluster, redis_answers
     from rollout_svc.connect import is_loopback
 
     _logging()
+    _check_redis_cluster(redis_url, redis_cluster, acl, ray_address)
     exposed = redis_bind is not None and not all(is_loopback(h.strip()) for h in redis_bind.split(","))
     if exposed and not acl and not urlparse(redis_url).password:
         typer.echo(
@@ -170,6 +183,7 @@ def up(
         log_dir=log_dir,
         acl_file=acl_file if acl else None,
         redis_bind=redis_bind,
+        redis_cluster=redis_cluster,
     )
     # Both signals run the `finally` below. SIGINT explicitly: a shell starts background jobs with it ignored.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -179,7 +193,8 @@ def up(
         if group is not None:
             _start_ray_group(group, cluster)
         cluster.wait_ready(timeout_s=900)
-        typer.echo(f"rollout-svc: {workers} {engine.value} worker(s) up on {redis_url}; Ctrl-C to stop", err=True)
+        on = f"the Redis Cluster at {redis_url} ({redis_cluster} shards)" if redis_cluster else redis_url
+        typer.echo(f"rollout-svc: {workers} {engine.value} worker(s) up on {on}; Ctrl-C to stop", err=True)
         if cluster.credentials is not None:
             typer.echo(
                 f"rollout-svc: Redis ACL users created; their URLs are in {acl_file} (mode 0600). "
@@ -198,6 +213,41 @@ def up(
         if group is not None:
             group.shutdown()
         cluster.stop()
+
+
+def _check_redis_cluster(redis_url: str, primaries: int, acl: bool, ray_address: str | None) -> None:
+    """With --redis-cluster: exit 2 if combined with --acl or --ray, if its ports do not fit, or if a Redis that
+    is no cluster answers at --redis-url."""
+    if not primaries:
+        return
+    from rollout_svc.cluster import ACL_NOT_ON_CLUSTER, redis_answers
+    from rollout_svc.cluster_connect import probe_cluster
+    from rollout_svc.redis_cluster import cluster_ports
+
+    problem = None
+    if acl:
+        problem = ACL_NOT_ON_CLUSTER
+    elif ray_address is not None:
+        problem = "--redis-cluster runs the workers here: leave out --ray (Ray workers on a Redis Cluster: not yet)"
+    elif redis_answers(redis_url):
+        try:
+            if not probe_cluster(redis_url):
+                problem = (
+                    "a Redis that is not a Redis Cluster answers at --redis-url: point it at a free port (the "
+                    "cluster starts there) or at a node of a running Redis Cluster"
+                )
+        except RedisError as exc:
+            problem = f"cannot tell whether the Redis at --redis-url is a cluster: {exc}"
+    elif urlparse(redis_url).scheme != "redis":
+        problem = "--redis-cluster starts a cluster only for a redis:// --redis-url (its first node's address)"
+    else:
+        try:
+            cluster_ports(urlparse(redis_url).port or 6379, primaries)
+        except ValueError as exc:
+            problem = str(exc)
+    if problem is not None:
+        typer.echo(f"rollout-svc up: {problem}", err=True)
+        raise typer.Exit(2)
 
 
 def _ray_group(
@@ -339,19 +389,18 @@ class PauseModeChoice(StrEnum):
     wait = "wait"
 
 
-def _control(redis_url: str, what: str, command: Callable[[ControlPlane], Awaitable[int]]) -> None:
+def _control(redis_url: str, what: str, command: Callable[[FleetControl], Awaitable[int]]) -> None:
     """Run one control command; exit 1 naming the workers that did not ack (or failed), 2 if Redis is away."""
 
-    from rollout_svc.connect import redis_async
-    from rollout_svc.control import ControlPlane as Plane
     from rollout_svc.errors import AccessDeniedError, ControlCommandError, ControlTimeoutError, InvalidRequestError
+    from rollout_svc.fleet import Fleet, FleetControl
 
     async def run() -> int:
-        redis = redis_async(redis_url)
+        fleet = Fleet(Settings(redis_url=redis_url))
         try:
-            return await command(Plane(redis, Settings(redis_url=redis_url)))
+            return await command(FleetControl(fleet))  # the issuer's verbs, in every shard
         finally:
-            await redis.aclose()
+            await fleet.close()
 
     try:
         epoch = asyncio.run(run())

@@ -40,9 +40,11 @@ def _run(redis_url: str, work: Any) -> Any:
     """Run `work(store)`; bad input and an unreachable Redis end the command with a clear message (exit 1)."""
     from redis.exceptions import RedisError
 
+    from rollout_svc.cluster_connect import refuse_cluster
     from rollout_svc.errors import InvalidRequestError
 
     try:
+        refuse_cluster(redis_url, "batch jobs")
         return asyncio.run(_with_store(redis_url, work))
     except InvalidRequestError as exc:
         raise _fail(str(exc)) from None
@@ -189,6 +191,12 @@ def batch_worker(
     from rollout_svc.batch import run_batch_worker
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rollout_svc.errors import InvalidRequestError
+
     started = time.monotonic()
-    run_batch_worker(Settings(redis_url=redis_url), burst=burst)
+    try:
+        run_batch_worker(Settings(redis_url=redis_url), burst=burst)
+    except InvalidRequestError as exc:  # a Redis Cluster URL
+        typer.echo(f"batch-worker: {exc}", err=True)
+        raise typer.Exit(2) from exc
     logging.getLogger("rollout_svc.batch").info("batch worker stopped after %.0f s", time.monotonic() - started)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 import typer
 
 from rollout_svc.config import Settings
+from rollout_svc.keys import DEFAULT_SHARD
 
 if TYPE_CHECKING:
     from rollout_svc.dead_letters import DeadLetter, DeadLetters, ReplayReport
@@ -25,17 +26,19 @@ RedisUrl = Annotated[
     str, typer.Option("--redis-url", envvar="ROLLOUT_REDIS_URL", help="Redis URL (env ROLLOUT_REDIS_URL).")
 ]
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+Shard = Annotated[str, typer.Option(help="The shard (worker group) whose dead letters these are; `status` lists them.")]
 
 
 def _run(settings: Settings, work: Callable[[DeadLetters], Awaitable[T]]) -> T:
     """Run `work(dead_letters)` on a fresh connection; an unreachable Redis ends the command (exit 2)."""
     from redis.exceptions import RedisError, ResponseError
 
+    from rollout_svc.cluster_connect import shard_url
     from rollout_svc.connect import redis_async
     from rollout_svc.dead_letters import DeadLetters
 
     async def run() -> T:
-        redis = redis_async(settings.redis_url)
+        redis = redis_async(await asyncio.to_thread(shard_url, settings.redis_url, settings.shard))
         try:
             return await work(DeadLetters(redis, settings))
         finally:
@@ -58,8 +61,9 @@ def list_dead_letters(
     count: Annotated[int, typer.Option(min=1, help="Show at most this many, newest first.")] = 50,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line, newest first.")] = False,
     redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    shard: Shard = DEFAULT_SHARD,
 ) -> None:
-    """List dead letters, newest first.
+    """List one shard's dead letters, newest first (`rollout-svc status` counts every shard's).
 
     Columns: dead-letter id, time, request id, producer (the id in its results stream's name), session, reason,
     message, worker ('(reaper)' if a reaper wrote it), deliveries. An undecodable payload is listed with why it does
@@ -69,7 +73,7 @@ def list_dead_letters(
     async def read(dead: DeadLetters) -> tuple[list[DeadLetter], int]:
         return await dead.newest(count), await dead.count()
 
-    settings = Settings(redis_url=redis_url)
+    settings = Settings(redis_url=redis_url, shard=shard)
     letters, total = _run(settings, read)
     if as_json:
         for letter in letters:
@@ -105,8 +109,9 @@ def replay(
     all_letters: Annotated[bool, typer.Option("--all", help="Every dead letter, oldest first.")] = False,
     keep: Annotated[bool, typer.Option("--keep", help="Leave the replayed ones in the dead-letter stream.")] = False,
     redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    shard: Shard = DEFAULT_SHARD,
 ) -> None:
-    """Requeue dead letters as new requests, then delete them from the dead-letter stream.
+    """Requeue one shard's dead letters as new requests (in that shard), then delete them from its dead-letter stream.
 
     They are enqueued as producers enqueue (sessions placed, admission checked, a fresh delivery count), then
     deleted unless --keep. Prints what was replayed and what was not, and why; exits 1 if anything named (or, with
@@ -118,7 +123,8 @@ def replay(
         raise typer.Exit(2)
     ids = entry_ids or []
     report = _run(
-        Settings(redis_url=redis_url), lambda dead: dead.replay_all(keep) if all_letters else dead.replay(ids, keep)
+        Settings(redis_url=redis_url, shard=shard),
+        lambda dead: dead.replay_all(keep) if all_letters else dead.replay(ids, keep),
     )
     _print_report(report)
     if report.skipped or report.queue_full is not None:

@@ -96,7 +96,7 @@ class RolloutClient:
         connection = self._connection
         if connection is None or connection.loop is not asyncio.get_running_loop():
             connection = self._connection = Connection(self.settings, self.producer_id)
-            await connection.control.load_scripts()
+            await connection.start()
             if self.settings.redis_url not in _CHECKED_EVICTION:  # once per process and Redis
                 _CHECKED_EVICTION.add(self.settings.redis_url)
                 await warn_if_evicting(connection.redis, "rollout client")
@@ -593,11 +593,11 @@ class RolloutClient:
 
     async def finish_session(self, session_id: str) -> bool:
         """Unpin a session: its next request is placed anew. Returns whether it was pinned."""
-        return await (await self._connect()).streams.finish_session(session_id)
+        return await (await self._connect()).session_streams(session_id).finish_session(session_id)
 
     async def session_worker(self, session_id: str) -> str | None:
         """The worker a session is pinned to, or None."""
-        return await (await self._connect()).streams.pinned_worker(session_id)
+        return await (await self._connect()).session_streams(session_id).pinned_worker(session_id)
 
     async def workers(self) -> list[WorkerStatus]:
         """Live workers (heartbeat not expired), sorted by id, with their control state (`state`, `applied_epoch`)."""

@@ -1,4 +1,5 @@
-"""A local cluster on one machine: a Redis (private if none answers), N worker processes, optionally the API."""
+"""A local cluster on one machine: a Redis (private if none answers) or a local Redis Cluster, N worker processes,
+optionally the API."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from urllib.parse import urlparse
 import redis
 
 from rollout_svc.acl import Credentials, create_users
+from rollout_svc.cluster_connect import probe_cluster, redis_router_sync
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.connect import is_loopback, redis_sync
+from rollout_svc.redis_cluster import RedisClusterServers, worker_shard
 
 log = logging.getLogger("rollout_svc.cluster")
 ACL_NEEDS_PRIVATE_REDIS = (
@@ -30,6 +33,7 @@ ACL_NEEDS_PRIVATE_REDIS = (
     "--redis-url: create the users there yourself (`rollout-svc acl rules` prints the ACL SETUSER lines; README, "
     "'Redis ACL users') and give each process its user's URL, or point --redis-url at a free port"
 )
+ACL_NOT_ON_CLUSTER = "--acl creates its users in one Redis, not on every node of a Redis Cluster: leave out one of them"
 
 
 # Sets PR_SET_PDEATHSIG (argv[1], a signal number), then execs the real command: if `up` itself is killed with -9,
@@ -161,6 +165,12 @@ class LocalCluster:
     workers connect as `worker`, the API and this process as `admin`, and the three URLs are written to `acl_file`
     (mode 0600; removed by `stop()`, the passwords dying with that Redis). A Redis that already answers is refused
     (`RuntimeError`): its users are its operator's to create (`rollout-svc acl rules`).
+
+    With `redis_cluster` N >= 1, a local Redis Cluster of N primaries (`RedisClusterServers`, on the URL's port and
+    the next N-1) takes the private Redis's place, and worker i joins shard `g{i % N}` (`ROLLOUT_SHARD`). A
+    cluster that already answers at the URL is used as it is (a Redis that is no cluster is refused). Its nodes
+    keep their folders under `settings.redis_data_dir` (one per port) if set; otherwise each start wipes them
+    (under `<cache dir>/redis/cluster-<port>`) and creates a new cluster. Not with `acl_file`.
     """
 
     RESTART_DELAY_S = 2.0
@@ -176,14 +186,17 @@ class LocalCluster:
         log_dir: Path | None = None,
         acl_file: Path | None = None,
         redis_bind: str | None = None,
+        redis_cluster: int = 0,
     ) -> None:
         self.settings, self.worker_count = settings, workers
+        self.redis_cluster = redis_cluster
         self.redis_bind = redis_bind
         self.engine = engine or EngineSettings()
         self.api_port, self.api_host = api_port, api_host
         self.log_dir, self.acl_file = log_dir, acl_file
         self.credentials: Credentials | None = None  # with `acl_file`, once `start` created the users
         self.redis: PrivateRedis | None = None
+        self.redis_servers: RedisClusterServers | None = None  # with `redis_cluster`, the one `start` started
         self.children: list[_Child] = []
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
@@ -193,7 +206,9 @@ class LocalCluster:
 
         Raises `RuntimeError` if no Redis can be started, or, with `acl_file`, if a Redis already answers or there
         is no `redis-server` (fakeredis enforces no ACLs)."""
-        if not redis_answers(self.settings.redis_url):
+        if self.redis_cluster:
+            self._start_redis_cluster()
+        elif not redis_answers(self.settings.redis_url):
             if urlparse(self.settings.redis_url).scheme != "redis":
                 raise RuntimeError(
                     f"no Redis answers at {_redacted(self.settings.redis_url)}; `up` starts a private Redis only for a "
@@ -214,9 +229,60 @@ class LocalCluster:
         if self.acl_file is not None:
             self._create_users(self.acl_file)
         env = {**os.environ, **settings_env(self.settings)}
+        self.children.extend(self._worker_children(env))
+        if self.api_port is not None:
+            args = [sys.executable, "-m", "rollout_svc", "serve", "--host", self.api_host, "--port", str(self.api_port)]
+            self.children.append(_Child("api", args, env))
+        for child in self.children:
+            self._spawn(child)
+        self._supervisor = threading.Thread(target=self._supervise, name="cluster-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _start_redis_cluster(self) -> None:
+        """Use the Redis Cluster that answers at the URL, or start one there; RuntimeError if a Redis that is no
+        cluster answers, or with `acl_file`."""
+        url = self.settings.redis_url
+        if self.acl_file is not None:
+            raise RuntimeError(ACL_NOT_ON_CLUSTER)
+        if redis_answers(url):
+            if not probe_cluster(url):
+                raise RuntimeError(
+                    f"a Redis that is not a Redis Cluster answers at {_redacted(url)}: point --redis-url at a free "
+                    "port (a cluster is started there) or at a node of a running Redis Cluster"
+                )
+            log.info("using the Redis Cluster that answers at %s", _redacted(url))
+            return
+        parsed = urlparse(url)
+        if parsed.scheme != "redis":
+            raise RuntimeError(f"`up` starts a Redis Cluster only for a redis:// URL, not {_redacted(url)}")
+        host, port = parsed.hostname or "127.0.0.1", parsed.port or 6379
+        fresh = self.settings.redis_data_dir is None  # nothing to keep: a new cluster each time
+        data_dir = self.settings.redis_data_dir or (self.settings.cache_dir / "redis" / f"cluster-{port}")
+        servers = RedisClusterServers(
+            host, port, self.redis_cluster, data_dir, parsed.password, bind=self.redis_bind, fresh=fresh
+        )
+        servers.start()
+        self.redis_servers = servers
+        log.info(
+            "started a Redis Cluster of %d primaries on %s ports %s (folders in %s)",
+            self.redis_cluster,
+            host,
+            ", ".join(map(str, servers.ports)),
+            data_dir,
+        )
+
+    def worker_shards(self) -> list[str]:
+        """The shard each worker joins: `g{i % redis_cluster}` on a Redis Cluster, else the settings' shard."""
+        if not self.redis_cluster:
+            return [self.settings.shard] * self.worker_count
+        return [worker_shard(i, self.redis_cluster) for i in range(self.worker_count)]
+
+    def _worker_children(self, env: dict[str, str]) -> list[_Child]:
+        """One child per worker: `env` plus its CPU share (vLLM on CPUs), its shard and, under --acl, its URL."""
+        children = []
         binds = cpu_sets(self.worker_count)
-        for i in range(self.worker_count):
-            worker_env = dict(env)
+        for i, shard in enumerate(self.worker_shards()):
+            worker_env = {**env, "ROLLOUT_SHARD": shard}
             if self.engine.engine == "vllm" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 worker_env["VLLM_CPU_OMP_THREADS_BIND"] = binds[i]
             # A seed of its own per worker: with one seed, unseeded samples of one group spread over two workers
@@ -225,14 +291,8 @@ class LocalCluster:
             if self.credentials is not None:
                 worker_env["ROLLOUT_REDIS_URL"] = self.credentials.worker
             args = [sys.executable, "-m", "workers", "--engine", engine.engine, *engine.to_args()]
-            self.children.append(_Child(f"worker-{i}", args, worker_env))
-        if self.api_port is not None:
-            args = [sys.executable, "-m", "rollout_svc", "serve", "--host", self.api_host, "--port", str(self.api_port)]
-            self.children.append(_Child("api", args, env))
-        for child in self.children:
-            self._spawn(child)
-        self._supervisor = threading.Thread(target=self._supervise, name="cluster-supervisor", daemon=True)
-        self._supervisor.start()
+            children.append(_Child(f"worker-{i}", args, worker_env))
+        return children
 
     def _create_users(self, acl_file: Path) -> None:
         """Create the ACL users in the private Redis, write their URLs, and go on as `admin` from here."""
@@ -273,13 +333,15 @@ class LocalCluster:
 
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until every worker heartbeats. Raises `RuntimeError` if a child keeps exiting or time runs out."""
-        keys = self.settings.keys
-        client = redis_sync(self.settings.redis_url)
+        shards = [self.settings.keys.of_shard(s) for s in sorted(set(self.worker_shards()))]
+        client: Any = redis_router_sync(self.settings.redis_url)
         deadline = time.monotonic() + timeout_s
         try:
             while True:
-                members: Any = client.smembers(keys.workers)
-                live = sum(bool(client.exists(keys.worker(w.decode()))) for w in members)
+                live = 0
+                for keys in shards:
+                    members: Any = client.smembers(keys.workers)
+                    live += sum(bool(client.exists(keys.worker(w.decode()))) for w in members)
                 if live >= self.worker_count:
                     return
                 failing = [c.name for c in self.children if c.restarts >= self.MAX_START_FAILURES]
@@ -322,6 +384,8 @@ class LocalCluster:
             process.wait()
         if self.redis is not None:
             self.redis.stop()
+        if self.redis_servers is not None:
+            self.redis_servers.stop()
         if self.credentials is not None and self.acl_file is not None:
             self.acl_file.unlink(missing_ok=True)
 

@@ -272,7 +272,7 @@ def _policy(reply: Any) -> tuple[str | None, int]:
     return items.get("maxmemory-policy"), int(items.get("maxmemory") or 0)
 
 
-async def warn_if_evicting(client: redis.asyncio.Redis, who: str) -> str | None:
+async def warn_if_evicting(client: redis.asyncio.Redis | redis.asyncio.RedisCluster, who: str) -> str | None:
     """Log (once per call) and return the eviction warning; None if fine or if Redis will not say (CONFIG refused
     to this user, or renamed by a managed Redis)."""
     reply: Any

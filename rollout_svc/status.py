@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from rollout_svc.config import Settings
-from rollout_svc.connect import redis_async
-from rollout_svc.control import ControlPlane
+from rollout_svc.fleet import Fleet, FleetControl, FleetRegistry
 
 
 async def fleet_status(settings: Settings) -> dict[str, Any]:
@@ -14,22 +15,32 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
 
     Returns `{"paused": bool, "pause_mode": "keep"|"abort"|"wait"|None, "pause_holders": {holder: mode},
     "sleep_level": n, "epoch": n, "weight_version": n (committed), "weight_checkpoint": path or None,
-    "workers": [WorkerStatus dict], "streams": {name: {length, pending, queued}}, "dead_letters": n}`. Each worker's
+    "workers": [WorkerStatus dict], "streams": {name: {length, pending, queued}}, "dead_letters": n,
+    "shards": [name], "unreachable_shards": [name]}`: every reachable shard's workers, streams and dead letters,
+    and the control state as the first shard that answers holds it (every command writes it in all). Each worker's
     `state` is starting, serving, paused, sleeping, draining or stale (its weights are not the committed ones), and
     `applied_epoch` the control epoch it acknowledged (right after a command returns, every worker's is >= it).
     """
-    redis = redis_async(settings.redis_url, decode_responses=False)
-    keys = settings.keys
+    fleet = Fleet(settings)
     try:
-        control = ControlPlane(redis, settings)
-        desired = await control.state()
-        workers = await control.registry.live_workers()
-        depths = {}
-        for stream in [keys.requests, keys.token_requests, *(keys.pinned_requests(w.worker_id) for w in workers)]:
-            depths[stream] = await control.streams.depth(stream)
-        dead_letters = await redis.xlen(keys.dead)
+        shards = await fleet.refresh()
+        desired = await FleetControl(fleet).state()
+        workers = await FleetRegistry(fleet).live_workers()
+        live = {w.worker_id for w in workers}
+        depths: dict[str, dict[str, int]] = {}
+        dead_letters = 0
+        unreachable = []
+        for link in fleet.links.values():
+            keys = link.keys
+            try:
+                pinned = [keys.pinned_requests(w) for w in await link.registry.live_ids() if w in live]
+                for stream in [keys.requests, keys.token_requests, *pinned]:
+                    depths[stream] = await link.streams.depth(stream)
+                dead_letters += int(await link.redis.xlen(keys.dead))
+            except (RedisError, OSError):  # its primary is down: reported, the other shards still are
+                unreachable.append(link.name)
     finally:
-        await redis.aclose()
+        await fleet.close()
     return {
         "paused": desired.paused,
         "pause_mode": desired.pause_mode,
@@ -41,4 +52,6 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
         "workers": [w.model_dump() for w in workers],
         "streams": depths,
         "dead_letters": dead_letters,
+        "shards": shards,
+        "unreachable_shards": unreachable,
     }

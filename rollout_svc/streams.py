@@ -174,30 +174,60 @@ class RequestStreams:
         return outcome
 
     async def enqueue_batches(
-        self, batches: Sequence[Sequence[Enqueue]], limits: Sequence[int]
+        self, batches: Sequence[Sequence[Enqueue]], limits: Sequence[int], *, share: bool = True
     ) -> list[list[Placed] | QueueFullError]:
         """Enqueue several callers' batches in one round trip (one script call per chunk, pipelined).
 
         `limits[i]` is batch i's admission limit (-1: none). Each batch succeeds or fails on its own: the
-        outcome is where its requests went, or its `QueueFullError`.
+        outcome is where its requests went, or its `QueueFullError`. With `share`, batches of up to ENQUEUE_CHUNK
+        requests with the same limit share chunks (many callers' single requests go in one script call, not one
+        each); a shared chunk refused for admission is sent again batch by batch, so each batch is admitted or
+        refused on its own count.
         """
-        chunks: list[tuple[Sequence[Enqueue], int]] = []
-        spans: list[tuple[int, int]] = []
+        chunks: list[tuple[list[Enqueue], int]] = []
+        spans: list[list[tuple[int, int, int]]] = []  # per batch: (chunk, first position in it, count)
+        filling: dict[int, int] = {}  # limit -> the shared chunk being filled
         for items, limit in zip(batches, limits, strict=True):
-            first = len(chunks)
-            chunks += [(items[start : start + ENQUEUE_CHUNK], limit) for start in range(0, len(items), ENQUEUE_CHUNK)]
-            spans.append((first, len(chunks)))
+            span: list[tuple[int, int, int]] = []
+            if share and len(items) <= ENQUEUE_CHUNK:
+                at = filling.get(limit)
+                if at is None or len(chunks[at][0]) + len(items) > ENQUEUE_CHUNK:
+                    at = filling[limit] = len(chunks)
+                    chunks.append(([], limit))
+                span.append((at, len(chunks[at][0]), len(items)))
+                chunks[at][0].extend(items)
+            else:
+                for start in range(0, len(items), ENQUEUE_CHUNK):
+                    part = list(items[start : start + ENQUEUE_CHUNK])
+                    span.append((len(chunks), 0, len(part)))
+                    chunks.append((part, limit))
+            spans.append(span)
         replies = await self._run_enqueue_calls(chunks)
-        outcomes: list[list[Placed] | QueueFullError] = []
-        for (first, end), limit in zip(spans, limits, strict=True):
+        placed: dict[int, list[Placed]] = {}
+        refusals: dict[int, QueueFullError] = {}
+        for at, ((items, limit), reply) in enumerate(zip(chunks, replies, strict=True)):
             try:
-                placed = [self._placed(chunks[i][0], *replies[i], limit) for i in range(first, end)]
-                outcomes.append([p for chunk in placed for p in chunk])
+                placed[at] = self._placed(items, *reply, limit)
             except QueueFullError as exc:
-                outcomes.append(exc)
+                refusals[at] = exc
+        outcomes: list[list[Placed] | QueueFullError] = []
+        again: list[int] = []  # batches of a shared chunk that was refused: sent again on their own
+        for b, span in enumerate(spans):
+            refused = next((refusals[at] for at, _, _ in span if at in refusals), None)
+            if refused is None:
+                outcomes.append([p for at, first, count in span for p in placed[at][first : first + count]])
+                continue
+            outcomes.append(refused)
+            at, _, count = span[0]
+            if count < len(chunks[at][0]):  # it shared the chunk: its own count may fit
+                again.append(b)
+        if again:
+            retried = await self.enqueue_batches([batches[b] for b in again], [limits[b] for b in again], share=False)
+            for b, outcome in zip(again, retried, strict=True):
+                outcomes[b] = outcome
         return outcomes
 
-    async def _run_enqueue_calls(self, chunks: list[tuple[Sequence[Enqueue], int]]) -> list[tuple[list[str], Any]]:
+    async def _run_enqueue_calls(self, chunks: Sequence[tuple[Sequence[Enqueue], int]]) -> list[tuple[list[str], Any]]:
         """EVALSHA each chunk in one pipeline; returns (keys, reply) per chunk. Not through redis-py's
         script-in-pipeline support: that costs a SCRIPT EXISTS round trip per pipeline. NOSCRIPT (Redis
         restarted) reloads and retries, as does a stale worker set, for just the chunks that did not run."""

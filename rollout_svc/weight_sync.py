@@ -58,6 +58,18 @@ class BarrierOutcome:
         failed |= dict.fromkeys(self.dead, "dead: its heartbeat expired during the sync")
         return failed | dict.fromkeys(self.missing, "did not reach the barrier in time")
 
+    @classmethod
+    def merge(cls, parts: Sequence[BarrierOutcome], dead: Sequence[str] = ()) -> BarrierOutcome:
+        """One outcome of several shards' parts of a barrier; `dead`: members found in no shard."""
+        merged = cls(dead=list(dead))
+        for part in parts:
+            merged.arrived |= part.arrived
+            merged.dead += part.dead
+            merged.missing += part.missing
+        merged.dead.sort()
+        merged.missing.sort()
+        return merged
+
 
 def advertise_address(settings: Settings) -> str:
     """The address peers reach this process at: `settings.advertise_addr`, else that of the interface which

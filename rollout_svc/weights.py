@@ -25,15 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from redis.asyncio import Redis
 
 from rollout_svc.config import Settings
-from rollout_svc.connect import redis_async
-from rollout_svc.control import ControlPlane
 from rollout_svc.errors import InvalidRequestError, WeightSyncError
+from rollout_svc.fleet import Fleet, FleetControl, FleetWeightPlane
 from rollout_svc.protocol import PauseMode, TensorSpec, TransferGroup, WeightManifest, WeightSyncOrder
 from rollout_svc.transfer import BucketBuffers, fill_into, join_group, open_store, plan_buckets
-from rollout_svc.weight_sync import JOINED, LOADED, BarrierOutcome, WeightSyncPlane, advertise_address
+from rollout_svc.weight_sync import JOINED, LOADED, BarrierOutcome, advertise_address
 
 log = logging.getLogger("rollout_svc.weights")
 SYNC_HOLDER = "weight-sync"  # the pause holder of a sync: `rollout-svc resume --holder weight-sync` if a trainer died
@@ -110,7 +108,7 @@ class WeightSender:
         self.settings = settings
         self.bucket_bytes = bucket_bytes or settings.weight_bucket_bytes
         self.timeout_s = timeout_s or settings.weight_sync_timeout_s
-        self._redis: Redis | None = None
+        self._redis: Fleet | None = None  # the shards, once connected
         self._group: _Group | None = None
         self._lock: asyncio.Lock | None = None
         self._buffers = BucketBuffers()
@@ -126,11 +124,11 @@ class WeightSender:
         """Connect to Redis (idempotent). Workers need no matching call: the group is built at the first update."""
         if self._redis is not None:
             return
-        self._redis = redis_async(self.settings.redis_url, decode_responses=False)
-        await self._redis.ping()
-        self.control = ControlPlane(self._redis, self.settings)
-        self.plane = WeightSyncPlane(self._redis, self.settings)
-        await self.control.load_scripts()
+        fleet = Fleet(self.settings)
+        await fleet.refresh()  # every shard: the order, the barriers and the commit reach each one
+        self.control = FleetControl(fleet)
+        self.plane = FleetWeightPlane(fleet)
+        self._redis = fleet
         self._lock = asyncio.Lock()
 
     async def committed_version(self) -> int:
@@ -160,8 +158,7 @@ class WeightSender:
         """Leave the transfer group and disconnect. The committed version stays."""
         self._group = None
         if self._redis is not None:
-            await self.control.close()
-            await self._redis.aclose()
+            await self._redis.close()
             self._redis = None
 
     # --- one sync ------------------------------------------------------------------------------------------

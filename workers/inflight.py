@@ -38,6 +38,7 @@ class InFlight:
     payload: bytes = b""
     publishing: bool = False  # answered, its result queued: released once published
     start_version: int = 0  # the weight version when it entered the engine
+    removed: bool = False  # no longer in flight (its deadline's heap entry goes lazily)
     version_marks: list[tuple[int, int]] = field(default_factory=list)  # weight syncs while in it: (version, token)
 
     @property
@@ -79,9 +80,12 @@ class InFlightIndex:
         for request_id in record.request_ids:
             self._by_request[request_id] = record
         if record.generation and request.deadline is not None:
-            heapq.heappush(self._deadlines, (request.deadline, next(self._pushed), record))
-            if len(self._deadlines) > 2 * len(self._by_key) + 1024:  # mostly finished ones: rebuild
-                self._deadlines = [d for d in self._deadlines if d[2] in self]
+            deadlines = self._deadlines
+            while deadlines and deadlines[0][2].removed:  # finished ones at the top (the earliest deadlines) go now
+                heapq.heappop(deadlines)
+            heapq.heappush(deadlines, (request.deadline, next(self._pushed), record))
+            if len(deadlines) > 2 * len(self._by_key) + 1024:  # mostly finished ones below the top: rebuild
+                self._deadlines = [d for d in deadlines if not d[2].removed]
                 heapq.heapify(self._deadlines)
 
     def running(self, request_id: str) -> InFlight | None:
@@ -91,6 +95,7 @@ class InFlightIndex:
     def remove(self, record: InFlight) -> None:
         if self._by_key.pop((record.entry.stream, record.entry.entry_id), None) is None:
             return
+        record.removed = True
         self._generating -= record.generation
         self._aborting.discard(record)
         session_id = record.entry.session_id

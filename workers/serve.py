@@ -22,6 +22,7 @@ from rollout_svc.protocol import (
     TokenizeResult,
     Trajectory,
     TrajectoryChunk,
+    construct,
     decode,
     encode,
     reply_address,
@@ -205,7 +206,8 @@ class RequestServer:
         aborted = completion.finish_reason == "abort"
         spans = weight_spans(prior.weight_versions if prior else [], record, len(tokens))
         # Built from this engine's own output, not validated again: the producer validates what it decodes.
-        return Trajectory.model_construct(
+        return construct(
+            Trajectory,
             request_id=request.request_id,
             session_id=request.session_id,
             group_id=request.group_id,
@@ -286,7 +288,8 @@ class ChunkSender:
         if not pending:
             return
         part = joined(pending)
-        chunk = TrajectoryChunk.model_construct(
+        chunk = construct(
+            TrajectoryChunk,
             request_id=self.request.request_id,
             offset=self.offset,
             token_ids=part.completion_token_ids,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import socket
@@ -12,13 +11,16 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
+from urllib.parse import urlparse
 
 from redis.exceptions import ResponseError
 
-from rollout_svc.config import Settings
+from rollout_svc.cluster_connect import redis_router, shard_url
+from rollout_svc.config import GC_YOUNG_THRESHOLD, Settings, tune_gc
 from rollout_svc.connect import next_message, redis_async, server_run_id, warn_if_evicting
 from rollout_svc.control import NUDGE_CANCEL, ControlPlane
 from rollout_svc.errors import EngineDeadError
+from rollout_svc.fleet import close_router
 from rollout_svc.protocol import WorkerStatus
 from rollout_svc.reaper import REAP_LOCK_TTL_S, Reaper
 from rollout_svc.registry import Registry
@@ -36,7 +38,6 @@ log = logging.getLogger("rollout_svc.worker")
 SWEEP_INTERVAL_S = 0.1  # deadlines and missed aborts are checked this often (not a timer per request)
 TOKEN_CONCURRENCY = 256  # tokenize requests served at once
 FENCED_DRAIN_S = 30.0  # how long a fenced worker waits for its aborted requests before coming back
-GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections (Python's default: 700)
 
 
 def default_worker_id() -> str:
@@ -106,9 +107,16 @@ class Worker:
 
     async def run(self) -> None:
         """Start the engine, serve until stopped, then drain. Raises `EngineDeadError` if the engine died."""
-        self.redis = redis_async(self.settings.redis_url, decode_responses=False)
+        # Every key of this worker's shard lives on the primary serving its hash tag's slot (the Redis itself, unless
+        # it is a cluster): this worker talks to that primary alone, and to the cluster only to announce its shard.
+        await self._wait_for_redis(self.settings.redis_url)
+        url = await asyncio.to_thread(shard_url, self.settings.redis_url, self.settings.shard)
+        if url != self.settings.redis_url:
+            log.info("worker %s: shard %s is served by %s", self.worker_id, self.settings.shard, urlparse(url).netloc)
+        self.redis = redis_async(url, decode_responses=False)
+        self._router = redis_router(self.settings.redis_url, decode_responses=False)
         # The take loop's blocking reads get a connection of their own, which a pause can unblock at once.
-        self._take_redis = redis_async(self.settings.redis_url, decode_responses=False, single_connection_client=True)
+        self._take_redis = redis_async(url, decode_responses=False, single_connection_client=True)
         self._take_streams = RequestStreams(self._take_redis, self.keys, self.settings.session_ttl_s)
         self.streams = RequestStreams(self.redis, self.keys, self.settings.session_ttl_s)
         self.registry = Registry(self.redis, self.keys, self.settings.heartbeat_ttl_s)
@@ -124,15 +132,12 @@ class Worker:
             self._queue_result, self._engine_died, self.metrics,
         )  # fmt: skip
         try:
-            await self._wait_for_redis()
             await self.engine.start()
             await self._prepare_while_redis_is_away()
             # What start-up built (the engine, its modules: millions of objects with vLLM) lives as long as the
             # process. Frozen, the collector's full passes skip it and walk only what requests allocate since;
             # and with a young generation of 50k objects, most requests' objects are freed before a pass sees them.
-            gc.collect()
-            gc.freeze()
-            gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+            tune_gc(GC_YOUNG_THRESHOLD)
             self._loops = {name: asyncio.create_task(self._guarded(name, loop())) for name, loop in self._named_loops()}
             log.info("worker %s serving %s (capacity %d)", self.worker_id, self.engine.model_name, self.engine.capacity)
             await self._stopping.wait()
@@ -141,6 +146,7 @@ class Worker:
             await self.engine.close()
             await self._take_redis.aclose()
             await self.redis.aclose()
+            await close_router(self._router)
         if self._fatal is not None:
             raise self._fatal
 
@@ -174,18 +180,30 @@ class Worker:
         self._fatal = self._fatal or exc
         self.stop()
 
-    async def _wait_for_redis(self) -> None:
+    async def _wait_for_redis(self, url: str) -> None:
         """Block until Redis answers, saying so every few seconds: a worker may start before its Redis."""
         failures = 0
-        while True:
-            try:
-                await self.redis.ping()
-                return
-            except REDIS_ERRORS as exc:
-                failures += 1
-                if failures % 10 == 1:
-                    log.warning("waiting for Redis at %s (%s); check --redis-url", self.settings.redis_url, exc)
-                await asyncio.sleep(0.5)
+        probe = redis_async(url, decode_responses=False)
+        try:
+            while True:
+                try:
+                    await probe.ping()
+                    return
+                except REDIS_ERRORS as exc:
+                    failures += 1
+                    if failures % 10 == 1:
+                        log.warning("waiting for Redis at %s (%s); check --redis-url", urlparse(url).netloc, exc)
+                    await asyncio.sleep(0.5)
+        finally:
+            await probe.aclose()
+
+    async def _announce_shard(self) -> None:
+        """Add this worker's shard to the deployment's shard set, where producers find it (idempotent). A failure is
+        only logged: the shard's own keys are elsewhere, and the next registration or reconcile adds it again."""
+        try:
+            await self._router.sadd(self.keys.shards, self.keys.shard)
+        except (*REDIS_ERRORS, ResponseError) as exc:
+            log.warning("could not add shard %s to the shard set (%s)", self.keys.shard, exc)
 
     async def _prepare_while_redis_is_away(self) -> None:
         """`_prepare`, again (each step is idempotent) while Redis fails under it: a worker starting just as Redis
@@ -235,6 +253,7 @@ class Worker:
     async def _register(self) -> None:
         """Register under the current id (state `starting`), then converge, and acknowledge if that completed
         (otherwise the control loop does, once in-flight requests have finished)."""
+        await self._announce_shard()
         await self._beat(renew=False)
         if await self.converger.converge():
             await self._beat(announce=True)
@@ -459,6 +478,7 @@ class Worker:
         and converge at once, which re-seeds a missing control state from what this worker last applied. A missing
         heartbeat is refused at the next beat, and the worker comes back as a new incarnation."""
         await self._ensure_groups()
+        await self._announce_shard()
         records = self.index.records()
         pending = {
             stream: await self.streams.pending_ids(stream, self.worker_id, len(records) + 1000)

@@ -149,14 +149,14 @@ async def test_restarting_up_keeps_the_requests_queued_when_it_stopped(tmp_path)
             prompts = [list(f"queued {i:03d}".encode()) for i in range(40)]
             call = asyncio.ensure_future(client.generate(prompts, {"max_tokens": 4}))
             rds = redis.Redis.from_url(url)
-            await async_wait_until(lambda: rds.xlen("rollout:requests") == 40, 10, "40 queued requests")
+            await async_wait_until(lambda: rds.xlen("rollout:{g0}:requests") == 40, 10, "40 queued requests")
             first.send_signal(signal.SIGINT)
             assert await asyncio.to_thread(first.wait, 60) == 0
             assert not redis_answers(url), "up left its Redis running"
             second = start_up(url, tmp_path, env)
             try:
                 await workers_live(2)
-                assert rds.xlen("rollout:requests") == 40, "the queued requests did not survive the restart"
+                assert rds.xlen("rollout:{g0}:requests") == 40, "the queued requests did not survive the restart"
                 assert not call.done()
                 await client.resume(holder="test")
                 trajectories = await asyncio.wait_for(call, 60)

@@ -161,3 +161,16 @@ async def test_a_stale_worker_set_is_noticed_inside_the_script(plane, settings, 
     await register(plane, "w0")  # a new worker the cache does not know: least loaded, lowest id
     [placed] = await streams.enqueue([request("r2", "x", "s2")], 100)
     assert placed.stream == keys.pinned_requests("w0")
+
+
+async def test_small_batches_share_a_script_call_and_are_still_admitted_one_by_one(plane, rds):
+    """Many callers' single requests go in one chunk; refused as one (its sum over the limit), each batch is sent
+    again on its own, so each is admitted or refused on its own count, as without sharing."""
+    replies = "test:results:p"
+    batches = [[request(f"b{b}-{i}", replies) for i in range(size)] for b, size in enumerate((3, 4, 2))]
+    outcomes = await plane.streams.enqueue_batches(batches, [5, 5, 5])
+    assert [type(o).__name__ for o in outcomes] == ["list", "QueueFullError", "list"], outcomes
+    assert rds.xlen(plane.keys.requests) == 5  # the first and the third: 3 + 2, in one round of retries
+    shared = await plane.streams.enqueue_batches([[request(f"s{i}", replies)] for i in range(50)], [-1] * 50)
+    assert all(len(o) == 1 for o in shared) and rds.xlen(plane.keys.requests) == 55  # type: ignore[arg-type]
+    assert len({o[0].entry_id for o in shared}) == 50  # type: ignore[index]

@@ -133,7 +133,7 @@ async def test_a_worker_killed_during_a_sync_is_left_out_and_named(ws_settings, 
         syncing = asyncio.ensure_future(sender.update(tensors(1).items(), version=1))
 
         def both_joined() -> bool:
-            return any(len(rds.hkeys(k)) == 2 for k in rds.keys(f"{ws_settings.key_prefix}:weight-sync:*:joined"))
+            return any(len(rds.hkeys(k)) == 2 for k in rds.keys(ws_settings.keys.weight_barrier("*", "joined")))
 
         await async_wait_until(both_joined, 20, "both workers joined the transfer group")
         procs.kill("w1")  # while it loads

@@ -99,3 +99,33 @@ def test_a_continuation_carries_one_logprob_per_token_and_leaves_room_to_generat
             sampling_params={"max_tokens": 1},
             continuation={"retry_of": "r1", "token_ids": [3], "logprobs": [0.0]},
         )
+
+
+def test_a_workers_answer_decodes_without_pydantic_to_the_same_model_and_is_still_checked():
+    from rollout_svc.protocol import ChatMessage, Trajectory
+
+    full = Trajectory(
+        request_id="r-1", session_id="s", group_id="g", prompt_token_ids=[1, 2], completion_token_ids=[3, 4],
+        logprobs=[-0.5, -0.25], finish_reason="abort", text="ab", weight_version=2, worker_id="w0",
+        queue_time_s=0.5, generation_time_s=1.5, abort_cause="pause", interruptions=1,
+        weight_versions=[(1, 0), (2, 1)], staleness=None, top_logprobs=[[(3, "a", -0.5)], [(4, "b", -0.25)]],
+        tokens=["a", "b"], tool_calls=[{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        content="",
+    )  # fmt: skip
+    decoded = decode(encode(full))
+    assert decoded == full and type(decoded) is Trajectory
+    assert decoded.weight_versions == [(1, 0), (2, 1)] and decoded.top_logprobs == [[(3, "a", -0.5)], [(4, "b", -0.25)]]
+    assert decoded.model_copy(update={"staleness": 0}).staleness == 0  # a real model: the producer copies it
+    minimal = decode(encode(Trajectory(request_id="r", prompt_token_ids=[1], finish_reason="stop")))
+    assert minimal.completion_token_ids == [] and minimal.error is None
+    body = msgpack.unpackb(encode(full))
+    body["b"]["finish_reason"] = "exploded"
+    with pytest.raises(ProtocolError, match="invalid Trajectory"):
+        decode(msgpack.packb(body))
+    body["b"]["finish_reason"], body["b"]["completion_token_ids"] = "stop", ["x"]
+    with pytest.raises(ProtocolError, match="invalid Trajectory"):
+        decode(msgpack.packb(body))
+    chat = RolloutRequest(
+        request_id="c", messages=[ChatMessage(role="tool", content="x", tool_call_id="7")], reply_to="q"
+    )
+    assert decode(encode(chat)).messages[0].model_extra == {"tool_call_id": "7"}, "a message's extras were not encoded"

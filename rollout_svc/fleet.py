@@ -1,0 +1,308 @@
+"""The shards of a deployment, seen from a producer, the control plane's issuer or the weight sender.
+
+A shard is a group of workers whose keys share one Redis Cluster hash tag (`rollout_svc.keys`): its requests
+streams, sessions, heartbeats, control state, weight-sync barriers and the producers' results streams for it. Every
+per-shard object (`RequestStreams`, `Registry`, `ControlPlane`, `WeightSyncPlane`) works within one shard, over a
+connection to the primary serving its slot (`cluster_connect.shard_url`). This module holds one `ShardLink` per
+shard and fans out what must reach every shard: control commands (`FleetControl`), the worker registry
+(`FleetRegistry`) and weight sync (`FleetWeightPlane`). One Redis is the one-shard case: one link, `g0`.
+
+Shards are discovered from the `{prefix}:shards` set, to which every worker adds its shard when it registers.
+Sessions are placed on a shard by rendezvous hashing (highest random weight: Thaler and Ravishankar, "Using
+name-based mappings to increase hit rates", IEEE/ACM ToN 1998) over the live shards, so adding or losing a shard
+moves only the sessions that hashed to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from redis.exceptions import RedisError
+
+from rollout_svc.cluster_connect import redis_router, shard_url
+from rollout_svc.config import Settings
+from rollout_svc.connect import redis_async
+from rollout_svc.control import DEFAULT_HOLDER, ControlPlane, FleetState, PauseMode
+from rollout_svc.keys import Keys
+from rollout_svc.protocol import WeightManifest, WeightSyncOrder, WorkerStatus
+from rollout_svc.registry import Registry
+from rollout_svc.streams import RequestStreams
+from rollout_svc.weight_sync import BarrierOutcome, WeightSyncPlane
+
+log = logging.getLogger("rollout_svc.fleet")
+T = TypeVar("T")
+
+
+def rendezvous(session_id: str, shards: Sequence[str]) -> str:
+    """The shard of `shards` (non-empty) with the highest hash of (shard, session id): stable while both live, and
+    only the sessions of a shard that leaves (or the share a new shard wins) move."""
+    return max(shards, key=lambda shard: hashlib.blake2b(f"{shard}\x00{session_id}".encode(), digest_size=8).digest())
+
+
+@dataclass
+class ShardLink:
+    """One shard as a client sees it: its settings (`shard` set) and keys, a connection to its primary, and the
+    per-shard planes on that connection (the control plane's own data plane and registry)."""
+
+    name: str
+    settings: Settings
+    keys: Keys
+    redis: Any
+    control: ControlPlane
+    weights: WeightSyncPlane
+    workers: int = 0  # live workers, as last checked
+    away_since: float | None = None  # monotonic time its Redis first failed to answer, None while it answers
+
+    @classmethod
+    async def open(cls, settings: Settings, name: str) -> ShardLink:
+        """Connect to shard `name`'s primary. Raises `RuntimeError` or a Redis error if it cannot be found."""
+        shard_settings = settings.model_copy(update={"shard": name})
+        url = await asyncio.to_thread(shard_url, settings.redis_url, name)
+        redis = redis_async(url, decode_responses=False)
+        return cls(
+            name=name,
+            settings=shard_settings,
+            keys=shard_settings.keys,
+            redis=redis,
+            control=ControlPlane(redis, shard_settings),
+            weights=WeightSyncPlane(redis, shard_settings),
+        )
+
+    @property
+    def streams(self) -> RequestStreams:
+        return self.control.streams
+
+    @property
+    def registry(self) -> Registry:
+        return self.control.registry
+
+    @property
+    def live(self) -> bool:
+        """A live worker heartbeats in it (as last checked)."""
+        return self.workers > 0
+
+    async def close(self) -> None:
+        try:
+            await self.control.close()
+        finally:
+            await self.redis.aclose()
+
+
+class Fleet:
+    """Every shard of one deployment (`settings.redis_url`, `settings.key_prefix`): discovered, connected, checked.
+
+    `links` maps shard name -> `ShardLink`. `await refresh()` adds the shards workers have registered since; a
+    shard whose primary cannot be reached is retried at the next refresh."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.router = redis_router(settings.redis_url, decode_responses=False)
+        self.links: dict[str, ShardLink] = {}
+        self._lock = asyncio.Lock()
+
+    async def refresh(self) -> list[str]:
+        """Connect to every registered shard (and the settings' own); returns the names found. Raises the Redis error
+        if no shard at all can be reached."""
+        async with self._lock:
+            names = {self.settings.shard}
+            try:
+                members: Any = await self.router.smembers(self.settings.keys.shards)
+                names |= {m.decode() if isinstance(m, bytes) else m for m in members}
+            except (RedisError, OSError) as exc:  # a cluster node away: the shards known so far stay
+                log.debug("reading the shard set failed (%s)", exc)
+            error: BaseException | None = None
+            for name in sorted(names - set(self.links)):
+                link = None
+                try:
+                    link = await ShardLink.open(self.settings, name)
+                    await link.control.load_scripts()
+                except (RedisError, OSError, RuntimeError) as exc:
+                    log.warning("shard %s cannot be reached yet (%s)", name, exc)
+                    error = exc
+                    if link is not None:
+                        await link.redis.aclose()
+                    continue
+                self.links[name] = link
+            if not self.links and error is not None:  # nothing reachable at all: say so rather than see no fleet
+                raise error
+            return sorted(self.links)
+
+    def live(self) -> list[str]:
+        """The shards a live worker heartbeats in (as last checked), by name."""
+        return sorted(name for name, link in self.links.items() if link.live and link.away_since is None)
+
+    async def check(self, link: ShardLink) -> None:
+        """Record how many live workers heartbeat in `link`'s shard. Raises the Redis error if it is away."""
+        link.workers = len(await link.registry.live_ids())
+
+    async def each(self, call: Callable[[ShardLink], Awaitable[T]], names: Iterable[str] | None = None) -> dict[str, T]:
+        """`call(link)` on every shard (or those named) at once. If any raise, the first error is raised once all
+        are done, with a note naming its shard: the others' effects stand (a control command's desired state is
+        written on every shard that answered, and a retry converges)."""
+        links = [self.links[n] for n in (sorted(self.links) if names is None else names) if n in self.links]
+        outcomes = await asyncio.gather(*(call(link) for link in links), return_exceptions=True)
+        for link, outcome in zip(links, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                outcome.add_note(f"(on shard {link.name}; the other shards' part stands)")
+                raise outcome
+        return {link.name: outcome for link, outcome in zip(links, outcomes, strict=True)}  # type: ignore[misc]
+
+    async def each_reachable(self, call: Callable[[ShardLink], Awaitable[T]]) -> dict[str, T]:
+        """`call(link)` on every shard at once, leaving out (with a warning) the shards whose Redis is away: what a
+        read of the whole fleet (its workers, its status) sees while one shard's primary is down."""
+        links = [self.links[n] for n in sorted(self.links)]
+        outcomes = await asyncio.gather(*(call(link) for link in links), return_exceptions=True)
+        found: dict[str, T] = {}
+        for link, outcome in zip(links, outcomes, strict=True):
+            if isinstance(outcome, (RedisError, OSError)):
+                log.warning("shard %s left out: its Redis is away (%s)", link.name, outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                found[link.name] = outcome
+        return found
+
+    async def close(self) -> None:
+        for link in self.links.values():
+            try:
+                await link.close()
+            except (RedisError, OSError) as exc:
+                log.debug("closing shard %s failed (%s)", link.name, exc)
+        self.links.clear()
+        await close_router(self.router)
+
+
+async def close_router(router: Any) -> None:
+    """Close a `redis_router` client. redis-py's `RedisCluster.aclose` skips its node connections when a connection
+    error left it waiting to re-initialize (a primary died), so they are closed here too."""
+    await router.aclose()
+    manager = getattr(router, "nodes_manager", None)
+    if manager is not None:
+        for nodes in ("nodes_cache", "startup_nodes"):
+            with contextlib.suppress(RedisError, OSError):
+                await manager.aclose(nodes)
+
+
+class FleetRegistry:
+    """The worker registry of every shard: the subset of `Registry` that clients use."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    async def live_ids(self) -> list[str]:
+        found = await self.fleet.each_reachable(lambda link: link.registry.live_ids())
+        return sorted(w for ids in found.values() for w in ids)
+
+    async def live_workers(self) -> list[WorkerStatus]:
+        found = await self.fleet.each_reachable(lambda link: link.registry.live_workers())
+        return sorted((w for ws in found.values() for w in ws), key=lambda w: w.worker_id)
+
+    async def statuses(self, worker_ids: Sequence[str]) -> dict[str, WorkerStatus | None]:
+        """Each worker's status (None: dead, unknown, or in a shard whose Redis is away), looked up in every shard."""
+        found = await self.fleet.each_reachable(lambda link: link.registry.statuses(worker_ids))
+        merged: dict[str, WorkerStatus | None] = dict.fromkeys(worker_ids)
+        for statuses in found.values():
+            merged.update({w: s for w, s in statuses.items() if s is not None})
+        return merged
+
+    async def shard_of(self, worker_ids: Sequence[str]) -> dict[str, str]:
+        """worker id -> its shard, for the live workers among `worker_ids`."""
+        found = await self.fleet.each_reachable(lambda link: link.registry.statuses(worker_ids))
+        return {w: name for name, statuses in found.items() for w, s in statuses.items() if s is not None}
+
+
+class FleetControl:
+    """`ControlPlane`'s issuer side over every shard: each command is issued in every shard at once and returns once
+    every shard's live workers acknowledged it (the largest epoch is returned). Errors as `ControlPlane`'s, with a
+    note naming the shard."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.registry = FleetRegistry(fleet)
+
+    async def load_scripts(self) -> None:
+        await self.fleet.refresh()
+
+    async def close(self) -> None:
+        """Nothing of its own: the links are the fleet's."""
+
+    async def _all(self, call: Callable[[ControlPlane], Awaitable[int]]) -> int:
+        await self.fleet.refresh()
+        return max((await self.fleet.each(lambda link: call(link.control))).values(), default=0)
+
+    async def pause(
+        self, mode: PauseMode = "keep", *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None
+    ) -> int:
+        return await self._all(lambda c: c.pause(mode, holder=holder, timeout_s=timeout_s))
+
+    async def resume(self, *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None) -> int:
+        return await self._all(lambda c: c.resume(holder=holder, timeout_s=timeout_s))
+
+    async def abort(
+        self,
+        request_ids: Sequence[str] | None = None,
+        session_id: str | None = None,
+        all: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> int:
+        return await self._all(lambda c: c.abort(request_ids, session_id, all, timeout_s=timeout_s))
+
+    async def sleep(self, level: int = 1, mode: PauseMode = "abort", *, timeout_s: float | None = None) -> int:
+        return await self._all(lambda c: c.sleep(level, mode, timeout_s=timeout_s))
+
+    async def wake_up(self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None) -> int:
+        return await self._all(lambda c: c.wake_up(tags, timeout_s=timeout_s))
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, *, timeout_s: float | None = None) -> int:
+        return await self._all(lambda c: c.reset_prefix_cache(reset_running_requests, timeout_s=timeout_s))
+
+    async def commit_weights(self, version: int, checkpoint: str = "") -> None:
+        await self.fleet.refresh()
+        await self.fleet.each(lambda link: link.control.commit_weights(version, checkpoint))
+
+    async def state(self) -> FleetState:
+        """The desired state, as the first shard (by name) that answers holds it (every command writes all)."""
+        await self.fleet.refresh()
+        error: BaseException | None = None
+        for name in sorted(self.fleet.links):
+            try:
+                return await self.fleet.links[name].control.state()
+            except (RedisError, OSError) as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return FleetState()
+
+
+class FleetWeightPlane:
+    """`WeightSyncPlane`'s sender side over every shard: an order and a manifest are written in every shard; a
+    barrier is awaited in each member's shard."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.registry = FleetRegistry(fleet)
+
+    async def publish(self, order: WeightSyncOrder) -> None:
+        await self.fleet.each(lambda link: link.weights.publish(order))
+
+    async def announce(self, manifest: WeightManifest) -> None:
+        await self.fleet.each(lambda link: link.weights.announce(manifest))
+
+    async def await_barrier(self, sync_id: str, phase: str, members: Sequence[str], timeout_s: float) -> BarrierOutcome:
+        """Each shard's part of the barrier at once; a member found in no shard is dead."""
+        shard_of = await self.registry.shard_of(members)
+        parts: dict[str, list[str]] = {}
+        for member in members:
+            parts.setdefault(shard_of.get(member, ""), []).append(member)
+        lost = parts.pop("", [])
+        found = await self.fleet.each(
+            lambda link: link.weights.await_barrier(sync_id, phase, parts[link.name], timeout_s), parts
+        )
+        return BarrierOutcome.merge([*found.values()], dead=lost)

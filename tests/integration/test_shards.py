@@ -1,0 +1,245 @@
+"""The integration suite's core on shards: order, sessions, a crash, control, weight-sync barriers, each on one Redis
+(one shard, the default) and on a local 3-primary Redis Cluster (workers in shards g0, g1 and g2, one per primary);
+then killing one shard's primary, which fails only that shard's requests.
+
+Echo workers: what is checked is the queue, placement and the control and weight-sync protocols across shards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+
+from rollout_svc import RolloutClient
+from rollout_svc.cluster_connect import shard_url
+from rollout_svc.config import Settings
+from rollout_svc.fleet import Fleet
+from rollout_svc.redis_cluster import RedisClusterServers, free_cluster_ports, start_redis_cluster
+from rollout_svc.status import fleet_status
+from rollout_svc.weights import WeightSender
+from tests.support import WorkerProcs, async_wait_until
+
+PROMPT = list(range(1, 21))
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[RedisClusterServers]:
+    with start_redis_cluster("127.0.0.1", free_cluster_ports(3), 3, fresh=True) as servers:
+        yield servers
+
+
+# (where, the shard of each worker): one Redis holds one shard; the cluster one shard per primary, g0 with two workers
+# (a crash in g0 is taken over by its sibling: reaping stays within a shard).
+LAYOUTS = {"one-redis": ["g0", "g0", "g0"], "cluster": ["g0", "g0", "g1", "g2"]}
+
+
+@pytest.fixture(params=sorted(LAYOUTS))
+def where(request: pytest.FixtureRequest, redis_url: str, rds: redis.Redis) -> tuple[str, str]:
+    """(layout name, URL), every node flushed."""
+    if request.param == "one-redis":
+        return request.param, redis_url
+    servers: RedisClusterServers = request.getfixturevalue("redis_cluster")
+    for port in servers.ports:
+        with servers.client(port) as node:
+            node.flushall()
+    return request.param, servers.url
+
+
+@pytest.fixture
+def shard_settings(where: tuple[str, str], tmp_path: Path) -> Settings:
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    return Settings(
+        redis_url=where[1],
+        key_prefix="test",
+        heartbeat_interval_s=0.2,
+        heartbeat_ttl_s=2.0,
+        read_block_ms=50,
+        request_timeout_s=60,
+        redis_outage_s=3.0,
+        checkpoint_root=root,
+        weight_sync_timeout_s=15.0,
+        control_timeout_s=15.0,
+    )
+
+
+@pytest.fixture
+def fleet_procs(shard_settings: Settings, tmp_path: Path, where: tuple[str, str]) -> Iterator[dict[str, str]]:
+    """The layout's echo workers, live: worker id -> shard (`fleet_procs.procs`: the `WorkerProcs`)."""
+    procs = WorkerProcs(shard_settings, tmp_path)
+    layout = Layout({f"w{i}": shard for i, shard in enumerate(LAYOUTS[where[0]])})
+    layout.procs = procs
+    try:
+        for worker_id, shard in layout.items():
+            procs.start(worker_id, "--engine", "echo", "--echo-token-delay-s", "0.02", env={"ROLLOUT_SHARD": shard})
+        asyncio.run(_wait_live(shard_settings, len(layout), procs))
+        yield layout
+    finally:
+        procs.stop_all()
+
+
+class Layout(dict[str, str]):
+    procs: WorkerProcs
+
+
+async def _wait_live(settings: Settings, count: int, procs: WorkerProcs) -> None:
+    async with RolloutClient(settings) as client:
+
+        async def live() -> bool:
+            for worker_id, proc in procs.procs.items():
+                assert proc.poll() is None, f"worker {worker_id} exited: {procs.log(worker_id)[-3000:]}"
+            return len(await client.workers()) == count
+
+        await async_wait_until(live, 60, f"{count} live workers")
+
+
+async def test_order_and_sessions_stay_on_one_worker_and_spread_over_every_shard(shard_settings, fleet_procs):
+    sessions = [f"session-{i % 60}" for i in range(600)]
+    workers_of: dict[str, set[str]] = collections.defaultdict(set)
+    async with RolloutClient(shard_settings) as client:
+        for part in range(2):
+            prompts = [[part + 1, i % 1000 + 1, 7] for i in range(600)]
+            trajectories = await client.generate(prompts, {"max_tokens": 3}, session_ids=sessions)
+            assert [t.prompt_token_ids for t in trajectories] == prompts, "results out of input order"
+            assert all(t.completion_token_ids == p[:3] for t, p in zip(trajectories, prompts, strict=True))
+            for session, t in zip(sessions, trajectories, strict=True):
+                workers_of[session].add(t.worker_id)
+        split = {s: ws for s, ws in workers_of.items() if len(ws) > 1}
+        assert not split, f"sessions served by more than one worker: {split}"
+        unkeyed = await client.generate([PROMPT] * 400, {"max_tokens": 2})
+        served = collections.Counter(fleet_procs[t.worker_id] for t in unkeyed)
+        assert set(served) == set(fleet_procs.values()), f"unkeyed requests did not reach every shard: {served}"
+        shards = {fleet_procs[w] for ws in workers_of.values() for w in ws}
+        assert shards == set(fleet_procs.values()), f"sessions placed on shards {shards} only"
+        status = await fleet_status(shard_settings)
+        assert sorted(status["shards"]) == sorted(set(fleet_procs.values()))
+        assert sum(d["length"] for d in status["streams"].values()) == 0, "something left queued"
+
+
+async def test_a_worker_killed_with_requests_in_flight_loses_none(shard_settings, fleet_procs):
+    siblings = {w for w, shard in fleet_procs.items() if list(fleet_procs.values()).count(shard) > 1}
+    async with RolloutClient(shard_settings) as client:
+        prompts = [[i % 50 + 1] * 30 for i in range(300)]
+        calls = asyncio.ensure_future(client.generate(prompts, {"max_tokens": 30}, timeout_s=60))
+
+        async def busy_sibling() -> str | None:  # a worker whose shard has another worker, to take its requests over
+            return next((w.worker_id for w in await client.workers() if w.worker_id in siblings and w.in_flight), None)
+
+        victim = await async_wait_until(busy_sibling, 20, "a worker holding requests")
+        fleet_procs.procs.kill(victim)
+        trajectories = await asyncio.wait_for(calls, 60)
+        assert [t.completion_token_ids for t in trajectories] == [p[:30] for p in prompts]
+        assert victim not in {w.worker_id for w in await client.workers()}
+
+
+async def test_pause_resume_and_abort_reach_every_shard(shard_settings, fleet_procs):
+    async with RolloutClient(shard_settings) as client:
+        epoch = await client.pause("keep", timeout_s=15)
+        assert epoch > 0 and await client.is_paused()
+        per_shard = await _shard_states(shard_settings)
+        assert set(per_shard) == set(fleet_procs.values()) and all(s.paused for s in per_shard.values()), per_shard
+        waiting = asyncio.ensure_future(client.generate([PROMPT] * 30, {"max_tokens": 2}, session_ids=None))
+        await asyncio.sleep(1.0)
+        assert not waiting.done(), "a request was served while every shard was paused"
+        assert all(w.state == "paused" for w in await client.workers())
+        await client.resume(timeout_s=15)
+        assert all(t.finish_reason == "length" for t in await asyncio.wait_for(waiting, 30))
+        await client.pause("keep", timeout_s=15)
+        queued = asyncio.ensure_future(client.generate([PROMPT] * 30, {"max_tokens": 2}))
+        await asyncio.sleep(0.5)
+        await client.abort(all=True, timeout_s=15)
+        answered = await asyncio.wait_for(queued, 30)
+        assert {t.abort_cause for t in answered} == {"user"}, "abort(all) did not answer every shard's queued requests"
+        await client.resume(timeout_s=15)
+
+
+async def _shard_states(settings: Settings) -> dict[str, Any]:
+    fleet = Fleet(settings)
+    try:
+        await fleet.refresh()
+        return {name: await link.control.state() for name, link in fleet.links.items()}
+    finally:
+        await fleet.close()
+
+
+async def test_weight_sync_barriers_span_every_shard(shard_settings, fleet_procs):
+    weights = {"model.embed_tokens.weight": torch.randn(64, 32), "model.norm.weight": torch.randn(32)}
+    async with WeightSender(settings=shard_settings) as sender, RolloutClient(shard_settings) as client:
+        report = await sender.update(weights.items(), version=1)
+        assert report.loaded == sorted(fleet_procs) and not report.stale and not report.dead
+        assert {name: s.weight_version for name, s in (await _shard_states(shard_settings)).items()} == dict.fromkeys(
+            set(fleet_procs.values()), 1
+        ), "the version was not committed in every shard"
+        after = await client.generate([PROMPT] * 40, {"max_tokens": 2}, session_ids=[f"s{i}" for i in range(40)])
+        assert {t.weight_version for t in after} == {1} and all(t.staleness == 0 for t in after)
+        assert {w.weight_version for w in await client.workers()} == {1}
+
+
+def test_the_cli_on_a_cluster_status_covers_every_shard_and_batch_jobs_are_refused(redis_cluster, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    for port in redis_cluster.ports:
+        with redis_cluster.client(port) as node:
+            node.flushall()
+    cli = [str(Path(sys.executable).parent / "rollout-svc")]
+    url = redis_cluster.url
+    status = subprocess.run([*cli, "status", "--json", "--redis-url", url], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["shards"] == ["g0"] and json.loads(status.stdout)["unreachable_shards"] == []
+    worker = subprocess.run([*cli, "batch-worker", "--redis-url", url], capture_output=True, text=True, timeout=60)
+    assert worker.returncode == 2 and "not a Redis Cluster" in worker.stderr, worker.stderr
+    lines = tmp_path / "in.jsonl"
+    lines.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n')
+    submit = subprocess.run([*cli, "batch", "submit", str(lines), "--redis-url", url], capture_output=True, text=True)
+    assert submit.returncode != 0 and "not a Redis Cluster" in submit.stderr, submit.stderr
+
+
+# Last in this module: it kills a primary of the module's cluster.
+@pytest.mark.timeout(90)
+async def test_killing_one_shards_primary_fails_only_its_requests(shard_settings, fleet_procs, where, request):
+    if where[0] != "cluster":
+        pytest.skip("one Redis is one shard: killing it is tests/integration/test_redis_restart.py")
+    servers: RedisClusterServers = request.getfixturevalue("redis_cluster")
+    g1_workers = [w for w, shard in fleet_procs.items() if shard == "g1"]
+    g1_port = int(shard_url(shard_settings.redis_url, "g1").rsplit(":", 1)[1].split("/")[0])
+    sessions = [f"s{i}" for i in range(300)]
+    async with RolloutClient(shard_settings) as client:
+        slow = {"max_tokens": 20}
+        calls = asyncio.ensure_future(
+            client.generate([[i % 90 + 1] * 20 for i in range(300)], slow, session_ids=sessions, timeout_s=60)
+        )
+
+        async def running() -> bool:
+            return sum(w.in_flight for w in await client.workers()) > 0
+
+        await async_wait_until(running, 20, "requests in flight")  # enqueued in every shard: the kill loses answers
+        try:
+            servers.processes[g1_port].send_signal(signal.SIGKILL)
+            servers.processes[g1_port].wait(10)
+            trajectories = await asyncio.wait_for(calls, 45)
+            g1 = {w for w, shard in fleet_procs.items() if shard == "g1"}
+            failed = [t for t in trajectories if t.error_code is not None]
+            served = [t for t in trajectories if t.error_code is None]
+            assert failed, "no request was lost with the shard's primary"
+            errors = collections.Counter((t.error_code, (t.error or "")[:60]) for t in failed)
+            assert all(t.error_code == "shard_unavailable" and "shard g1" in (t.error or "") for t in failed), errors
+            assert served and all(t.worker_id not in g1 and t.finish_reason in ("stop", "length") for t in served)
+            # The other shards go on: new sessions and unkeyed requests are placed on the shards still live.
+            again = await client.generate([PROMPT] * 60, {"max_tokens": 2}, session_ids=[f"n{i}" for i in range(60)])
+            assert all(t.error_code is None and t.worker_id not in g1 for t in again)
+        finally:
+            for worker_id in g1_workers:  # its Redis is gone: it cannot drain, so it is not asked to
+                fleet_procs.procs.kill(worker_id)
+            with contextlib.suppress(Exception):
+                servers.processes.pop(g1_port, None)
