@@ -89,11 +89,12 @@ async def test_ray_worker_group_serves_and_a_killed_actor_is_replaced(local_ray,
             replacement = await asyncio.to_thread(wait_until, lambda: replaced(group, victim), 120, "a new actor")
             assert replacement.worker_id == victim.worker_id and replacement.worker_pid != victim.worker_pid
 
-            async def rejoined() -> bool:
-                pid = await asyncio.to_thread(rds.hget, settings.keys.worker(victim.worker_id), "pid")
-                return pid == str(replacement.worker_pid).encode()
+            async def rejoined() -> bool:  # registered (state `starting`), then converged: placement takes it
+                key = settings.keys.worker(victim.worker_id)
+                pid, state = await asyncio.to_thread(rds.hmget, key, "pid", "state")
+                return pid == str(replacement.worker_pid).encode() and state == b"serving"
 
-            await async_wait_until(rejoined, 300, "the replacement to register under the victim's id")
+            await async_wait_until(rejoined, 300, "the replacement to serve under the victim's id")
             rejoin_s = time.monotonic() - killed_at
             assert not running(victim.worker_pid), "the killed actor's worker outlived it"
             third = await client.generate(prompts, PARAMS, session_ids=[f"third-{i}" for i in range(8)])
