@@ -24,7 +24,7 @@ import redis
 from rollout_svc.acl import Credentials, create_users
 from rollout_svc.cluster_connect import probe_cluster, redis_router_sync
 from rollout_svc.config import EngineSettings, Settings
-from rollout_svc.connect import is_loopback, redis_sync
+from rollout_svc.connect import is_loopback, redacted, redis_sync
 from rollout_svc.redis_cluster import RedisClusterServers, worker_shard
 
 log = logging.getLogger("rollout_svc.cluster")
@@ -211,7 +211,7 @@ class LocalCluster:
         elif not redis_answers(self.settings.redis_url):
             if urlparse(self.settings.redis_url).scheme != "redis":
                 raise RuntimeError(
-                    f"no Redis answers at {_redacted(self.settings.redis_url)}; `up` starts a private Redis only for a "
+                    f"no Redis answers at {redacted(self.settings.redis_url)}; `up` starts a private Redis only for a "
                     "redis:// URL: check the URL (TLS, Sentinel) and that the server is up"
                 )
             if self.acl_file is not None and not shutil.which("redis-server"):
@@ -222,7 +222,7 @@ class LocalCluster:
             self.redis = PrivateRedis(self.settings.redis_url, data_dir, self.redis_bind)
             self.redis.start()
             log.info(
-                "started a private Redis at %s (append-only file in %s)", _redacted(self.settings.redis_url), data_dir
+                "started a private Redis at %s (append-only file in %s)", redacted(self.settings.redis_url), data_dir
             )
         elif self.acl_file is not None:
             raise RuntimeError(ACL_NEEDS_PRIVATE_REDIS)
@@ -247,14 +247,14 @@ class LocalCluster:
         if redis_answers(url):
             if not probe_cluster(url):
                 raise RuntimeError(
-                    f"a Redis that is not a Redis Cluster answers at {_redacted(url)}: point --redis-url at a free "
+                    f"a Redis that is not a Redis Cluster answers at {redacted(url)}: point --redis-url at a free "
                     "port (a cluster is started there) or at a node of a running Redis Cluster"
                 )
-            log.info("using the Redis Cluster that answers at %s", _redacted(url))
+            log.info("using the Redis Cluster that answers at %s", redacted(url))
             return
         parsed = urlparse(url)
         if parsed.scheme != "redis":
-            raise RuntimeError(f"`up` starts a Redis Cluster only for a redis:// URL, not {_redacted(url)}")
+            raise RuntimeError(f"`up` starts a Redis Cluster only for a redis:// URL, not {redacted(url)}")
         host, port = parsed.hostname or "127.0.0.1", parsed.port or 6379
         fresh = self.settings.redis_data_dir is None  # nothing to keep: a new cluster each time
         data_dir = self.settings.redis_data_dir or (self.settings.cache_dir / "redis" / f"cluster-{port}")
@@ -388,11 +388,6 @@ class LocalCluster:
             self.redis_servers.stop()
         if self.credentials is not None and self.acl_file is not None:
             self.acl_file.unlink(missing_ok=True)
-
-
-def _redacted(url: str) -> str:
-    parsed = urlparse(url)
-    return parsed._replace(netloc=f"***@{parsed.hostname}:{parsed.port}").geturl() if parsed.password else url
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:

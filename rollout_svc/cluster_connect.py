@@ -20,7 +20,15 @@ import redis.asyncio
 from redis.cluster import key_slot
 from redis.exceptions import RedisError
 
-from rollout_svc.connect import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, _timeouts, is_sentinel, redis_async, redis_sync
+from rollout_svc.connect import (
+    CONNECT_TIMEOUT_S,
+    SOCKET_TIMEOUT_S,
+    _timeouts,
+    is_sentinel,
+    redacted,
+    redis_async,
+    redis_sync,
+)
 from rollout_svc.errors import InvalidRequestError
 
 log = logging.getLogger("rollout_svc.cluster_connect")
@@ -55,8 +63,8 @@ def refuse_cluster(url: str, what: str) -> None:
     """Raise `InvalidRequestError` if `url` is a Redis Cluster's: for what needs one Redis (RQ's batch jobs)."""
     if is_cluster(url):
         raise InvalidRequestError(
-            f"{what} need one Redis, not a Redis Cluster (RQ does not run on a cluster, and {_safe(url)} is a cluster "
-            "node): run the batch queue on a separate Redis"
+            f"{what} need one Redis, not a Redis Cluster (RQ does not run on a cluster, and {redacted(url)} is a "
+            "cluster node): run the batch queue on a separate Redis"
         )
 
 
@@ -81,8 +89,8 @@ def shard_url(url: str, shard: str) -> str:
             host = host if host and host != "?" else (parsed.hostname or "127.0.0.1")
             return _with_address(url, host, int(primary[1]))
     raise RuntimeError(
-        f"no primary of the Redis Cluster at {_safe(url)} serves slot {slot} (shard {shard}): that part of the cluster "
-        "is down or its slots are unassigned (`redis-cli --cluster check`)"
+        f"no primary of the Redis Cluster at {redacted(url)} serves slot {slot} (shard {shard}): that part of the "
+        "cluster is down or its slots are unassigned (`redis-cli --cluster check`)"
     )
 
 
@@ -108,9 +116,3 @@ def _with_address(url: str, host: str, port: int) -> str:
     credentials, _, _ = parsed.netloc.rpartition("@")
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     return urlunparse(parsed._replace(netloc=f"{credentials}@{address}" if credentials else address))
-
-
-def _safe(url: str) -> str:
-    """`url` without its password, for messages."""
-    parsed = urlparse(url)
-    return urlunparse(parsed._replace(netloc=parsed.netloc.rpartition("@")[2]))

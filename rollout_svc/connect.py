@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-from urllib.parse import parse_qs, unquote, urlparse
+from urllib.parse import parse_qs, unquote, urlparse, urlunparse
 
 import redis
 import redis.asyncio
@@ -63,6 +63,13 @@ class SentinelURL:
 
 def is_sentinel(url: str) -> bool:
     return urlparse(url).scheme in SENTINEL_SCHEMES
+
+
+def redacted(url: str) -> str:
+    """`url` for messages and logs: its credentials, if any, replaced by `***` (host, port, db and options kept)."""
+    parsed = urlparse(url)
+    credentials, _, address = parsed.netloc.rpartition("@")
+    return urlunparse(parsed._replace(netloc=f"***@{address}")) if credentials else url
 
 
 def parse_sentinel(url: str) -> SentinelURL:

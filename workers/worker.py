@@ -11,13 +11,12 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
-from urllib.parse import urlparse
 
 from redis.exceptions import ResponseError
 
 from rollout_svc.cluster_connect import redis_router, shard_url
 from rollout_svc.config import GC_YOUNG_THRESHOLD, Settings, tune_gc
-from rollout_svc.connect import next_message, redis_async, server_run_id, warn_if_evicting
+from rollout_svc.connect import next_message, redacted, redis_async, server_run_id, warn_if_evicting
 from rollout_svc.control import NUDGE_CANCEL, ControlPlane
 from rollout_svc.errors import EngineDeadError
 from rollout_svc.fleet import close_router
@@ -112,7 +111,7 @@ class Worker:
         await self._wait_for_redis(self.settings.redis_url)
         url = await asyncio.to_thread(shard_url, self.settings.redis_url, self.settings.shard)
         if url != self.settings.redis_url:
-            log.info("worker %s: shard %s is served by %s", self.worker_id, self.settings.shard, urlparse(url).netloc)
+            log.info("worker %s: shard %s is served by %s", self.worker_id, self.settings.shard, redacted(url))
         self.redis = redis_async(url, decode_responses=False)
         self._router = redis_router(self.settings.redis_url, decode_responses=False)
         # The take loop's blocking reads get a connection of their own, which a pause can unblock at once.
@@ -192,7 +191,7 @@ class Worker:
                 except REDIS_ERRORS as exc:
                     failures += 1
                     if failures % 10 == 1:
-                        log.warning("waiting for Redis at %s (%s); check --redis-url", urlparse(url).netloc, exc)
+                        log.warning("waiting for Redis at %s (%s); check --redis-url", redacted(url), exc)
                     await asyncio.sleep(0.5)
         finally:
             await probe.aclose()
