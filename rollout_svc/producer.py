@@ -465,13 +465,10 @@ class Connection:
             if waiting is not None:
                 waiting[0].chunk(waiting[1], result)
             return
-        target = self.waiting.pop(result.request_id, None)
+        target = self._answered(result.request_id)
         if target is None:
             self.stats.duplicates += 1  # at-least-once delivery: a requeued request may answer twice
             return
-        self.placed.pop(result.request_id, None)
-        self.shard_of.pop(result.request_id, None)
-        self._retried.pop(result.request_id, None)
         call, index = target
         if isinstance(result, Trajectory):
             if self._retry(call, index, result):
@@ -487,6 +484,16 @@ class Connection:
             if self._too_stale(call, index, result):
                 return
         call.set(index, result)
+
+    def _answered(self, request_id: str) -> tuple[Call, int] | None:
+        """Stop awaiting `request_id` and drop what was kept while it was: its call and position, None if it was not
+        awaited (already answered, cancelled, or not this connection's)."""
+        target = self.waiting.pop(request_id, None)
+        if target is not None:
+            self.placed.pop(request_id, None)
+            self.shard_of.pop(request_id, None)
+            self._retried.pop(request_id, None)
+        return target
 
     def _too_stale(self, call: Call, index: int, result: Trajectory) -> bool:
         """Drop a trajectory staler than `max_staleness` and generate it again (policy `regenerate`, at most
@@ -598,10 +605,9 @@ class Connection:
         )
         log.error("failing %d requests awaited in shard %s: %s", len(lost), link.name, message)
         for request_id in lost:
-            call, index = self.waiting.pop(request_id)
-            self.shard_of.pop(request_id, None)
-            self.placed.pop(request_id, None)
-            self._retried.pop(request_id, None)
+            if (target := self._answered(request_id)) is None:
+                continue
+            call, index = target
             call.set(index, ErrorResult(request_id=call.requests[index].request_id, code="shard_unavailable",
                                         message=message, recoverable=True))  # fmt: skip
 
