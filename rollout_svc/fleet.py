@@ -189,6 +189,11 @@ async def close_router(router: Any) -> None:
                 await manager.aclose(nodes)
 
 
+def sorted_workers(by_shard: dict[str, list[WorkerStatus]]) -> list[WorkerStatus]:
+    """Every shard's workers in one list, by worker id."""
+    return sorted((w for ws in by_shard.values() for w in ws), key=lambda w: w.worker_id)
+
+
 class FleetRegistry:
     """The worker registry of every shard: the subset of `Registry` that clients use."""
 
@@ -200,8 +205,11 @@ class FleetRegistry:
         return sorted(w for ids in found.values() for w in ids)
 
     async def live_workers(self) -> list[WorkerStatus]:
-        found = await self.fleet.each_reachable(lambda link: link.registry.live_workers())
-        return sorted((w for ws in found.values() for w in ws), key=lambda w: w.worker_id)
+        return sorted_workers(await self.live_workers_by_shard())
+
+    async def live_workers_by_shard(self) -> dict[str, list[WorkerStatus]]:
+        """shard -> its live workers, for every shard whose Redis answers."""
+        return await self.fleet.each_reachable(lambda link: link.registry.live_workers())
 
     async def statuses(self, worker_ids: Sequence[str]) -> dict[str, WorkerStatus | None]:
         """Each worker's status (None: dead, unknown, or in a shard whose Redis is away), looked up in every shard."""

@@ -7,7 +7,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from rollout_svc.config import Settings
-from rollout_svc.fleet import Fleet, FleetControl, FleetRegistry
+from rollout_svc.fleet import Fleet, FleetControl, FleetRegistry, sorted_workers
 
 
 async def fleet_status(settings: Settings) -> dict[str, Any]:
@@ -25,15 +25,16 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
     try:
         shards = await fleet.refresh()
         desired = await FleetControl(fleet).state()
-        workers = await FleetRegistry(fleet).live_workers()
-        live = {w.worker_id for w in workers}
+        by_shard = await FleetRegistry(fleet).live_workers_by_shard()
+        workers = sorted_workers(by_shard)
         depths: dict[str, dict[str, int]] = {}
         dead_letters = 0
-        unreachable = []
-        for link in fleet.links.values():
+        unreachable = [name for name in fleet.links if name not in by_shard]
+        for name, shard_workers in by_shard.items():
+            link = fleet.links[name]
             keys = link.keys
             try:
-                pinned = [keys.pinned_requests(w) for w in await link.registry.live_ids() if w in live]
+                pinned = [keys.pinned_requests(w.worker_id) for w in shard_workers]
                 for stream in [keys.requests, keys.token_requests, *pinned]:
                     depths[stream] = await link.streams.depth(stream)
                 dead_letters += int(await link.redis.xlen(keys.dead))
@@ -53,5 +54,5 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
         "streams": depths,
         "dead_letters": dead_letters,
         "shards": shards,
-        "unreachable_shards": unreachable,
+        "unreachable_shards": sorted(unreachable),
     }
