@@ -108,7 +108,7 @@ class WeightSender:
         self.settings = settings
         self.bucket_bytes = bucket_bytes or settings.weight_bucket_bytes
         self.timeout_s = timeout_s or settings.weight_sync_timeout_s
-        self._redis: Fleet | None = None  # the shards, once connected
+        self._fleet: Fleet | None = None  # the shards, once connected
         self._group: _Group | None = None
         self._lock: asyncio.Lock | None = None
         self._buffers = BucketBuffers()
@@ -122,13 +122,13 @@ class WeightSender:
 
     async def init(self) -> None:
         """Connect to Redis (idempotent). Workers need no matching call: the group is built at the first update."""
-        if self._redis is not None:
+        if self._fleet is not None:
             return
         fleet = Fleet(self.settings)
         await fleet.refresh()  # every shard: the order, the barriers and the commit reach each one
         self.control = FleetControl(fleet)
         self.plane = FleetWeightPlane(fleet)
-        self._redis = fleet
+        self._fleet = fleet
         self._lock = asyncio.Lock()
 
     async def committed_version(self) -> int:
@@ -157,9 +157,9 @@ class WeightSender:
     async def close(self) -> None:
         """Leave the transfer group and disconnect. The committed version stays."""
         self._group = None
-        if self._redis is not None:
-            await self._redis.close()
-            self._redis = None
+        if self._fleet is not None:
+            await self._fleet.close()
+            self._fleet = None
 
     # --- one sync ------------------------------------------------------------------------------------------
 
