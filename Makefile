@@ -6,8 +6,12 @@ PIP := $(PY) -m pip
 EXTRA ?= cpu
 STAMP := $(VENV)/.installed-$(EXTRA)
 PYTEST_ARGS ?=
+# pytest-xdist workers for make test: each module on one worker, every real-engine test on the same one
+# (tests/conftest.py); 0 runs everything in this process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
-.PHONY: install model test test-fast lint demo bench up clean
+.PHONY: install model test test-fast test-long lint docs demo bench up clean
 
 install: $(STAMP)
 
@@ -25,15 +29,24 @@ model: $(STAMP)
 	$(VENV)/bin/rollout-svc model prepare
 
 test: $(STAMP) model
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+
+# Soaks and long scenario runs (minutes each): the chaos soak, the RL loop example, a Ray group of vLLM workers.
+test-long: $(STAMP) model
+	$(PY) -m pytest tests/long $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not vllm and not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not vllm and not gpu" $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check rollout_svc workers tests examples
-	$(VENV)/bin/ruff format --check rollout_svc workers tests examples
+	$(VENV)/bin/ruff check rollout_svc workers tests examples conftest.py
+	$(VENV)/bin/ruff format --check rollout_svc workers tests examples conftest.py
 	$(VENV)/bin/mypy
+
+# The docs site (mkdocs.yml): docs/ and the API reference from the docstrings, into site/, offline; warnings fail it.
+# NO_MKDOCS_2_WARNING: Material for MkDocs prints a notice about its successor at every build otherwise.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 demo: $(STAMP) model
 	$(VENV)/bin/rollout-svc demo
@@ -45,4 +58,4 @@ up: $(STAMP) model
 	$(VENV)/bin/rollout-svc up --workers 2 --engine vllm
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache site

@@ -300,7 +300,7 @@ class LocalFleet(AbstractContextManager[Settings]):
     """A private Redis and `workers` float32 vLLM workers (the CPUs split among them); stopped on leaving."""
 
     def __init__(self, model_dir: Path, workers: int, log_dir: Path) -> None:
-        from rollout_svc.cluster import LocalCluster
+        from rollout_svc.deploy.local import LocalCluster
 
         # A longer heartbeat TTL keeps a worker starved of CPU by the trainer from being taken for dead
         # (LocalCluster hands these settings to the workers).

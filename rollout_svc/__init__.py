@@ -1,9 +1,9 @@
 """rollout-svc: a Redis-Streams rollout service for RL of LLMs. Never imports vllm or torch (`WeightSender` and
-`SyncReport`, which need torch, are imported from `rollout_svc.weights` on first use)."""
+`SyncReport`, which need torch, are imported from `rollout_svc.client.weight_sender` on first use)."""
 
 from typing import TYPE_CHECKING, Any
 
-from rollout_svc.client import RolloutClient, SyncRolloutClient
+from rollout_svc.client.rollout_client import RolloutClient, SyncRolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.errors import (
     AccessDeniedError,
@@ -21,7 +21,7 @@ from rollout_svc.errors import (
 from rollout_svc.protocol import SamplingParams, Trajectory, WorkerStatus
 
 if TYPE_CHECKING:  # torch is imported only when WeightSender is used
-    from rollout_svc.weights import SyncReport, WeightSender
+    from rollout_svc.client.weight_sender import SyncReport, WeightSender
 
 __all__ = [
     "AccessDeniedError",
@@ -48,7 +48,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in ("WeightSender", "SyncReport"):
-        from rollout_svc import weights
+        from rollout_svc.client import weight_sender as weights
 
         return getattr(weights, name)
     raise AttributeError(f"module 'rollout_svc' has no attribute {name!r}")

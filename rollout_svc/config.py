@@ -1,13 +1,15 @@
-"""Settings shared by every rollout-svc process (env vars `ROLLOUT_*`), and the engine settings of a worker."""
+"""Settings of every rollout-svc process (env vars `ROLLOUT_*`), by concern, and the engine settings of a worker."""
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rollout_svc.keys import DEFAULT_SHARD, Keys
@@ -39,85 +41,6 @@ def tune_gc(young_threshold: int = GC_YOUNG_THRESHOLD) -> None:
     gc.set_threshold(max(young_threshold, gc.get_threshold()[0]), *gc.get_threshold()[1:])
 
 
-class Settings(BaseSettings):
-    """Every knob, with its unit in its name. Env var: `ROLLOUT_<FIELD>` (for example `ROLLOUT_REDIS_URL`)."""
-
-    model_config = SettingsConfigDict(env_prefix="ROLLOUT_", extra="ignore")
-
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "rollout"
-    shard: str = Field(
-        DEFAULT_SHARD,
-        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
-        description="workers: the shard (worker group) this worker joins; its keys share one Redis Cluster hash tag",
-    )
-    cache_dir: Path = Field(default_factory=default_cache_dir)
-    redis_data_dir: Path | None = Field(
-        None, description="up's private Redis: where its append-only file lives (default: <cache_dir>/redis/<port>)"
-    )
-
-    request_timeout_s: float = Field(600.0, gt=0, description="client: default per-request timeout")
-    max_queued_requests: int = Field(100_000, ge=1, description="admission limit per requests stream")
-    session_ttl_s: float = Field(3600.0, gt=0, description="a session's pin expires this long after its last turn")
-    results_ttl_s: float = Field(3600.0, gt=0, description="a results stream nobody reads expires after this")
-    max_abort_retries: int = Field(16, ge=0, description="client: token-exact retries of one request cut by aborts")
-    max_staleness: int | None = Field(
-        None, ge=0, description="client: drop trajectories staler than this many weight versions (None: keep all)"
-    )
-    stale_policy: Literal["regenerate", "mark"] = Field(
-        "regenerate", description="client: a too-stale trajectory is generated again, or returned with its staleness"
-    )
-
-    heartbeat_interval_s: float = Field(1.0, gt=0)
-    heartbeat_ttl_s: float = Field(10.0, gt=0, description="a worker silent this long is dead")
-    control_timeout_s: float = Field(60.0, gt=0, description="how long a control command waits for every ack")
-    max_deliveries: int = Field(3, ge=1, description="deliveries before an entry becomes a dead letter")
-    read_block_ms: int = Field(100, ge=1, description="XREADGROUP / XREAD block time")
-    gc_young_threshold: int = Field(
-        GC_YOUNG_THRESHOLD,
-        ge=0,
-        description="clients: at the first connection, freeze what is alive and collect the young generation after "
-        "this many allocations (Python's default: 700); 0 leaves the process's garbage collector alone",
-    )
-    redis_outage_s: float = Field(
-        30.0, ge=0, description="client: how long an enqueue keeps retrying a Redis that is away before it raises"
-    )
-
-    checkpoint_root: Path | None = Field(
-        None, description="workers: the only directory whose checkpoints they load (env ROLLOUT_CHECKPOINT_ROOT)"
-    )
-    weight_bucket_bytes: int = Field(256 * MiB, ge=1, description="weight sync: bytes per broadcast bucket")
-    weight_sync_timeout_s: float = Field(
-        120.0, gt=0, description="weight sync: each barrier's and each collective's timeout"
-    )
-    advertise_addr: str = Field(
-        "", description="weight sync: the address peers reach this process at ('': the one that routes to Redis)"
-    )
-    dead_letter_maxlen: int = Field(10_000, ge=1, description="approximate cap of the dead-letter stream")
-    api_keys: list[str] = Field(
-        default_factory=list, description="API: data-plane keys, a JSON list (env ROLLOUT_API_KEYS='[\"k1\"]')"
-    )
-    admin_token: str | None = Field(None, description="API: the bearer token of /admin/* (none: admin routes off)")
-    served_model_name: str = Field("", description="API: the model name served ('': the workers' model folder name)")
-    api_default_max_tokens: int = Field(1024, ge=1, description="API: max_tokens of a chat request that sets none")
-    stream_interval_s: float = Field(
-        0.05, ge=0, description="workers: a streaming request's chunk is sent at most this often (unless full)"
-    )
-    stream_chunk_tokens: int = Field(16, ge=1, description="workers: a streaming chunk is sent once it holds this many")
-    batch_concurrency: int = Field(256, ge=1, description="batch jobs: lines of one batch in flight at once")
-    batch_lease_ttl_s: float = Field(
-        10.0, gt=0, description="batch jobs: a run silent this long is dead and its batch is run again"
-    )
-    batch_retention_s: float = Field(
-        7 * 86400.0, gt=0, description="batch jobs: files, batches and outputs expire this long after they finish"
-    )
-    batch_max_file_bytes: int = Field(200 * MiB, ge=1, description="batch jobs: the largest input file accepted")
-
-    @property
-    def keys(self) -> Keys:
-        return Keys(self.key_prefix, self.shard)
-
-
 class EngineSettings(BaseModel):
     """The engine one worker runs: the one model shared by `python -m workers`, `workers.direct` and `up`.
 
@@ -126,6 +49,8 @@ class EngineSettings(BaseModel):
     `kv_cache_memory_bytes` is explicit because vLLM's default (a fraction of device memory) fails on small
     CPU hosts. `enable_sleep_mode` (vLLM sleep mode, GPU only) defaults to on where the platform supports it.
     `echo_token_delay_s`: the echo engine's seconds per generated token (it stands in for a long generation).
+    `echo_preload_weight_transfer`: the echo engine imports torch before the worker registers, as the vLLM one does,
+    so its first weight sync does not stall the heartbeat.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -144,6 +69,11 @@ class EngineSettings(BaseModel):
     enable_sleep_mode: bool | None = Field(None, description="vLLM sleep mode (default: where supported)")
     echo_token_delay_s: float = Field(0.0, ge=0, description="echo engine: seconds per generated token")
     echo_load_delay_s: float = Field(0.0, ge=0, description="echo engine: seconds a weight load takes")
+    echo_preload_weight_transfer: bool = Field(
+        False,
+        description="echo engine: import torch and the weight transfer at start, as vLLM does, not at the first "
+        "sync (a cold import of torch holds the GIL, and the heartbeat, for seconds)",
+    )
     tool_call_parser: str = Field(
         "hermes", description="vLLM tool-call parser for tool_choice=auto ('' for none): hermes, llama3_json, ..."
     )
@@ -180,13 +110,13 @@ class EngineSettings(BaseModel):
     def add_arguments(cls, parser: argparse.ArgumentParser, *, engine: bool = True) -> None:
         """Add one option per field (`--max-num-seqs`, ...) to an argparse parser; `from_args` reads them back."""
         for name, info in cls.model_fields.items():
-            if name in ("engine", "echo_token_delay_s", "echo_load_delay_s") and not engine:
+            if (name == "engine" or name.startswith("echo_")) and not engine:
                 continue
             flag, help_text = "--" + name.replace("_", "-"), info.description
             if name == "engine":
                 parser.add_argument(flag, choices=["vllm", "echo"], default="vllm", help=help_text)
-            elif name == "enable_sleep_mode":
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            elif name == "enable_sleep_mode" or isinstance(info.default, bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=info.default, help=help_text)
             else:
                 kind = {int: int, float: float}.get(type(info.default), str)
                 if name == "max_num_seqs":
@@ -196,3 +126,180 @@ class EngineSettings(BaseModel):
     @classmethod
     def from_args(cls, namespace: argparse.Namespace) -> EngineSettings:
         return cls.model_validate({k: v for k, v in vars(namespace).items() if k in cls.model_fields})
+
+
+class _Concern(BaseSettings):
+    """The settings of one concern. Env var: `ROLLOUT_<FIELD>`, as for every setting."""
+
+    model_config = SettingsConfigDict(env_prefix="ROLLOUT_", extra="forbid")
+
+
+class ClientSettings(_Concern):
+    """A producer's (`RolloutClient`, the API, batch jobs) and a control command's issuer's."""
+
+    request_timeout_s: float = Field(600.0, gt=0, description="default per-call timeout (the caller's budget)")
+    max_queued_requests: int = Field(100_000, ge=1, description="admission limit per requests stream")
+    max_abort_retries: int = Field(16, ge=0, description="token-exact retries of one request cut by aborts")
+    max_staleness: int | None = Field(
+        None, ge=0, description="drop trajectories staler than this many weight versions (None: keep all)"
+    )
+    stale_policy: Literal["regenerate", "mark"] = Field(
+        "regenerate", description="a too-stale trajectory is generated again, or returned with its staleness"
+    )
+    control_timeout_s: float = Field(60.0, gt=0, description="how long a control command waits for every ack")
+    redis_outage_s: float = Field(
+        30.0, ge=0, description="how long an enqueue or a control command keeps retrying a Redis that is away"
+    )
+    gc_young_threshold: int = Field(
+        GC_YOUNG_THRESHOLD,
+        ge=0,
+        description="at the first connection, freeze what is alive and collect the young generation after this many "
+        "allocations (Python's default: 700); 0 leaves the process's garbage collector alone",
+    )
+
+
+class WorkerSettings(_Concern):
+    """A worker process's (its heartbeat, deliveries, dead letters, streaming)."""
+
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="how often a worker renews its heartbeat")
+    max_deliveries: int = Field(3, ge=1, description="deliveries before an entry becomes a dead letter")
+    dead_letter_maxlen: int = Field(10_000, ge=1, description="approximate cap of the dead-letter stream")
+    stream_interval_s: float = Field(
+        0.05, ge=0, description="a streaming request's chunk is sent at most this often (unless full)"
+    )
+    stream_chunk_tokens: int = Field(16, ge=1, description="a streaming chunk is sent once it holds this many tokens")
+
+
+class ApiSettings(_Concern):
+    """The HTTP API's (`rollout-svc serve`)."""
+
+    api_keys: list[str] = Field(
+        default_factory=list, description="data-plane keys, a JSON list (env ROLLOUT_API_KEYS='[\"k1\"]')"
+    )
+    admin_token: str | None = Field(None, description="the bearer token of /admin/* (none: admin routes off)")
+    served_model_name: str = Field("", description="the model name served ('': the workers' model folder name)")
+    api_default_max_tokens: int = Field(1024, ge=1, description="max_tokens of a chat request that sets none")
+
+
+class BatchSettings(_Concern):
+    """Batch jobs' (`rollout-svc batch`, `batch-worker`, OpenAI's Batch API)."""
+
+    batch_concurrency: int = Field(256, ge=1, description="lines of one batch in flight at once")
+    batch_lease_ttl_s: float = Field(10.0, gt=0, description="a run silent this long is dead and its batch run again")
+    batch_retention_s: float = Field(
+        7 * 86400.0, gt=0, description="files, batches and outputs expire this long after they finish"
+    )
+    batch_max_file_bytes: int = Field(200 * MiB, ge=1, description="the largest input file accepted")
+
+
+class WeightSyncSettings(_Concern):
+    """Weight sync's, at both ends (the trainer's `WeightSender` and the workers)."""
+
+    checkpoint_root: Path | None = Field(None, description="workers: the only directory whose checkpoints they load")
+    weight_bucket_bytes: int = Field(256 * MiB, ge=1, description="bytes per broadcast bucket")
+    weight_sync_timeout_s: float = Field(120.0, gt=0, description="each barrier's and each collective's timeout")
+    advertise_addr: str = Field(
+        "", description="the address peers reach this process at ('': the one that routes to Redis)"
+    )
+
+
+_CONCERNS: dict[str, type[_Concern]] = {
+    "client": ClientSettings,
+    "worker": WorkerSettings,
+    "api": ApiSettings,
+    "batch": BatchSettings,
+    "weight_sync": WeightSyncSettings,
+}
+# Each concern's field, by its name (the env var's, less `ROLLOUT_`): a field name is unique across concerns.
+_CONCERN_OF: dict[str, str] = {field: name for name, cls in _CONCERNS.items() for field in cls.model_fields}
+
+
+class Settings(BaseSettings):
+    """Every knob, with its unit in its name. Env var: `ROLLOUT_<FIELD>` (for example `ROLLOUT_REDIS_URL`).
+
+    The deployment's own fields (Redis, key prefix, shard, and what producers and workers must agree on) are here;
+    the rest are grouped by concern: `client`, `worker`, `api`, `batch`, `weight_sync` (each a `BaseSettings` of its
+    own, read from the same `ROLLOUT_*` env vars), and `engine`, the engine a worker process runs (from
+    `python -m workers`' options, not the environment). A field of a concern may be given flat, as before:
+    `Settings(heartbeat_interval_s=0.2)` sets `settings.worker.heartbeat_interval_s`; `copy_with(**fields)` likewise.
+    An unknown field raises `pydantic.ValidationError`.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="ROLLOUT_", extra="forbid")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "rollout"
+    shard: str = Field(
+        DEFAULT_SHARD,
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="workers: the shard (worker group) this worker joins; its keys share one Redis Cluster hash tag",
+    )
+    cache_dir: Path = Field(default_factory=default_cache_dir)
+    redis_data_dir: Path | None = Field(
+        None, description="up's private Redis: where its append-only file lives (default: <cache_dir>/redis/<port>)"
+    )
+    session_ttl_s: float = Field(3600.0, gt=0, description="a session's pin expires this long after its last turn")
+    results_ttl_s: float = Field(3600.0, gt=0, description="a results stream nobody reads expires after this")
+    heartbeat_ttl_s: float = Field(10.0, gt=0, description="a worker silent this long is dead")
+    read_block_ms: int = Field(100, ge=1, description="XREADGROUP / XREAD block time")
+
+    client: ClientSettings = Field(default_factory=ClientSettings)
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    api: ApiSettings = Field(default_factory=ApiSettings)
+    batch: BatchSettings = Field(default_factory=BatchSettings)
+    weight_sync: WeightSyncSettings = Field(default_factory=WeightSyncSettings)
+    engine: EngineSettings = Field(default_factory=lambda: EngineSettings())
+
+    def __init__(self, **fields: Any) -> None:
+        """`fields`: any field by name, a concern's too (flat: `heartbeat_interval_s=0.2`); the rest from env."""
+        super().__init__(**fields)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _by_concern(cls, data: Any) -> Any:
+        """Move the flat fields of a concern (`max_staleness=1`) into it; read the concern's others from env."""
+        if not isinstance(data, dict) or not _CONCERN_OF.keys() & data.keys():
+            return data
+        data, flat = dict(data), dict[str, dict[str, Any]]()
+        for field in _CONCERN_OF.keys() & data.keys():
+            flat.setdefault(_CONCERN_OF[field], {})[field] = data.pop(field)
+        for name, fields in flat.items():
+            given = data.get(name)
+            base = given.model_dump() if isinstance(given, BaseModel) else dict(given or {})
+            data[name] = _CONCERNS[name](**{**base, **fields})
+        return data
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.key_prefix, self.shard)
+
+    def copy_with(self, **fields: Any) -> Settings:
+        """These settings with `fields` replaced (deployment or concern fields, flat), validated. Raises
+        `pydantic.ValidationError` for an unknown field or a bad value."""
+        return type(self).model_validate({**self.model_dump(), **fields})
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Settings:
+        """pydantic's copy; a concern's field in `update` (flat) goes to its concern, validated as by `copy_with`
+        (never set beside it, silently unused)."""
+        if update and _CONCERN_OF.keys() & update.keys():
+            return self.copy_with(**update)
+        return super().model_copy(update=update, deep=deep)
+
+    def flat(self) -> dict[str, Any]:
+        """Every field by its env name (less `ROLLOUT_`), concerns flattened; the engine is left out (it reaches a
+        worker as `python -m workers` options)."""
+        dumped = self.model_dump(mode="json", exclude={"engine"})
+        return {
+            **{k: v for k, v in dumped.items() if k not in _CONCERNS},
+            **{k: v for name in _CONCERNS for k, v in dumped[name].items()},
+        }
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The env vars (`ROLLOUT_*`) that give a child process exactly these settings: every field that is set (an
+    unset one, None, is left to its default), so what the caller configured in Python reaches the workers."""
+    return {
+        f"ROLLOUT_{name.upper()}": json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+        for name, value in settings.flat().items()
+        if value is not None
+    }

@@ -123,7 +123,7 @@ class WeightSyncError(RolloutError):
 
 class AccessDeniedError(RolloutError):
     """Redis refused a command for lack of permission: the Redis user of this connection (its URL's `user:`) may
-    not do `action`; the `role` user may (see `rollout_svc.acl`). Nothing was written.
+    not do `action`; the `role` user may (see `rollout_svc.connections.acl`). Nothing was written.
 
     Retrying with the same credentials fails again: connect with the `role` user's URL.
     """
@@ -135,5 +135,5 @@ class AccessDeniedError(RolloutError):
         super().__init__(
             f"Redis refused {action}: the Redis user of this connection lacks the permission ({detail}). Only the "
             f"`{role}` user may do this: connect with its URL (`rollout-svc up --acl` writes it to its credentials "
-            "file; see the README, 'Redis ACL users')"
+            "file; see docs/acl.md, 'Redis ACL users')"
         )

@@ -16,7 +16,6 @@ moves only the sessions that hashed to it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -25,15 +24,15 @@ from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
-from rollout_svc.cluster_connect import redis_router, shard_url
 from rollout_svc.config import Settings
-from rollout_svc.connect import redis_async
-from rollout_svc.control import DEFAULT_HOLDER, ControlPlane, FleetState, PauseMode
+from rollout_svc.connections.topology import close_router, redis_router, shard_url
+from rollout_svc.connections.urls import redis_async
+from rollout_svc.control.plane import DEFAULT_HOLDER, ControlPlane, FleetState, PauseMode
+from rollout_svc.dataplane.registry import Registry
+from rollout_svc.dataplane.streams import RequestStreams
 from rollout_svc.keys import Keys
 from rollout_svc.protocol import WeightManifest, WeightSyncOrder, WorkerStatus
-from rollout_svc.registry import Registry
-from rollout_svc.streams import RequestStreams
-from rollout_svc.weight_sync import BarrierOutcome, WeightSyncPlane
+from rollout_svc.weightsync.plane import BarrierOutcome, WeightSyncPlane
 
 log = logging.getLogger("rollout_svc.fleet")
 T = TypeVar("T")
@@ -62,7 +61,7 @@ class ShardLink:
     @classmethod
     async def open(cls, settings: Settings, name: str) -> ShardLink:
         """Connect to shard `name`'s primary. Raises `RuntimeError` or a Redis error if it cannot be found."""
-        shard_settings = settings.model_copy(update={"shard": name})
+        shard_settings = settings.copy_with(shard=name)
         url = await asyncio.to_thread(shard_url, settings.redis_url, name)
         redis = redis_async(url, decode_responses=False)
         return cls(
@@ -176,17 +175,6 @@ class Fleet:
                 log.debug("closing shard %s failed (%s)", link.name, exc)
         self.links.clear()
         await close_router(self.router)
-
-
-async def close_router(router: Any) -> None:
-    """Close a `redis_router` client. redis-py's `RedisCluster.aclose` skips its node connections when a connection
-    error left it waiting to re-initialize (a primary died), so they are closed here too."""
-    await router.aclose()
-    manager = getattr(router, "nodes_manager", None)
-    if manager is not None:
-        for nodes in ("nodes_cache", "startup_nodes"):
-            with contextlib.suppress(RedisError, OSError):
-                await manager.aclose(nodes)
 
 
 def sorted_workers(by_shard: dict[str, list[WorkerStatus]]) -> list[WorkerStatus]:

@@ -1,17 +1,153 @@
-"""Every Redis key, stream field, consumer group and channel name that rollout-svc uses."""
+"""Every Redis key, and every name that crosses a process boundary through Redis: stream-entry fields, hash
+fields, worker states, barrier phases, nudges, script replies; and `lua`, which renders those names into Lua.
+
+A name is spelled once, here. Python reads and writes it through these constants; Lua scripts name it as a
+placeholder (`'${HeartbeatField.STATE}'`) that `lua` fills in when the script's module is imported, so renaming
+a field here renames it on both sides, at no cost per call (tests/unit/test_scripts.py checks that no script
+spells a name itself).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from string import Template
+from types import MappingProxyType
 
 WORKERS_GROUP = "workers"  # the consumer group on every requests stream
 # Fields of a request entry. Only `m` is the message; the others let Redis-side code (placement, requeue,
-# abort sweeps) act on an entry without decoding it.
+# abort sweeps) act on an entry without decoding it. A result or streamed chunk has `m` alone.
 PAYLOAD_FIELD = b"m"  # the msgpack envelope (rollout_svc.protocol)
 SESSION_FIELD = b"s"  # the request's session id, absent without one
 EPOCH_FIELD = b"e"  # the control epoch when the request was first enqueued (abort scope)
 DELIVERIES_FIELD = b"d"  # deliveries before this entry was requeued (a dead worker had it), absent if none
+
+
+# Weight-sync barrier phases (`Keys.weight_barrier`) and the value a worker writes there when a phase went well.
+JOINED, LOADED = "joined", "loaded"
+OK = "ok"
+
+
+class HeartbeatField:
+    """Fields of a heartbeat hash (`Keys.worker`) that code names one by one (the placement script reads them).
+
+    The hash as a whole is `protocol.WorkerStatus.to_hash()`, so its field names are that model's attribute names;
+    tests/unit/test_scripts.py checks that each name here is one (renaming the attribute alone fails there).
+    """
+
+    STATE = "state"  # one of `WorkerLabels`
+    APPLIED_EPOCH = "applied_epoch"  # the control epoch the worker applied: its acknowledgement
+
+
+class WorkerLabels:
+    """The values of `HeartbeatField.STATE` (`protocol.WorkerLabel` lists the same; a test checks)."""
+
+    STARTING = "starting"  # not yet converged on the control state
+    SERVING = "serving"
+    PAUSED = "paused"
+    SLEEPING = "sleeping"
+    DRAINING = "draining"  # stopping
+    STALE = "stale"  # its weight version is not the committed one: it takes no work
+
+
+class StateField:
+    """Fields of the control state hash (`Keys.state`; read and written whole by `control.plane.FleetState`)."""
+
+    EPOCH = "epoch"  # bumped by every control command
+    SLEEP_LEVEL = "sleep_level"  # 0: awake
+    SLEEP_MODE = "sleep_mode"  # the pause mode a sleep applies to in-flight requests
+    WEIGHT_VERSION = "weight_version"  # the committed weight version
+    WEIGHT_CHECKPOINT = "weight_checkpoint"  # the checkpoint it was loaded from ("": a broadcast)
+    HOLDER_PREFIX = "pause:"  # field pause:{holder} = its pause mode, one per holder of a pause
+    AWAKE_PREFIX = "awake:"  # field awake:{tag} = 1, per memory pool a partial wake-up restored
+
+    @staticmethod
+    def holder(name: str) -> str:
+        """The field of a pause holder (`pause:{name}`)."""
+        return StateField.HOLDER_PREFIX + name
+
+    @staticmethod
+    def awake(tag: str) -> str:
+        """The field of a memory pool a partial wake-up restored (`awake:{tag}`)."""
+        return StateField.AWAKE_PREFIX + tag
+
+
+class DeadLetterField:
+    """Fields of a dead letter (`Keys.dead`): written by `dataplane.streams`, read by `dataplane.dead_letters`."""
+
+    PAYLOAD = b"payload"  # the request's msgpack envelope as it was queued
+    REASON = b"reason"  # an `ErrorCode`: undecodable or max_deliveries
+    STREAM = b"stream"  # the stream it was queued in
+    ENTRY_ID = b"entry_id"  # its entry id there
+    DELIVERIES = b"deliveries"
+    WORKER_ID = b"worker_id"  # who dead-lettered it ('' for a reaper)
+    MESSAGE = b"message"  # why, in words
+
+
+class BatchField:
+    """Fields of a batch's state hash (`Keys.batch`) that the record script increments (it gets one in ARGV)."""
+
+    COMPLETED = "completed"  # lines answered
+    FAILED = "failed"  # lines that failed
+
+
+class Nudge:
+    """Messages on the pub/sub channels: what a worker may tell apart on one connection."""
+
+    COMMAND = b"command"  # on `Keys.control_channel`: re-read the control state
+    CANCEL = b"cancel"  # on `Keys.cancel_channel`: read new tombstones
+    WEIGHT_ORDER = b"order"  # on `Keys.weights_channel`: a weight sync order was written
+    WEIGHT_MANIFEST = b"manifest"  # ... a broadcast's tensors were announced
+    WEIGHT_COMMIT = b"commit"  # ... a weight version was committed
+
+
+class ScriptReply:
+    """The first element of a placement script's reply (`dataplane.scripts`)."""
+
+    OK = b"ok"
+    STALE = b"stale"  # the set of workers changed since the caller read it: rebuild the call
+    FULL = b"full"  # a target stream is over the admission limit: nothing was added
+
+
+class EnqueueKind:
+    """The kind of an item of the enqueue script (`dataplane.scripts.ENQUEUE_LUA`): which stream it goes to."""
+
+    ROLLOUT = "g"  # a rollout request: the shared stream, or its session's worker's pinned stream
+    TOKENS = "t"  # a tokenize, detokenize or chat-template request: the token requests stream
+
+
+_MODULE_NAMES = {
+    "PAYLOAD_FIELD": PAYLOAD_FIELD,
+    "SESSION_FIELD": SESSION_FIELD,
+    "EPOCH_FIELD": EPOCH_FIELD,
+    "DELIVERIES_FIELD": DELIVERIES_FIELD,
+    "JOINED": JOINED,
+    "LOADED": LOADED,
+    "OK": OK,
+}
+_GROUPS = (HeartbeatField, WorkerLabels, StateField, DeadLetterField, BatchField, Nudge, ScriptReply, EnqueueKind)
+# Every name above by what a script calls it (`PAYLOAD_FIELD`, `HeartbeatField.STATE`), as text.
+LUA_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        name: value.decode() if isinstance(value, bytes) else value
+        for name, value in [
+            *_MODULE_NAMES.items(),
+            *((f"{g.__name__}.{a}", v) for g in _GROUPS for a, v in vars(g).items() if a.isupper()),
+        ]
+    }
+)
+
+
+class _LuaTemplate(Template):
+    idpattern = r"(?:[A-Z][A-Za-z]*\.)?[A-Z][A-Z_]*"
+    flags = re.RegexFlag(0)  # case-sensitive: a placeholder is exactly a name of LUA_NAMES
+
+
+def lua(template: str) -> str:
+    """A Lua script with its names filled in: `${HeartbeatField.STATE}` becomes `state` (a name of `LUA_NAMES`);
+    `$$` is a `$`. Raises KeyError for a name this module does not define, ValueError for a stray `$`."""
+    return _LuaTemplate(template).substitute(LUA_NAMES)
 
 
 DEFAULT_SHARD = "g0"  # the shard of one Redis, and of a worker that names none

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgpack
@@ -35,7 +36,7 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 # "stale" are retried token-exact by RolloutClient.
 AbortCause = Literal["pause", "user", "deadline", "shutdown", "stale"]
 PauseMode = Literal["keep", "abort", "wait"]
-WorkerState = Literal["starting", "serving", "paused", "sleeping", "draining", "stale"]
+WorkerLabel = Literal["starting", "serving", "paused", "sleeping", "draining", "stale"]
 WeightSpan = tuple[int, int]  # (weight version, index of the first completion token generated under it)
 ErrorCode = Literal[
     "invalid_request",  # bad input: fix it, retrying will not help
@@ -433,8 +434,9 @@ def encode(message: _Message) -> bytes:
     return encode_envelope(SCHEMA_VERSION, message)
 
 
-def decode(data: bytes) -> Any:
-    """Unpack an envelope into its message.
+def decode(data: bytes, committed_version: int | None = None) -> Any:
+    """Unpack an envelope into its message. `committed_version`: the fleet's committed weight version as a producer
+    receives the message; a `Trajectory` then comes with its `staleness` (`staleness_at`), built once.
 
     Raises `ProtocolError` if it is not one we understand, and `InvalidRequestError` for a well-formed
     request whose user parameters are bad (an unknown sampling field): its producer gets an error result.
@@ -455,7 +457,11 @@ def decode(data: bytes) -> Any:
     trusted = _TRUSTED.get(type_name)
     try:
         if trusted is not None:
-            return trusted.decode(body)
+            values = trusted.values(body)
+            if committed_version is not None and type_name == "Trajectory":
+                spans, version = values["weight_versions"], values["weight_version"]
+                values["staleness"] = staleness_at(spans, version, committed_version)
+            return trusted.make(values)
         return cls.model_validate(msgspec.msgpack.decode(body))
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProtocolError(f"invalid {type_name}: {exc}") from exc
@@ -463,6 +469,14 @@ def decode(data: bytes) -> Any:
         if all(error["loc"][:1] == ("sampling_params",) for error in exc.errors()):
             raise InvalidRequestError(f"invalid sampling params: {exc}") from exc
         raise ProtocolError(f"invalid {type_name}: {exc}") from exc
+
+
+def staleness_at(weight_versions: Sequence[WeightSpan], weight_version: int, committed_version: int) -> int:
+    """A trajectory's staleness (DESIGN.md, section 5) when `committed_version` is the fleet's committed weight
+    version: that minus the version of its first token (`weight_versions[0]`; `weight_version`, its engine's, if it
+    has no token), not below 0."""
+    first = weight_versions[0][0] if weight_versions else weight_version
+    return max(0, committed_version - first)
 
 
 def reply_address(data: bytes) -> tuple[str, str] | None:
@@ -498,7 +512,7 @@ class WorkerStatus(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
     worker_id: str
-    state: WorkerState = "serving"
+    state: WorkerLabel = "serving"
     engine: str = ""
     model: str = ""
     capacity: int = 0

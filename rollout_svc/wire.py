@@ -68,7 +68,12 @@ class WireModel:
 
     def decode(self, body: bytes | msgspec.Raw) -> Any:
         """The model of `body`. Raises `msgspec.ValidationError` or `msgspec.DecodeError`."""
-        return self._make(msgspec.structs.asdict(self.decoder.decode(body)))
+        return self.make(self.values(body))
+
+    def values(self, body: bytes | msgspec.Raw) -> dict[str, Any]:
+        """The checked values of `body` by field name, every field present: what `make` builds the model of. Raises
+        `msgspec.ValidationError` or `msgspec.DecodeError`."""
+        return msgspec.structs.asdict(self.decoder.decode(body))
 
     def build(self, **values: Any) -> Any:
         """The model of `values` (every required field given, the rest defaulted), not validated: for what this
@@ -76,9 +81,10 @@ class WireModel:
         for name, factory in self._factories.items():
             if name not in values:
                 values[name] = factory()  # type: ignore[call-arg]
-        return self._make({**self._defaults, **values})
+        return self.make({**self._defaults, **values})
 
-    def _make(self, values: dict[str, Any]) -> Any:
+    def make(self, values: dict[str, Any]) -> Any:
+        """The model of `values` (every field present), not validated; it takes `values` as its own."""
         obj = self.model.__new__(self.model)
         object.__setattr__(obj, "__dict__", values)
         object.__setattr__(obj, "__pydantic_fields_set__", set(values))

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import time
+import contextlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,43 +11,48 @@ import pytest
 import redis
 
 from rollout_svc.config import Settings
-from tests.support import WorkerProcs, free_port
+from tests.support import WorkerProcs, redis_server
 
 VLLM_TIMEOUT_S = 900  # a vLLM test module starts its engines inside its first test's time
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The default per-test timeout is 30 s (pyproject); tests on the real engine get longer."""
+    """The default per-test timeout is 30 s (pyproject); tests on the real engine get longer.
+
+    Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) a module's tests run on one worker, so module
+    fixtures start once; every test on the real engine runs on one worker, one engine at a time (each binds both
+    cores); and the two that start a local Ray cluster run one after the other."""
     for item in items:
-        if item.get_closest_marker("vllm") and not item.get_closest_marker("timeout"):
+        vllm = item.get_closest_marker("vllm") is not None
+        if vllm and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(VLLM_TIMEOUT_S))
+        module = item.nodeid.split("::")[0]
+        group = "vllm" if vllm else "ray" if "ray" in Path(module).stem.split("_") else module
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+ENGINE_NICE = 10  # the real engine's tests, beside the others under xdist: they yield the CPU
+
+
+@pytest.hookimpl(tryfirst=True)  # before the item's fixtures start processes, which inherit the priority
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under pytest-xdist, a test on the real engine (and the engine processes it starts) runs at a lower priority
+    than the others: the engines keep both cores busy for minutes, and the other worker's tests give a worker whose
+    heartbeat is 2 s late up for dead. Alone (no xdist), and for the other tests, the priority is left as it is."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    wanted = ENGINE_NICE if item.get_closest_marker("vllm") else 0
+    with contextlib.suppress(PermissionError):  # raising it back needs root (CAP_SYS_NICE): then it stays lower
+        if os.getpriority(os.PRIO_PROCESS, 0) != wanted:
+            os.setpriority(os.PRIO_PROCESS, 0, wanted)
 
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A redis-server of our own on a free port, so tests can stop and restart it."""
-    binary = shutil.which("redis-server")
-    assert binary, "redis-server is not on PATH: install Redis >= 6.2 (apt install redis-server)"
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-    yield url
-    client.close()
-    process.terminate()
-    process.wait(timeout=10)
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
 
 
 @pytest.fixture

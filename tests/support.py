@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import inspect
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,22 +14,59 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
-from rollout_svc import cluster
 from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.deploy import local as cluster
 from rollout_svc.keys import PAYLOAD_FIELD, WORKERS_GROUP
-from rollout_svc.protocol import decode
+from rollout_svc.protocol import Trajectory, TrajectoryChunk, decode
+
+if TYPE_CHECKING:
+    from rollout_svc import RolloutClient
 
 ROOT = Path(__file__).resolve().parents[1]
+# Options of echo workers that receive weights: torch imported before the worker registers (as vLLM does), since a
+# cold `import torch` holds the GIL, and with it the heartbeat, for seconds on a busy machine.
+SYNC_ECHO_ARGS = ("--echo-preload-weight-transfer",)
+# Their heartbeat TTL: the default's 10 s, not the 2 s of the other tests. A sync's gloo receive and digest share two
+# cores with the engine's tests beside them under xdist, and a make test on CI once lost a worker mid-sync at 6 s.
+SYNC_HEARTBEAT_TTL_S = 10.0
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def redis_server(workdir: Path) -> Iterator[str]:
+    """A redis-server of our own on a free port (no persistence), as its URL once it answers; stopped on leaving."""
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is not on PATH: install Redis >= 6.2 (apt install redis-server)"
+    port = free_port()
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+    try:
+        yield url
+    finally:
+        client.close()
+        process.terminate()
+        process.wait(timeout=10)
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -58,6 +96,55 @@ async def async_wait_until(predicate: Callable[[], Any], timeout_s: float, what:
             return value
         assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
         await asyncio.sleep(interval_s)
+
+
+class Streaming:
+    """A `RolloutClient.stream` call running in a task, so a test can await its requests' progress: `tokens[i]` is
+    how many tokens prompt i has streamed so far, `arrived[i]` when its trajectory came (monotonic s); `await
+    streaming.task` gives the trajectories in prompt order.
+
+    Example::
+
+        run = Streaming(client, prompts, {"max_tokens": 30})
+        await run.streamed(2, timeout_s=5)  # each request made 2 tokens or more: cut now, it is cut mid-generation
+        await client.pause("abort")
+        trajectories = await run.task
+    """
+
+    def __init__(self, client: RolloutClient, prompts: list[Any], params: Any = None, **kwargs: Any) -> None:
+        self.tokens = [0] * len(prompts)
+        self.arrived: dict[int, float] = {}
+        self.task: asyncio.Future[list[Trajectory]] = asyncio.ensure_future(
+            self._collect(client, prompts, params, kwargs)
+        )
+
+    async def _collect(
+        self, client: RolloutClient, prompts: list[Any], params: Any, kwargs: dict[str, Any]
+    ) -> list[Trajectory]:
+        done: dict[int, Trajectory] = {}
+        async for index, item in client.stream(prompts, params, **kwargs):
+            if isinstance(item, TrajectoryChunk):  # a retry's chunks may repeat tokens: count by offset
+                self.tokens[index] = max(self.tokens[index], item.offset + len(item.token_ids))
+            else:
+                done[index], self.arrived[index] = item, time.monotonic()
+        return [done[i] for i in range(len(prompts))]
+
+    async def streamed(self, at_least: int, timeout_s: float, count: int | None = None) -> list[int]:
+        """Wait until `count` prompts (default: all) have streamed `at_least` tokens each; returns the counts then.
+        Raises what the stream raised, or AssertionError, if it ended first."""
+
+        what = f"{'all' if count is None else count} requests to stream {at_least} tokens"
+
+        def reached() -> bool:
+            if sum(n >= at_least for n in self.tokens) >= (len(self.tokens) if count is None else count):
+                return True
+            if self.task.done():
+                self.task.result()  # raises the stream's error, if any
+                raise AssertionError(f"the stream ended before {what}: {self.tokens}")
+            return False
+
+        await async_wait_until(reached, timeout_s, what)
+        return list(self.tokens)
 
 
 def pending(rds: redis.Redis, stream: str) -> int:

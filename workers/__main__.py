@@ -28,13 +28,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_engine(engine: EngineSettings, settings: Settings) -> Engine:
+def build_engine(settings: Settings) -> Engine:
+    """The engine `settings.engine` describes (the real vLLM one by default; the model prepared if none is named)."""
+    engine = settings.engine
     if engine.engine == "echo":
         return EchoEngine(
             capacity=engine.capacity,
             max_model_len=engine.max_model_len,
             token_delay_s=engine.echo_token_delay_s,
             load_delay_s=engine.echo_load_delay_s,
+            preload_weight_transfer=engine.echo_preload_weight_transfer,
         )
     from rollout_svc.model import prepare_model
     from workers.engine import VLLMEngine
@@ -53,10 +56,12 @@ def start_metrics(port: int, host: str) -> WorkerMetrics | None:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    settings = Settings(**({"redis_url": args.redis_url} if args.redis_url else {}))
+    settings = Settings(
+        engine=EngineSettings.from_args(args), **({"redis_url": args.redis_url} if args.redis_url else {})
+    )
     worker = Worker(
         settings,
-        build_engine(EngineSettings.from_args(args), settings),
+        build_engine(settings),
         args.worker_id,
         args.drain_timeout_s,
         start_metrics(args.metrics_port, args.metrics_host),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
-from rollout_svc.control import ControlPlane, FleetState
+from rollout_svc.control.plane import ControlPlane, FleetState
 from rollout_svc.errors import EngineDeadError
 from rollout_svc.protocol import ControlCommand, PauseMode
 from workers.engine import Engine

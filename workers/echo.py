@@ -49,11 +49,13 @@ class EchoEngine:
         max_model_len: int = 2048,
         token_delay_s: float = 0.0,
         load_delay_s: float = 0.0,
+        preload_weight_transfer: bool = False,
     ) -> None:
         self.model_name, self.capacity = model_name, capacity
         self.max_model_len, self.token_delay_s, self.load_delay_s = max_model_len, token_delay_s, load_delay_s
+        self.preload_weight_transfer = preload_weight_transfer
         self.weights_digest = ""
-        self._end: Any = None  # a rollout_svc.transfer.ReceivingEnd, made at the first join
+        self._end: Any = None  # a rollout_svc.weightsync.transfer.ReceivingEnd, made at the first join
         self._runs: dict[str, _EchoRun] = {}
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -61,7 +63,8 @@ class EchoEngine:
         self._idle.set()
 
     async def start(self) -> None:
-        return None
+        if self.preload_weight_transfer:  # before the worker registers: no heartbeat yet to stall
+            await asyncio.to_thread(importlib.import_module, "rollout_svc.weightsync.transfer")
 
     async def generate(
         self,
@@ -196,8 +199,9 @@ class EchoEngine:
             self._end.leave()
 
     async def join_weight_group(self, spec: TransferGroup, first_rank: int, host: str) -> None:
-        # Importing torch takes seconds: in a thread, or the heartbeat would stall past its TTL.
-        module = await asyncio.to_thread(importlib.import_module, "rollout_svc.transfer")
+        # Importing torch takes seconds, and holds the GIL for much of them (loading libtorch): in a thread it stalls
+        # the heartbeat less, and not at all where `preload_weight_transfer` imported it at start.
+        module = await asyncio.to_thread(importlib.import_module, "rollout_svc.weightsync.transfer")
         if self._end is None:
             self._end = module.ReceivingEnd()
         await asyncio.to_thread(self._end.join, spec, first_rank, host)

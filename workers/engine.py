@@ -102,7 +102,7 @@ class Engine(Protocol):
 
     async def close(self) -> None: ...
 
-    # --- weight sync (the receiving end; see rollout_svc.transfer and workers.weights) ---
+    # --- weight sync (the receiving end; see rollout_svc.weightsync.transfer and workers.weight_receiver) ---
 
     weight_ranks: int  # ranks it takes in a weight transfer group (vLLM: tensor x pipeline parallel size)
 

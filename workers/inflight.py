@@ -10,8 +10,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from rollout_svc.dataplane.streams import Entry
 from rollout_svc.protocol import AbortCause, ControlCommand, Request, RolloutRequest
-from rollout_svc.streams import Entry
 from workers.engine import Engine
 
 REABORT_AFTER_S = 0.2  # an abort that raced the request into the engine is sent again after this

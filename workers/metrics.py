@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from rollout_svc.protocol import ErrorResult, Request, Result, RolloutRequest, Trajectory
-from rollout_svc.streams import Entry
+from rollout_svc.dataplane.streams import Entry
+from rollout_svc.protocol import ErrorResult, Request, Result, RolloutRequest, Trajectory, staleness_at
 from workers.inflight import InFlightIndex
 from workers.state import WorkerState
 
@@ -104,7 +104,6 @@ class WorkerMetrics:
         if trajectory.generation_time_s > 0:  # 0: answered unrun
             self.engine_s.observe(trajectory.generation_time_s)
         if self._state is not None:
-            spans = trajectory.weight_versions
-            first_version = spans[0][0] if spans else trajectory.weight_version
             # Never below 0: a worker may load a version before it reads that version's commit.
-            self.staleness.observe(max(0, self._state.committed_version - first_version))
+            committed = self._state.committed_version
+            self.staleness.observe(staleness_at(trajectory.weight_versions, trajectory.weight_version, committed))

@@ -9,7 +9,8 @@ import time
 from collections.abc import Callable
 
 from rollout_svc.config import Settings
-from rollout_svc.connect import REDIS_AWAY
+from rollout_svc.connections.urls import REDIS_AWAY
+from rollout_svc.dataplane.streams import Enqueue, Entry, RequestStreams
 from rollout_svc.errors import EngineDeadError, InvalidRequestError, ProtocolError
 from rollout_svc.protocol import (
     DetokenizeRequest,
@@ -28,8 +29,6 @@ from rollout_svc.protocol import (
     reply_address,
     unrun_trajectory,
 )
-from rollout_svc.reaper import Reaper
-from rollout_svc.streams import Enqueue, RequestStreams
 from workers.engine import Completion, Engine, joined
 from workers.inflight import AbortRules, InFlight, InFlightIndex
 from workers.metrics import WorkerMetrics
@@ -56,13 +55,12 @@ class RequestServer:
         index: InFlightIndex,
         rules: AbortRules,
         streams: RequestStreams,
-        reaper: Reaper,
         publish: Callable[[InFlight], None],
         on_engine_dead: Callable[[EngineDeadError], None],
         metrics: WorkerMetrics | None = None,
     ) -> None:
         self.settings, self.engine, self.state, self.index, self.rules = settings, engine, state, index, rules
-        self.streams, self.reaper = streams, reaper
+        self.streams = streams
         self._publish, self._on_engine_dead = publish, on_engine_dead
         self.metrics = metrics  # None: nothing is counted
         self.served = 0  # generations run on the engine (aborted ones included)
@@ -88,11 +86,11 @@ class RequestServer:
         except InvalidRequestError as exc:  # a well-formed request with bad user parameters: tell its producer
             return await self._refuse(record, str(exc))
         except ProtocolError as exc:
-            await self.reaper.dead_letter(entry, "undecodable", str(exc), self.state.worker_id)
+            await self._dead_letter(entry, "undecodable", str(exc))
             return
-        if entry.deliveries > self.settings.max_deliveries:
+        if entry.deliveries > self.settings.worker.max_deliveries:
             message = f"delivered {entry.deliveries} times without a result"
-            await self.reaper.dead_letter(entry, "max_deliveries", message, self.state.worker_id)
+            await self._dead_letter(entry, "max_deliveries", message)
             return
         if self.index.running(request.request_id) is not None:
             # A second delivery of a request this worker runs already (its enqueue was sent again after a lost reply,
@@ -126,10 +124,16 @@ class RequestServer:
             self.metrics.observe(request, result)
         self._publish(record)
 
+    async def _dead_letter(self, entry: Entry, code: ErrorCode, message: str) -> None:
+        await self.streams.dead_letter(
+            entry, code, message, self.state.worker_id, maxlen=self.settings.worker.dead_letter_maxlen,
+            results_ttl_s=self.settings.results_ttl_s,
+        )  # fmt: skip
+
     async def _refuse(self, record: InFlight, message: str) -> None:
         address = reply_address(record.entry.payload)
         if address is None:
-            await self.reaper.dead_letter(record.entry, "undecodable", message, self.state.worker_id)
+            await self._dead_letter(record.entry, "undecodable", message)
             return
         error = ErrorResult(
             request_id=address[0], code="invalid_request", message=message, worker_id=self.state.worker_id
@@ -264,16 +268,19 @@ class ChunkSender:
     of milliseconds of them, not one entry per token where each step is slower than the interval). What is still
     gathered at the end is not sent: the final trajectory holds every token."""
 
-    def __init__(self, server: RequestServer, request: RolloutRequest, offset: int) -> None:
-        self.server, self.request, self.offset = server, request, offset
-        self.interval_s, self.max_tokens = server.settings.stream_interval_s, server.settings.stream_chunk_tokens
+    def __init__(
+        self, server: RequestServer, request: RolloutRequest, offset: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.server, self.request, self.offset, self.clock = server, request, offset, clock
+        worker = server.settings.worker
+        self.interval_s, self.max_tokens = worker.stream_interval_s, worker.stream_chunk_tokens
         self.pending: list[Completion] = []
-        self.last_sent = time.monotonic()
+        self.last_sent = clock()
 
     async def __call__(self, delta: Completion) -> None:
         self.pending.append(delta)
         gathered = sum(len(d.completion_token_ids) for d in self.pending)
-        waited = time.monotonic() - self.last_sent
+        waited = self.clock() - self.last_sent
         # Full; or an interval passed and it holds 2 tokens or more (not an entry per token where steps are slow);
         # or 4 intervals passed (a slow engine still streams).
         if (
@@ -300,7 +307,7 @@ class ChunkSender:
             tokens=part.tokens,
         )
         self.offset += len(part.completion_token_ids)
-        self.last_sent = time.monotonic()
+        self.last_sent = self.clock()
         await self.server.send_chunk(self.request.reply_to, chunk)
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from rollout_svc.protocol import PauseMode
-from rollout_svc.protocol import WorkerState as StateLabel
+from rollout_svc.protocol import PauseMode, WorkerLabel
 
 
 @dataclass
@@ -19,7 +18,7 @@ class WorkerState:
 
     base_id: str
     incarnation: int = 0
-    label: StateLabel = "starting"
+    label: WorkerLabel = "starting"
     applied_epoch: int = 0
     weight_version: int = 0
     committed_version: int = 0  # the fleet's committed weight version, as this worker last read it
@@ -34,7 +33,7 @@ class WorkerState:
     def worker_id(self) -> str:
         return self.base_id if self.incarnation == 0 else f"{self.base_id}~{self.incarnation}"
 
-    def set_label(self, label: StateLabel) -> None:
+    def set_label(self, label: WorkerLabel) -> None:
         """Move to `label`; a draining worker stays draining. Only `serving` takes rollout requests."""
         if self.label == "draining":
             return

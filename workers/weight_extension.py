@@ -17,13 +17,13 @@ WORKER_EXTENSION = "workers.weight_extension.WeightSyncExtension"
 class WeightSyncExtension:
     """Joins the trainer's transfer group, receives announced buckets, loads them; or loads a checkpoint."""
 
-    _rollout_end: Any = None  # a rollout_svc.transfer.ReceivingEnd, made at the first join
+    _rollout_end: Any = None  # a rollout_svc.weightsync.transfer.ReceivingEnd, made at the first join
 
     def rollout_join_group(self, spec: dict[str, Any], first_rank: int, host: str) -> int:
         """Join the transfer group `spec` (a `TransferGroup`) as `first_rank` + this engine rank; blocks until
         every rank has joined (at most the spec's timeout). Returns the rank taken."""
         from rollout_svc.protocol import TransferGroup
-        from rollout_svc.transfer import ReceivingEnd
+        from rollout_svc.weightsync.transfer import ReceivingEnd
 
         if self._rollout_end is None:
             self._rollout_end = ReceivingEnd()  # kept: its bucket buffers serve the next sync of this model

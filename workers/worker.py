@@ -14,24 +14,25 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from rollout_svc.cluster_connect import redis_router, shard_url
 from rollout_svc.config import GC_YOUNG_THRESHOLD, Settings, tune_gc
-from rollout_svc.connect import next_message, redacted, redis_async, server_run_id, warn_if_evicting
-from rollout_svc.control import NUDGE_CANCEL, ControlPlane
+from rollout_svc.connections.topology import close_router, redis_router, shard_url
+from rollout_svc.connections.urls import next_message, redacted, redis_async, server_run_id, warn_if_evicting
+from rollout_svc.control.plane import ControlPlane
+from rollout_svc.dataplane.reaper import REAP_LOCK_TTL_S, Reaper
+from rollout_svc.dataplane.registry import Registry
+from rollout_svc.dataplane.streams import Entry, RequestStreams
 from rollout_svc.errors import EngineDeadError
-from rollout_svc.fleet import close_router
+from rollout_svc.keys import Nudge
 from rollout_svc.protocol import WorkerStatus
-from rollout_svc.reaper import REAP_LOCK_TTL_S, Reaper
-from rollout_svc.registry import Registry
-from rollout_svc.streams import Entry, RequestStreams
-from rollout_svc.weight_sync import WeightSyncPlane
+from rollout_svc.weightsync.plane import WeightSyncPlane
 from workers.converge import Converger
 from workers.engine import Engine
 from workers.inflight import AbortRules, InFlight, InFlightIndex
 from workers.metrics import WorkerMetrics
+from workers.publisher import Publisher
 from workers.serve import REDIS_ERRORS, RequestServer, backoff_s
 from workers.state import WorkerState
-from workers.weights import WeightReceiver
+from workers.weight_receiver import WeightReceiver
 
 log = logging.getLogger("rollout_svc.worker")
 SWEEP_INTERVAL_S = 0.1  # deadlines and missed aborts are checked this often (not a timer per request)
@@ -80,7 +81,6 @@ class Worker:
         self._wake = asyncio.Event()  # a nudge, a reconnect, or a stop: the control loop converges
         self._weights_wake = asyncio.Event()  # a weights nudge, a reconnect, or a stop: the weights loop looks
         self._cancel_nudged = False
-        self._results: asyncio.Queue[InFlight | None] = asyncio.Queue()  # answered requests; None: stop
         self._beat_lock = asyncio.Lock()
         self._beat_sent_at = time.monotonic()  # when the last accepted heartbeat was sent (the lease's start)
         self._fenced = False
@@ -126,9 +126,10 @@ class Worker:
         self.receiver = WeightReceiver(
             self.settings, self.weight_plane, self.control, self.engine, self.state, self.index, self._wake.set
         )
+        self.publisher = Publisher(self.streams, self.state, self.settings.results_ttl_s, self._release)
         self.server = RequestServer(
-            self.settings, self.engine, self.state, self.index, self.rules, self.streams, self.reaper,
-            self._queue_result, self._engine_died, self.metrics,
+            self.settings, self.engine, self.state, self.index, self.rules, self.streams,
+            self.publisher.put, self._engine_died, self.metrics,
         )  # fmt: skip
         try:
             await self.engine.start()
@@ -153,7 +154,7 @@ class Worker:
         return [
             ("take", self._take_loop),
             ("tokens", self._token_loop),
-            ("publish", self._publish_loop),
+            ("publish", lambda: self.publisher.run(self._stopping)),
             ("heartbeat", self._heartbeat_loop),
             ("control", self._control_loop),
             ("listen", self._listen_loop),
@@ -405,46 +406,6 @@ class Worker:
         self.index.remove(record)
         self._slot_freed.set()
 
-    def _queue_result(self, record: InFlight) -> None:
-        record.publishing = True
-        self._results.put_nowait(record)
-
-    # --- publishing results ---------------------------------------------------------------------------------
-
-    async def _publish_loop(self) -> None:
-        """Batch whatever results are ready into one script call; under load this amortises the round trip."""
-        while True:
-            batch = [await self._results.get()]
-            while not self._results.empty():
-                batch.append(self._results.get_nowait())
-            ready = [item for item in batch if item is not None]
-            if ready:
-                await self._publish(ready, attempts=3 if self._stopping.is_set() else None)
-            if len(ready) < len(batch):
-                return  # the stop sentinel: everything before it is published
-
-    async def _publish(self, batch: list[InFlight], attempts: int | None = None) -> None:
-        """Publish + ack; retried while Redis is away (the entries stay pending, so a crash loses nothing)."""
-        failures = 0
-        while True:
-            try:
-                items = [(r.entry, None if r.reply_to is None else (r.reply_to, r.payload)) for r in batch]
-                fenced = await self.streams.publish(items, self.settings.results_ttl_s)
-                if fenced:
-                    self.state.fenced_results += fenced
-                    log.warning(
-                        "dropped %d results: their requests were requeued while this worker was stalled", fenced
-                    )
-                for record in batch:
-                    self._release(record)
-                return
-            except REDIS_ERRORS as exc:
-                failures += 1
-                if attempts is not None and failures >= attempts:
-                    raise
-                log.warning("publishing %d results failed (%s); retrying", len(batch), exc)
-                await asyncio.sleep(backoff_s(failures))
-
     # --- liveness -------------------------------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
@@ -458,7 +419,7 @@ class Worker:
                 log.warning("heartbeat failed (%s); retrying", exc)
             except ResponseError as exc:
                 log.warning("heartbeat: %s", exc)
-            await self._idle(self.settings.heartbeat_interval_s)
+            await self._idle(self.settings.worker.heartbeat_interval_s)
 
     async def _check_redis(self) -> None:
         """Notice a Redis that restarted or failed over (a new run_id), and reconcile with what it holds now."""
@@ -500,7 +461,7 @@ class Worker:
                     await self.reaper.reap_dead(self.worker_id)
                 except REDIS_ERRORS as exc:
                     log.warning("reaping dead workers failed (%s); retrying", exc)
-            await self._idle(self.settings.heartbeat_interval_s)
+            await self._idle(self.settings.worker.heartbeat_interval_s)
 
     async def _reincarnate(self) -> None:
         """This worker's heartbeat expired while it lived (a stall past the TTL): it was presumed dead, and its
@@ -556,7 +517,7 @@ class Worker:
             if message["type"] == "message" and weights:
                 self._weights_wake.set()
                 continue
-            if message["type"] == "message" and message["data"] == NUDGE_CANCEL:
+            if message["type"] == "message" and message["data"] == Nudge.CANCEL:
                 self._cancel_nudged = True
             self._wake.set()
             if message["type"] != "message":  # a (re)subscription: nudges may have been lost on both channels
@@ -572,7 +533,9 @@ class Worker:
             waits = [self._wake.wait()] + ([self.index.changed.wait()] if pending else [])
             self.index.changed.clear()
             tasks = [asyncio.ensure_future(w) for w in waits]
-            await asyncio.wait(tasks, timeout=self.settings.heartbeat_interval_s, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                tasks, timeout=self.settings.worker.heartbeat_interval_s, return_when=asyncio.FIRST_COMPLETED
+            )
             for task in tasks:
                 task.cancel()
             self._wake.clear()
@@ -608,7 +571,7 @@ class Worker:
                 await asyncio.sleep(backoff_s(failures))
                 continue
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._weights_wake.wait(), self.settings.heartbeat_interval_s)
+                await asyncio.wait_for(self._weights_wake.wait(), self.settings.worker.heartbeat_interval_s)
 
     async def _cancel_tombstoned(self) -> None:
         """Read the tombstones written since the last read; abort the in-flight requests they name (those taken
@@ -646,7 +609,7 @@ class Worker:
             if record.task is not None:
                 record.task.cancel()  # the entry stays pending: requeued below
         await self._drain(5.0)
-        self._results.put_nowait(None)
+        self.publisher.close()
         rest = [task for name, task in self._loops.items() if name not in ("take", "tokens")]
         await asyncio.wait(rest, timeout=30)
         try:

@@ -15,7 +15,6 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from rollout_svc.api.errors import APIError
 from rollout_svc.api.schemas import (
     AbortBody,
     CheckpointBody,
@@ -25,8 +24,9 @@ from rollout_svc.api.schemas import (
     SleepBody,
     WakeUpBody,
 )
-from rollout_svc.client import RolloutClient
+from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.errors import WeightSyncError
+from rollout_svc.openai.errors import APIError
 
 
 def admin_router(client: RolloutClient) -> APIRouter:
@@ -101,7 +101,7 @@ def admin_router(client: RolloutClient) -> APIRouter:
         """A weight sync from a checkpoint (`WeightSender.update_from_checkpoint`): pause, every worker loads it,
         commit `version`, resume. Returns the `SyncReport` (loaded, stale, dead, seconds). 400: the version is not above
         the committed one; 409: no worker loaded it (the old version stays committed), naming why."""
-        from rollout_svc.weights import WeightSender  # imports torch: only when a sync is asked for
+        from rollout_svc.client.weight_sender import WeightSender  # imports torch: only when a sync is asked for
 
         async with WeightSender(settings=client.settings) as sender:
             try:

@@ -23,14 +23,16 @@ from redis.exceptions import RedisError
 from rollout_svc.api.admin import admin_router
 from rollout_svc.api.auth import Auth
 from rollout_svc.api.batches import batch_router
-from rollout_svc.api.errors import APIError, install_error_handlers
-from rollout_svc.api.generation import Generation, chat_plan, completion_plan, until_disconnected
-from rollout_svc.api.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody
-from rollout_svc.batch import BatchStore
-from rollout_svc.client import RolloutClient
+from rollout_svc.api.errors import install_error_handlers
+from rollout_svc.api.generation import Generation, until_disconnected
+from rollout_svc.api.metrics import install_metrics
+from rollout_svc.batch.store import BatchStore
+from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.errors import GenerationError
-from rollout_svc.metrics import install_metrics
+from rollout_svc.openai.errors import APIError
+from rollout_svc.openai.plans import chat_plan, completion_plan
+from rollout_svc.openai.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody
 from rollout_svc.protocol import WorkerStatus
 
 
@@ -45,7 +47,7 @@ def session_header(request: Request, body_session: str | None) -> str | None:
     return session
 
 
-class Fleet:
+class ServedModels:
     """The live workers, read from Redis at most once per `ttl_s` (every request checks the model and that some
     worker is live), and the model names served: `served_model_names`, or what the live workers report (the model
     folder's name)."""
@@ -85,13 +87,13 @@ class Fleet:
 
 def create_app(settings: Settings | None = None, served_model_names: list[str] | None = None) -> FastAPI:
     """Build the app. `served_model_names`: the names `/v1/models` lists and requests must use (default: the
-    model folder names the live workers report). Auth comes from `settings.api_keys` and `settings.admin_token`."""
+    model folder names the live workers report). Auth comes from `settings.api` (`api_keys`, `admin_token`)."""
     settings = settings or Settings()
     client = RolloutClient(settings)
-    fleet = Fleet(
-        client, list(served_model_names or ([settings.served_model_name] if settings.served_model_name else []))
+    served = ServedModels(
+        client, list(served_model_names or ([settings.api.served_model_name] if settings.api.served_model_name else []))
     )
-    auth = Auth(settings.api_keys, settings.admin_token)
+    auth = Auth(settings.api.api_keys, settings.api.admin_token)
 
     batches = BatchStore(settings)
 
@@ -109,7 +111,7 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     )
     install_error_handlers(app)
     metrics = install_metrics(app, client)
-    generation = Generation(client, metrics, settings.request_timeout_s)
+    generation = Generation(client, metrics, settings.client.request_timeout_s)
     data = [auth.data_dependency()]
 
     @app.get("/health")
@@ -127,7 +129,7 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     @app.get("/v1/models", dependencies=data)
     async def models() -> dict[str, Any]:
         """OpenAI's model list: the served model names."""
-        names = await fleet.models()
+        names = await served.models()
         created = int(time.time())
         return {
             "object": "list",
@@ -138,21 +140,21 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI's chat completions (streaming too); `X-Session-ID` (or `session_id`) pins a conversation to one
         worker, named in the `X-Worker-ID` response header."""
-        model = await fleet.check(body.model)
-        plan = chat_plan(body, model, session_header(request, body.session_id), settings.api_default_max_tokens)
+        model = await served.check(body.model)
+        plan = chat_plan(body, model, session_header(request, body.session_id), settings.api.api_default_max_tokens)
         return await generation.respond(request, plan)
 
     @app.post("/v1/completions", dependencies=data)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI's (legacy) completions: a text or token-id prompt, or a batch of them, in order."""
-        model = await fleet.check(body.model)
+        model = await served.check(body.model)
         plan = completion_plan(body, model, session_header(request, body.session_id))
         return await generation.respond(request, plan)
 
     @app.post("/tokenize", dependencies=data)
     async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
         """vLLM's tokenize: `{"tokens", "count", "max_model_len"}` from a worker's tokenizer."""
-        await fleet.check(body.model)
+        await served.check(body.model)
         try:
             if body.messages is not None:
                 messages = [m.as_dict() for m in body.messages]
@@ -167,7 +169,7 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     @app.post("/detokenize", dependencies=data)
     async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
         """vLLM's detokenize: `{"prompt"}`, the text of `tokens`."""
-        await fleet.check(body.model)
+        await served.check(body.model)
         try:
             [text] = await until_disconnected(request, client.detokenize([body.tokens]))
         except GenerationError as exc:

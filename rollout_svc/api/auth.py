@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import Depends, Request
 
-from rollout_svc.api.errors import APIError
+from rollout_svc.openai.errors import APIError
 
 
 def _bearer(request: Request) -> str | None:

@@ -12,9 +12,10 @@ from fastapi import APIRouter, File, Form, UploadFile
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_svc.api.errors import APIError
-from rollout_svc.batch import BatchStore
+from rollout_svc.batch.jobs import submit_batch
+from rollout_svc.batch.store import BatchStore
 from rollout_svc.errors import InvalidRequestError
+from rollout_svc.openai.errors import APIError
 
 
 class BatchBody(BaseModel):
@@ -39,7 +40,7 @@ def batch_router(store: BatchStore) -> APIRouter:
         """Upload a batch input file (purpose `batch`); returns OpenAI's file object."""
         if purpose != "batch":
             raise APIError(400, f"purpose {purpose!r} is not supported; use `batch`", param="purpose")
-        content = await file.read(store.settings.batch_max_file_bytes + 1)
+        content = await file.read(store.settings.batch.batch_max_file_bytes + 1)
         try:
             file_id = await store.create_file(content, file.filename or "upload.jsonl", purpose)
         except InvalidRequestError as exc:
@@ -68,7 +69,7 @@ def batch_router(store: BatchStore) -> APIRouter:
     async def create_batch(body: BatchBody) -> dict[str, Any]:
         """Create a batch from an uploaded file; every line's `url` must be `endpoint`. Runs on a batch worker."""
         try:
-            batch_id = await store.create_batch(body.input_file_id, body.endpoint, metadata=body.metadata)
+            batch_id = await submit_batch(store, body.input_file_id, body.endpoint, metadata=body.metadata)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param="input_file_id") from exc
         return await _batch(batch_id)

@@ -13,16 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from rollout_svc import ControlCommandError, RolloutClient, dataset
+from rollout_svc import ControlCommandError, RolloutClient
+from rollout_svc.client.status import fleet_status
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.model import prepare_model
-from tests.support import async_wait_until, vllm_workers
+from rollout_svc.tools import dataset
+from tests.support import Streaming, async_wait_until, vllm_workers
 
 pytestmark = pytest.mark.vllm
 
 MiB = 2**20
 BATCH = 100
 BATCH_PARAMS = {"temperature": 0.0, "max_tokens": 32, "ignore_eos": True}
+# All 100 are in flight on the workers, but each engine's KV cache (5,760 tokens in 128-token blocks on CPU) holds at
+# most 45 at once: the others wait inside it until the first finish. A pause lands once this many are generating.
+GENERATING = BATCH // 4
 ONE_PARAMS = {"temperature": 0.0, "max_tokens": 128, "ignore_eos": True}
 
 
@@ -46,46 +51,50 @@ async def in_flight(client: RolloutClient) -> int:
     return sum(w.in_flight for w in await client.workers())
 
 
-async def collect(client: RolloutClient, batch: list[list[int]], params: dict) -> dict[int, tuple[float, object]]:
-    """as_completed into {index: (arrival time, trajectory)}."""
-    return {i: (time.monotonic(), t) async for i, t in client.as_completed(batch, params)}
+async def queued(settings: Settings, count: int) -> bool:
+    """Whether `count` requests wait, untaken, in the request streams."""
+    return sum(depth["queued"] for depth in (await fleet_status(settings))["streams"].values()) == count
 
 
 async def test_keep_pause_with_100_in_flight_loses_and_starts_nothing(vllm_fleet):
     async with RolloutClient(vllm_fleet) as client:
         batch = await prompts(client, BATCH)
-        task = asyncio.create_task(collect(client, batch, BATCH_PARAMS))
-        await async_wait_until(lambda: in_flight(client), 60, "the batch to be taken")
-        await async_wait_until(lambda: _all_in_flight(client), 60, "all 100 in flight")
+        run = Streaming(client, batch, BATCH_PARAMS)
+        await async_wait_until(lambda: _all_in_flight(client), 120, "all 100 in flight")
+        await run.streamed(1, 120, count=GENERATING)  # generating: their first tokens came back
         await client.pause("keep")
         paused_at = time.monotonic()
+        assert not run.arrived and max(run.tokens) < BATCH_PARAMS["max_tokens"]  # none finished before the pause
         probe_sent = time.time()
         probe = asyncio.create_task(client.generate(batch[:4], {"max_tokens": 4}))
-        await asyncio.sleep(2.0)
-        assert await in_flight(client) == BATCH  # frozen, kept, not finished
+        await asyncio.sleep(0)  # the probe's requests are built now: submitted at probe_sent (to within microseconds)
+        await async_wait_until(lambda: queued(vllm_fleet, 4), 30, "the probe queued")
+        await asyncio.sleep(2.0)  # time passes while paused: a fleet taking work would answer the probe meanwhile
+        assert await in_flight(client) == BATCH and not run.arrived  # frozen, kept, not finished
         resume_issued, resumed_at = time.time(), time.monotonic()
         await client.resume()
-        got = await task
+        got = await run.task
         probed = await probe
-    assert sorted(got) == list(range(BATCH))
-    for arrived, trajectory in got.values():
+    assert len(got) == BATCH
+    for index, trajectory in enumerate(got):
         assert trajectory.finish_reason == "length" and trajectory.interruptions == 0
         assert len(trajectory.logprobs) == len(trajectory.completion_token_ids) == BATCH_PARAMS["max_tokens"]
-        assert not paused_at < arrived < resumed_at, "a request finished while the fleet was paused"
-    for trajectory in probed:  # sent during the pause: taken only once the resume was issued
+        assert run.arrived[index] > resumed_at > paused_at, "a request finished while the fleet was paused"
+    for trajectory in probed:  # sent during the pause: taken (submitted_at + queue_time_s) once the resume was issued
         assert probe_sent + trajectory.queue_time_s >= resume_issued
 
 
 async def test_abort_pause_with_100_in_flight_returns_100_whole_trajectories(vllm_fleet):
     async with RolloutClient(vllm_fleet) as client:
         batch = await prompts(client, BATCH)
-        task = asyncio.create_task(client.generate(batch, BATCH_PARAMS))
-        await async_wait_until(lambda: _all_in_flight(client), 60, "all 100 in flight")
-        await asyncio.sleep(1.0)  # some tokens each
+        run = Streaming(client, batch, BATCH_PARAMS)
+        await async_wait_until(lambda: _all_in_flight(client), 120, "all 100 in flight")
+        await run.streamed(1, 120, count=GENERATING)  # generating: the pause cuts them mid-generation
         await client.pause("abort")
-        await asyncio.sleep(1.0)
+        # Acknowledged once every cut request returned its partial output; their retries wait in the queue.
+        assert await in_flight(client) == 0
         await client.resume()
-        trajectories = await task
+        trajectories = await run.task
         texts = await client.detokenize([t.completion_token_ids for t in trajectories])
         assert client.stats.retries >= 1
     assert len(trajectories) == BATCH
@@ -102,17 +111,31 @@ async def test_greedy_output_through_keep_and_abort_pauses_equals_an_uninterrupt
     async with RolloutClient(vllm_fleet) as client:
         [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Tell me a long story."}]])
         [base] = await client.generate([prompt], ONE_PARAMS, session_ids=["story"])
+        total = ONE_PARAMS["max_tokens"]
+        frozen_s = max(1.0, 48 * base.generation_time_s / total)  # long enough for 48 tokens, unfrozen
         for mode in ("keep", "abort"):
-            task = asyncio.create_task(client.generate([prompt], ONE_PARAMS, session_ids=["story"]))
-            await async_wait_until(lambda: in_flight(client), 30, "the request to be taken")
-            await asyncio.sleep(base.generation_time_s / 3)
+            run = Streaming(client, [prompt], ONE_PARAMS, session_ids=["story"])
+            await run.streamed(total // 4, 120)  # a quarter of the way in
             await client.pause(mode)
-            await asyncio.sleep(1.0)
+            [at_pause] = run.tokens
+            assert at_pause < total and not run.arrived, f"{mode}: the request was not in flight when paused"
+            if mode == "keep":
+                paused_at = time.monotonic()
+                await asyncio.sleep(frozen_s)  # time passes while frozen: unfrozen, it would make 48 tokens
+                [before_resume] = run.tokens
+                # Frozen: at most what was gathered but not yet sent when the pause landed (a chunk holds <= 16).
+                assert before_resume - at_pause <= 16, (at_pause, before_resume)
+                assert await in_flight(client) == 1
+            else:
+                assert await in_flight(client) == 0  # cut and returned; its retry waits in the queue
+            resumed_at = time.monotonic()
             await client.resume()
-            [t] = await task
+            [t] = await run.task
             assert t.completion_token_ids == base.completion_token_ids, f"{mode}: differs from an uninterrupted run"
             assert t.logprobs == pytest.approx(base.logprobs, abs=1e-3)
             assert t.interruptions == (1 if mode == "abort" else 0)
+            if mode == "keep":  # in the engine from before the pause to after the resume
+                assert t.generation_time_s > resumed_at - paused_at
 
 
 async def test_sleep_wake_up_and_prefix_cache_reset_on_the_real_engine(vllm_fleet):
@@ -125,8 +148,9 @@ async def test_sleep_wake_up_and_prefix_cache_reset_on_the_real_engine(vllm_flee
         assert {w.state for w in workers} == {"sleeping"} and {w.sleep_level for w in workers} == {1}
         assert {w.memory_released for w in workers} == {False}  # vLLM on CPU frees nothing
         probe = asyncio.create_task(client.generate([prompt], params))
-        await asyncio.sleep(1.0)
-        assert not probe.done()  # a sleeping fleet takes no requests
+        await async_wait_until(lambda: queued(vllm_fleet, 1), 30, "the probe queued")
+        await asyncio.sleep(1.0)  # time passes: a worker taking work while asleep would answer it meanwhile
+        assert not probe.done() and await queued(vllm_fleet, 1)  # a sleeping fleet takes no requests
         await client.wake_up()
         assert {w.state for w in await client.workers()} == {"serving"}
         [after] = await probe

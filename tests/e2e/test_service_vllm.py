@@ -6,14 +6,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from rollout_svc import RolloutClient, dataset
+from rollout_svc import RolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.model import prepare_model
+from rollout_svc.tools import dataset
 from tests.support import ROOT, WorkerProcs
 
 pytestmark = pytest.mark.vllm
@@ -62,15 +64,20 @@ async def test_greedy_generate_is_token_identical_to_direct_vllm(vllm_service, m
     conversations = dataset.first_turns(6, max_chars=600)
     async with RolloutClient(vllm_service) as client:
         prompts = await client.apply_chat_template(conversations)
-        trajectories = [(await client.generate([p], GREEDY))[0] for p in prompts]  # one at a time
+        trajectories, elapsed_s = [], []
+        for prompt in prompts:  # one at a time
+            started = time.time()
+            trajectories += await client.generate([prompt], GREEDY)
+            elapsed_s.append(time.time() - started)
     direct = direct_vllm(model_dir, prompts, tmp_path)
-    for prompt, trajectory, reference in zip(prompts, trajectories, direct, strict=True):
+    for prompt, trajectory, reference, call_s in zip(prompts, trajectories, direct, elapsed_s, strict=True):
         assert trajectory.prompt_token_ids == prompt
         assert trajectory.completion_token_ids == reference["completion_token_ids"]
         assert trajectory.logprobs == pytest.approx(reference["logprobs"], abs=1e-4)
         assert trajectory.finish_reason in ("stop", "length") and trajectory.worker_id == "vllm-0"
         assert trajectory.text.strip() and trajectory.weight_version == 0
-        assert trajectory.generation_time_s > 0 and trajectory.queue_time_s >= 0
+        # Both within the call: queued after it was submitted, generated before it returned (one host's clock).
+        assert trajectory.generation_time_s > 0 and trajectory.queue_time_s + trajectory.generation_time_s < call_s
 
 
 async def test_chat_tokens_and_errors_on_the_real_model(vllm_service):

@@ -47,7 +47,7 @@ async def round_trip(settings: Settings, model: Path, device: str) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from rollout_svc.weights import WeightSender
+    from rollout_svc.client.weight_sender import WeightSender
 
     original = {n: t.to(device) for n, t in load_file(str(model / "model.safetensors")).items()}
     noise = torch.Generator(device=device).manual_seed(0)

@@ -8,7 +8,6 @@ generation exactly at the token it was frozen at.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,10 +16,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rollout_svc import RolloutClient
+from rollout_svc.client.weight_sender import WeightSender
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.model import prepare_model
-from rollout_svc.weights import WeightSender
-from tests.support import async_wait_until, vllm_workers
+from tests.support import Streaming, vllm_workers
 
 pytestmark = pytest.mark.vllm
 
@@ -79,7 +78,7 @@ async def test_updates_change_and_restore_greedy_output_by_broadcast_and_by_chec
         await sender.update(original.items(), version=version + 2)
         assert await outputs(client, prompt, version + 2) == base, "the original weights did not restore the output"
 
-        checkpoint = fleet.checkpoint_root / "perturbed"
+        checkpoint = fleet.weight_sync.checkpoint_root / "perturbed"
         checkpoint.mkdir()
         save_file(perturbed, str(checkpoint / "model.safetensors"))
         report = await sender.update_from_checkpoint(str(checkpoint), version=version + 3)
@@ -99,17 +98,13 @@ async def test_a_keep_pause_across_a_sync_splits_the_generation_at_the_frozen_to
         [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Tell me a long story."}]])
         old = await sender.committed_version()
         [reference] = await client.generate([prompt], long)
-        running = asyncio.ensure_future(client.generate([prompt], long))
-
-        async def generating() -> bool:
-            return any(w.in_flight for w in await client.workers())
-
-        await async_wait_until(generating, 60, "the long request in flight")
-        await asyncio.sleep(1.0)  # some tokens in
+        run = Streaming(client, [prompt], long)
+        [before_sync] = await run.streamed(8, 120)  # generating, some tokens in
         await sender.update(perturbed.items(), version=old + 1, pause_mode="keep")
-        [split] = await running
+        [split] = await run.task
         [(v0, zero), (v1, cut)] = split.weight_versions
-        assert (v0, zero, v1) == (old, 0, old + 1) and 0 < cut < 96, split.weight_versions
+        assert (v0, zero, v1) == (old, 0, old + 1), split.weight_versions
+        assert 8 <= before_sync <= cut < 96, (before_sync, split.weight_versions)  # what it had made was the old's
         assert split.staleness == 1 and split.weight_version == old + 1
         tokens = split.completion_token_ids
         assert tokens[:cut] == reference.completion_token_ids[:cut], "the tokens before the cut are the old model's"

@@ -1,4 +1,4 @@
-"""Redis ACL users (`rollout_svc.acl`) against a real redis-server: producer, worker and admin each do their job, and
+"""Redis ACL users (`connections.acl`) against a real redis-server: producer, worker and admin each do their job, and
 a producer's credentials cannot steer the fleet (they may cancel: tombstones, DESIGN.md section 4).
 
 Each test has a redis-server of its own: creating the users turns its default user off, which the session's Redis,
@@ -23,15 +23,15 @@ from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
 from rollout_svc import AccessDeniedError, RolloutClient, Settings, SyncRolloutClient
-from rollout_svc.acl import Credentials, create_users, permission_denied
-from rollout_svc.cluster import PrivateRedis
-from rollout_svc.control import ControlPlane, FleetState
-from rollout_svc.keys import Keys
+from rollout_svc.client.status import fleet_status
+from rollout_svc.connections.acl import Credentials, create_users, permission_denied
+from rollout_svc.control.plane import ControlPlane, FleetState
+from rollout_svc.dataplane.reaper import Reaper
+from rollout_svc.dataplane.streams import Enqueue
+from rollout_svc.deploy.local import PrivateRedis
+from rollout_svc.keys import JOINED, Keys
 from rollout_svc.protocol import RolloutRequest, WorkerStatus, encode
-from rollout_svc.reaper import Reaper
-from rollout_svc.status import fleet_status
-from rollout_svc.streams import Enqueue
-from rollout_svc.weight_sync import JOINED, WeightSyncPlane
+from rollout_svc.weightsync.plane import WeightSyncPlane
 from tests.support import ROOT, WorkerProcs, async_wait_until, free_port, pending, wait_until
 
 PREFIX = "test"
@@ -185,7 +185,9 @@ async def test_a_worker_reaps_reseeds_and_reaches_barriers_but_cannot_issue_comm
         reaper = Reaper(connection, settings)
         assert await reaper.reap_dead("w-live") == {"w-dead": 2}  # reap lock, requeue script, forget
         [taken] = await plane.streams.read("w-live", 1, None)
-        assert await reaper.dead_letter(taken, "max_deliveries", "a test", "w-live")
+        assert await plane.streams.dead_letter(
+            taken, "max_deliveries", "a test", "w-live", maxlen=100, results_ttl_s=60
+        )
         assert admin.xlen(KEYS.dead) == 1 and admin.xlen(KEYS.results("p")) == 1
 
         # A Redis that forgot: the worker re-seeds the state (HSETNX), but cannot change it once it exists.

@@ -17,8 +17,8 @@ import pytest
 import redis
 from openai import OpenAI
 
-from rollout_svc import dataset
 from rollout_svc.config import Settings
+from rollout_svc.tools import dataset
 from tests.integration.test_api import KEY, serve
 from tests.support import ROOT, settings_env, wait_until
 

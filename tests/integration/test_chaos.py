@@ -1,4 +1,6 @@
-"""`rollout-svc chaos --minutes 1`: a minute of load under every kind of fault, and a clean ledger."""
+"""`rollout-svc chaos`, briefly: the soak's machinery (its fleet, every kind of fault, the ledger and its checks) runs
+and finds a clean ledger. The minute-long soak is tests/long/test_chaos.py (`make test-long`); operators run
+`rollout-svc chaos --minutes M`."""
 
 from __future__ import annotations
 
@@ -8,23 +10,22 @@ import sys
 
 import pytest
 
-from rollout_svc.chaos import FAULT_KINDS
+from rollout_svc.tools.chaos.soak import FAULT_KINDS
 from tests.support import ROOT
 
 
-@pytest.mark.timeout(180)  # a minute of faults, the start, the drain and the checks: ~70 s
-def test_a_minute_of_chaos_leaves_a_clean_ledger(tmp_path):
-    command = [sys.executable, "-m", "rollout_svc", "chaos", "--minutes", "1", "--seed", "7"]
+@pytest.mark.timeout(120)  # 24 s of faults, the start, the drain and the checks: ~30 s
+def test_a_short_chaos_run_injects_every_kind_of_fault_and_leaves_a_clean_ledger(tmp_path):
+    command = [sys.executable, "-m", "rollout_svc", "chaos", "--minutes", "0.4", "--seed", "7"]
     command += ["--log-dir", str(tmp_path)]
-    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=170)
+    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=110)
     story = run.stdout[-6000:] + run.stderr[-2000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert {"requests", "faults", "violations"} <= summary.keys()
     assert summary["violations"] == [], story
     assert run.returncode == 0, story
-    assert summary["requests"] >= 500, story
+    assert summary["requests"] >= 100, story
     assert summary["answered"] == summary["requests"]
     assert set(summary["faults"]) == set(FAULT_KINDS)
-    assert all(count >= 2 for count in summary["faults"].values()), summary["faults"]
-    assert summary["outcomes"]["aborted_by_user"] > 0  # the session aborts hit something
-    assert "SIGKILL" in story and "SIGSTOP" in story and "Redis back from its append-only file" in story
+    assert all(count >= 1 for count in summary["faults"].values()), summary["faults"]
+    assert "SIGKILL" in story or "SIGSTOP" in story, story

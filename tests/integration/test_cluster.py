@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from rollout_svc import RolloutClient
-from rollout_svc.cluster import redis_answers
+from rollout_svc.deploy.local import redis_answers
 from tests.support import ROOT, async_wait_until, free_port
 
 

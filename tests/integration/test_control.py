@@ -21,7 +21,7 @@ import pytest
 from rollout_svc import ControlTimeoutError, RolloutClient
 from rollout_svc.keys import PAYLOAD_FIELD
 from rollout_svc.protocol import RolloutRequest, encode
-from tests.support import ROOT, Results, async_wait_until, pending, queued, wait_until
+from tests.support import ROOT, Results, Streaming, async_wait_until, pending, queued, wait_until
 
 T = 30  # max_tokens: 30 tokens x 50 ms = 1.5 s per generation
 DELAY = ["--echo-token-delay-s", "0.05"]
@@ -88,16 +88,18 @@ async def test_abort_pause_cuts_in_flight_requests_which_come_back_whole(setting
     echo_workers(2, "--max-num-seqs", "16", *DELAY)
     batch = prompts(20, salt=1)
     async with RolloutClient(settings) as client:
-        task = asyncio.create_task(client.generate(batch, PARAMS))
-        await async_wait_until(lambda: pending(rds, settings.keys.requests) == 20, 5, "20 requests in flight")
-        await asyncio.sleep(0.3)  # a few tokens each
+        run = Streaming(client, batch, PARAMS)
+        streamed = await run.streamed(2, 5)  # each one generating: the pause cuts it mid-generation
         await client.pause("abort")
-        assert await in_flight(client) == 0 or pending(rds, settings.keys.requests) == 0
+        # Acknowledged once every cut request returned its partial output: nothing runs, nothing is taken.
+        assert await in_flight(client) == 0
+        assert pending(rds, settings.keys.requests) == 0
         # Their retries wait in the queue, without polling: they flow on resume.
         await async_wait_until(lambda: queued(rds, settings.keys.requests) == 20, 5, "20 retries queued")
         await client.resume()
-        trajectories = await task
+        trajectories = await run.task
         assert client.stats.retries == 20
+    assert all(2 <= n < T for n in streamed)
     assert all(whole(t, p) for t, p in zip(trajectories, batch, strict=True))  # the cut, then the continuation
     assert all(t.interruptions == 1 and t.abort_cause is None for t in trajectories)
     assert len({t.request_id for t in trajectories}) == 20  # under the ids the caller submitted
@@ -116,8 +118,9 @@ async def test_wait_pause_returns_once_in_flight_requests_finished(settings, ech
         trajectories = await asyncio.wait_for(task, 1.0)
         assert took > 0.5
         probe = asyncio.create_task(client.generate(prompts(2, salt=60), {"max_tokens": 2}))
-        await asyncio.sleep(0.5)
-        assert not probe.done()  # paused after the wait: nothing new runs
+        await async_wait_until(lambda: queued(rds, settings.keys.requests) == 2, 5, "the probe queued")
+        await asyncio.sleep(0.5)  # time passes: a worker taking work while paused would answer it (0.1 s) meanwhile
+        assert not probe.done() and queued(rds, settings.keys.requests) == 2  # paused after the wait: nothing runs
         await client.resume()
         await probe
     assert all(whole(t, p) and t.interruptions == 0 for t, p in zip(trajectories, batch, strict=True))
@@ -132,7 +135,7 @@ async def test_a_worker_started_while_paused_stays_paused(settings, echo_workers
         assert newcomer.state == "paused" and newcomer.applied_epoch == epoch
         task = asyncio.create_task(client.generate(prompts(10), {"max_tokens": 4}))
         await async_wait_until(lambda: queued(rds, settings.keys.requests) == 10, 5, "10 requests queued")
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # time passes: a worker taking work while paused would answer them meanwhile
         assert queued(rds, settings.keys.requests) == 10 and not task.done()
         await client.resume()
         assert len(await task) == 10
@@ -152,11 +155,11 @@ async def test_workers_converge_without_nudges_within_a_heartbeat(settings, echo
             return all(w.applied_epoch == epoch and w.state == "paused" for w in await client.workers())
 
         await async_wait_until(converged, 5, "both workers to converge")
-        assert time.monotonic() - started < settings.heartbeat_interval_s + 0.5
+        assert time.monotonic() - started < settings.worker.heartbeat_interval_s + 0.5
         # A command after the kill is acknowledged promptly: the subscriptions came back.
         started = time.monotonic()
         await client.resume()
-        assert time.monotonic() - started < settings.heartbeat_interval_s + 0.5
+        assert time.monotonic() - started < settings.worker.heartbeat_interval_s + 0.5
 
 
 async def test_a_stalled_worker_is_named_then_reaped_then_fenced_and_comes_back(settings, workers, echo_workers, rds):
@@ -194,13 +197,12 @@ async def test_a_retried_request_keeps_each_tokens_text_and_top_logprobs(setting
     echo_workers(1, *DELAY)
     [prompt] = prompts(1, salt=9)
     async with RolloutClient(settings) as client:
-        task = asyncio.create_task(client.generate([prompt], {**PARAMS, "logprobs": 1}))
-        await async_wait_until(lambda: pending(rds, settings.keys.requests) == 1, 5, "the request in flight")
-        await asyncio.sleep(0.3)  # a few tokens
+        run = Streaming(client, [prompt], {**PARAMS, "logprobs": 1})
+        [streamed] = await run.streamed(2, 5)  # cut after a few tokens: some before the cut, the rest after
         await client.pause("abort")
         await client.resume()
-        [t] = await task
-    assert t.interruptions == 1 and whole(t, prompt)
+        [t] = await run.task
+    assert 2 <= streamed < T and t.interruptions == 1 and whole(t, prompt)
     # The echo's vocabulary is bytes: each token's text is its byte, before the cut and after it.
     assert t.tokens == [bytes([i]).decode() for i in t.completion_token_ids]
     assert t.top_logprobs == [[(i, bytes([i]).decode(), 0.0)] for i in t.completion_token_ids]
@@ -211,13 +213,13 @@ async def test_abort_session_hits_that_session_only_queued_and_in_flight(setting
     a, b = prompts(12, salt=4), prompts(4, salt=5)
     async with RolloutClient(settings) as client:
         # s-a: 8 run on one worker, 4 queue in its pinned stream; s-b runs on the other.
-        task_a = asyncio.create_task(client.generate(a, PARAMS, session_ids=["s-a"] * 12))
+        run_a = Streaming(client, a, PARAMS, session_ids=["s-a"] * 12)
         task_b = asyncio.create_task(client.generate(b, PARAMS, session_ids=["s-b"] * 4))
+        await run_a.streamed(1, 5, count=8)  # 8 generating (some tokens made), 4 queued behind them
         await async_wait_until(lambda: len(rds.keys(settings.keys.session("s-*"))) == 2, 5, "both sessions placed")
         assert await client.session_worker("s-a") != await client.session_worker("s-b")
-        await asyncio.sleep(0.3)
         await client.abort(session_id="s-a")
-        hit, spared = await task_a, await task_b
+        hit, spared = await run_a.task, await task_b
         later = await client.generate(a[:1], {"max_tokens": 2}, session_ids=["s-a"])  # after the abort: runs
     assert all(t.finish_reason == "abort" and t.abort_cause == "user" for t in hit)
     assert all(len(t.completion_token_ids) < T and t.interruptions == 0 for t in hit)  # not retried
@@ -289,11 +291,10 @@ async def test_deadline_runs_through_a_pause_and_a_retry_returns_its_partial_tok
     echo_workers(1, *DELAY)
     batch = prompts(4, salt=9)
     async with RolloutClient(settings) as client:
-        task = asyncio.create_task(client.generate(batch, PARAMS, timeout_s=1.5))
-        await async_wait_until(lambda: pending(rds, settings.keys.requests) == 4, 5, "4 in flight")
-        await asyncio.sleep(0.3)
+        run = Streaming(client, batch, PARAMS, timeout_s=1.5)
+        await run.streamed(2, 1.0)  # each generating, well before its deadline
         await client.pause("abort")  # cut; their retries wait in the queue past the deadline
-        trajectories = await task
+        trajectories = await run.task
         await client.resume()
     for t, p in zip(trajectories, batch, strict=True):
         assert t.finish_reason == "abort" and t.abort_cause == "deadline" and t.interruptions == 1

@@ -14,11 +14,10 @@ import redis
 from redis.asyncio import Redis
 
 from rollout_svc.config import Settings
-from rollout_svc.dead_letters import DeadLetters
+from rollout_svc.dataplane.dead_letters import DeadLetters
+from rollout_svc.dataplane.streams import Enqueue, RequestStreams
 from rollout_svc.keys import DELIVERIES_FIELD, EPOCH_FIELD, PAYLOAD_FIELD, SESSION_FIELD
 from rollout_svc.protocol import ErrorResult, RolloutRequest, Trajectory, encode
-from rollout_svc.reaper import Reaper
-from rollout_svc.streams import Enqueue, RequestStreams
 from tests.support import ROOT, Results, wait_until
 
 UNDECODABLE = b"\xc1 not msgpack"
@@ -50,7 +49,7 @@ def make_dead_letters(settings: Settings, rds: redis.Redis, replies: Results) ->
         client = Redis.from_url(settings.redis_url)
         try:
             streams = RequestStreams(client, keys, settings.session_ttl_s)
-            item = Enqueue(encode(poison(replies)), "s-1", deliveries=settings.max_deliveries)
+            item = Enqueue(encode(poison(replies)), "s-1", deliveries=settings.worker.max_deliveries)
             await streams.requeue([item], [])
         finally:
             await client.aclose()
@@ -71,8 +70,8 @@ def test_list_shows_dead_letters_newest_first_and_undecodable_ones_as_such(setti
     first, second = (json.loads(line) for line in listed.stdout.splitlines())
     assert first["entry_id"] == poison_id and second["entry_id"] == undecodable_id  # newest first
     assert first["request_id"] == "poison" and first["reply_to"] == replies.stream and first["session_id"] == "s-1"
-    assert first["reason"] == "max_deliveries" and first["deliveries"] == settings.max_deliveries + 1
-    assert first["message"] == f"delivered {settings.max_deliveries + 1} times without a result"
+    assert first["reason"] == "max_deliveries" and first["deliveries"] == settings.worker.max_deliveries + 1
+    assert first["message"] == f"delivered {settings.worker.max_deliveries + 1} times without a result"
     assert first["worker_id"] == "echo-0" and first["type"] == "RolloutRequest" and first["replayable"] is True
     assert first["stream"] == settings.keys.pinned_requests("echo-0")  # its session was placed there
     assert second["request_id"] is None and second["reason"] == "undecodable" and second["replayable"] is False
@@ -113,7 +112,7 @@ def test_replay_requeues_a_dead_letter_that_a_worker_then_serves(settings, echo_
 
 
 async def dead_letter_without_workers(settings: Settings, request: RolloutRequest) -> None:
-    """A reaper dead-letters a request that a worker (gone, never a process here) had taken."""
+    """The data plane dead-letters a request that a worker (gone, never a process here) had taken, as a reaper does."""
     client = Redis.from_url(settings.redis_url)
     try:
         streams = RequestStreams(client, settings.keys, settings.session_ttl_s)
@@ -121,7 +120,14 @@ async def dead_letter_without_workers(settings: Settings, request: RolloutReques
             await streams.ensure_group(stream)
         await streams.enqueue([Enqueue(encode(request))], 100)
         [taken] = await streams.read("w-gone", 1, None)
-        assert await Reaper(client, settings).dead_letter(taken, "max_deliveries", "a test", "")
+        assert await streams.dead_letter(
+            taken,
+            "max_deliveries",
+            "a test",
+            "",
+            maxlen=settings.worker.dead_letter_maxlen,
+            results_ttl_s=settings.results_ttl_s,
+        )
     finally:
         await client.aclose()
 

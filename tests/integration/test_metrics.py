@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from rollout_svc import RolloutClient
 from rollout_svc.api import create_app
 from rollout_svc.config import Settings
+from rollout_svc.dataplane.streams import Entry
 from rollout_svc.protocol import RolloutRequest, Trajectory
-from rollout_svc.streams import Entry
 from tests.support import async_wait_until, free_port, queued
 from workers.inflight import InFlightIndex
 from workers.metrics import WorkerMetrics
@@ -104,7 +104,7 @@ async def test_api_metrics_count_requests_by_route_and_read_the_fleet(settings, 
 
 
 async def test_api_metrics_answer_while_redis_is_down(settings):
-    nowhere = settings.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"})
+    nowhere = settings.copy_with(redis_url=f"redis://127.0.0.1:{free_port()}/0")
     async with api(nowhere) as http:
         assert (await http.get("/no/such/path")).status_code == 404
         samples = await scrape(http)

@@ -19,6 +19,13 @@ The client runs inside its namespace (`python -m tests.integration.test_netns CU
 requests, hears `cut`, says `reaped` once the cut worker's heartbeat expired and its requests were requeued, hears
 `restored`, and prints `summary {...}`, which the test asserts on. It needs root and `ip netns` (skipped otherwise);
 everything it creates is removed at teardown, failed or not.
+
+The bridge lives in a fifth namespace, the switch, not in the root namespace. Frames a bridge forwards pass the
+iptables FORWARD chain of the bridge's own namespace (br_netfilter, which Docker loads; `bridge-nf-call-iptables` is 1
+in every namespace), and a Docker engine sets the root namespace's FORWARD policy to DROP: with the bridge there, the
+workers timed out connecting to Redis. A fresh namespace has no rules and accepts everything, so the test adds no
+firewall rules and needs no iptables binary, and nothing of the root namespace (interfaces, routes, firewall) can
+reach the hosts' traffic or clash with it; that is also why the subnet can be fixed.
 """
 
 from __future__ import annotations
@@ -29,7 +36,6 @@ import ipaddress
 import json
 import os
 import queue
-import random
 import secrets
 import shutil
 import signal
@@ -45,7 +51,7 @@ from typing import IO, Any
 
 import pytest
 
-from rollout_svc.connect import SOCKET_TIMEOUT_S
+from rollout_svc.connections.urls import SOCKET_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]
 HEARTBEAT_TTL_S = 3.0
@@ -74,64 +80,50 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return result
 
 
-def free_subnet() -> ipaddress.IPv4Network:
-    """A 10.213.X.0/24 that no address or route of the root namespace overlaps (at most 64 draws)."""
-    taken = [
-        ipaddress.ip_network(word, strict=False)
-        for command in (("-4", "-o", "addr", "show"), ("-4", "route", "show", "table", "all"))
-        for word in ip(*command).stdout.split()
-        if word[:1].isdigit() and word.count(".") == 3
-    ]
-    for _ in range(64):
-        subnet = ipaddress.IPv4Network(f"10.213.{random.randrange(1, 255)}.0/24")
-        if not any(subnet.overlaps(net) for net in taken):
-            return subnet
-    raise RuntimeError("no free 10.213.X.0/24 for the test's hosts")
+SUBNET = ipaddress.IPv4Network("10.213.0.0/24")  # reachable only inside the test's namespaces: no clash possible
+SWITCH = "switch"  # the namespace that holds the bridge
 
 
 @dataclass
 class Hosts:
-    """Namespaces `rsvc-{tag}-{host}`, each with `eth0` at an address of `subnet`, and the bridge joining them."""
+    """Namespaces `rsvc-{tag}-{host}`, each with `eth0` at an address of SUBNET, and the switch namespace
+    `rsvc-{tag}-switch` whose bridge `br0` joins them, a port per host named after the host."""
 
     tag: str = field(default_factory=lambda: secrets.token_hex(3))
-    subnet: ipaddress.IPv4Network = field(default_factory=free_subnet)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    @property
-    def bridge(self) -> str:
-        return f"rsvc-br-{self.tag}"  # interface names: at most 15 characters
 
     def namespace(self, host: str) -> str:
         return f"rsvc-{self.tag}-{host}"
 
-    def port(self, host: str) -> str:
-        """The veth end in the root namespace, the host's port on the bridge."""
-        return f"rsvc-{self.tag}-{host[:2]}{HOSTS.index(host)}"
-
     def address(self, host: str) -> str:
-        return str(self.subnet[HOSTS.index(host) + 1])
+        return str(SUBNET[HOSTS.index(host) + 1])
+
+    def switch(self, *args: str) -> None:
+        """Run `ip ARGS` inside the switch namespace."""
+        ip("-n", self.namespace(SWITCH), *args)
 
     def create(self) -> None:
-        ip("link", "add", self.bridge, "type", "bridge")
-        ip("link", "set", self.bridge, "up")
+        ip("netns", "add", self.namespace(SWITCH))
+        self.switch("link", "add", "br0", "type", "bridge")
+        self.switch("link", "set", "br0", "up")
         for host in HOSTS:
             ns = self.namespace(host)
             ip("netns", "add", ns)
-            ip("link", "add", self.port(host), "type", "veth", "peer", "name", "eth0", "netns", ns)
-            ip("link", "set", self.port(host), "master", self.bridge, "up")
-            ip("-n", ns, "addr", "add", f"{self.address(host)}/{self.subnet.prefixlen}", "dev", "eth0")
+            self.switch("link", "add", host, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            self.switch("link", "set", host, "master", "br0", "up")
+            ip("-n", ns, "addr", "add", f"{self.address(host)}/{SUBNET.prefixlen}", "dev", "eth0")
             ip("-n", ns, "link", "set", "lo", "up")
             ip("-n", ns, "link", "set", "eth0", "up")
 
     def cut(self, host: str) -> None:
         """The bridge stops forwarding between `host` and Redis: both ports isolated (isolated ports do not talk to
         each other). Frames are dropped silently, every carrier stays up: no reset, no local error."""
-        for port in (self.port(host), self.port("redis")):
-            ip("link", "set", port, "type", "bridge_slave", "isolated", "on")
+        for port in (host, "redis"):
+            self.switch("link", "set", port, "type", "bridge_slave", "isolated", "on")
 
     def restore(self, host: str) -> None:
-        for port in (self.port(host), self.port("redis")):
-            ip("link", "set", port, "type", "bridge_slave", "isolated", "off")
+        for port in (host, "redis"):
+            self.switch("link", "set", port, "type", "bridge_slave", "isolated", "off")
 
     def start(self, host: str, command: list[str], log: Path, **popen: Any) -> subprocess.Popen[bytes]:
         """Run `command` inside `host`'s namespace, stdout and stderr (unless given) to `log`."""
@@ -148,7 +140,8 @@ class Hosts:
         return proc
 
     def destroy(self) -> None:
-        """Kill every process in the namespaces (started here or not), delete them, their veths and the bridge."""
+        """Kill every process in the namespaces (started here or not), delete them: each takes its interfaces along
+        (the bridge, and both ends of every veth pair)."""
         for proc in self.procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -163,13 +156,12 @@ class Hosts:
                 if pipe is not None:
                     with contextlib.suppress(OSError):
                         pipe.close()
-        for host in HOSTS:
-            ip("netns", "delete", self.namespace(host), check=False)  # takes its veth pair along
-            ip("link", "delete", self.port(host), check=False)
-        ip("link", "delete", self.bridge, check=False)
+        for host in (*HOSTS, SWITCH):
+            ip("netns", "delete", self.namespace(host), check=False)
 
     def leftovers(self) -> list[str]:
-        """Namespaces and interfaces of this tag still present (none after `destroy`)."""
+        """Namespaces of this tag still present, and interfaces of this tag in the root namespace (none after
+        `destroy`; the test makes none there)."""
         names = ip("netns", "list", check=False).stdout.split() + ip("-o", "link", "show", check=False).stdout.split()
         return sorted({name.rstrip(":").split("@")[0] for name in names if f"-{self.tag}" in name})
 
@@ -360,7 +352,7 @@ def prompts(count: int, salt: int) -> list[list[int]]:
 async def client_main(cut_id: str, other_id: str) -> dict[str, Any]:
     from rollout_svc import RolloutClient
     from rollout_svc.config import Settings
-    from rollout_svc.connect import redis_async
+    from rollout_svc.connections.urls import redis_async
     from tests.support import async_wait_until
 
     settings = Settings()

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import pytest_asyncio
 from redis.asyncio import Redis
 
 from rollout_svc.config import Settings
-from rollout_svc.control import ControlPlane
+from rollout_svc.control.plane import ControlPlane
+from rollout_svc.dataplane.reaper import Reaper
+from rollout_svc.dataplane.streams import Enqueue
 from rollout_svc.keys import WORKERS_GROUP
 from rollout_svc.protocol import RolloutRequest, WorkerStatus, decode, encode
-from rollout_svc.reaper import Reaper
-from rollout_svc.streams import Enqueue
-from tests.support import Results
+from tests.support import Results, async_wait_until
 
 
 @pytest_asyncio.fixture
@@ -116,8 +115,12 @@ async def test_a_consumer_left_with_pending_entries_and_no_heartbeat_is_reaped(p
     keys, streams = settings.keys, plane.streams
     await streams.enqueue([request("r1", keys.results("p"))], 100)
     await streams._readgroup("ghost", {keys.requests: ">"}, 1, None)
-    fast = settings.model_copy(update={"heartbeat_ttl_s": 0.05})
-    await asyncio.sleep(0.1)
+    fast = settings.copy_with(heartbeat_ttl_s=0.05)
+
+    def ghost_idle_past_the_ttl() -> bool:
+        return any(c["name"] == b"ghost" and c["idle"] > 50 for c in rds.xinfo_consumers(keys.requests, WORKERS_GROUP))
+
+    await async_wait_until(ghost_idle_past_the_ttl, 5, "the ghost consumer idle past the 50 ms TTL")
     assert await Reaper(plane.redis, fast).reap_dead("w-live") == {"ghost": 1}
     [(_, fields)] = rds.xrange(keys.requests)
     assert decode(fields[b"m"]).request_id == "r1" and rds.xpending(keys.requests, WORKERS_GROUP)["pending"] == 0
@@ -129,7 +132,7 @@ async def test_an_entry_over_max_deliveries_becomes_a_dead_letter_and_its_produc
     replies = Results(rds, keys.results("p"))
     await plane.streams.requeue([Enqueue(request("poison", replies.stream).payload, deliveries=2)], [])
     [entry] = await plane.streams.read("w1", 1, None)
-    assert entry.deliveries == settings.max_deliveries
+    assert entry.deliveries == settings.worker.max_deliveries
     rds.delete(keys.worker("w1"))
     assert await Reaper(plane.redis, settings).reap_dead("someone") == {"w1": 0}
     [error] = replies.read(1)

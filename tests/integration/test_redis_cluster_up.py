@@ -16,7 +16,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from rollout_svc.redis_cluster import RedisClusterServers, free_cluster_ports, start_redis_cluster
+from rollout_svc.deploy.redis_cluster import RedisClusterServers, free_cluster_ports, start_redis_cluster
 from tests.support import ROOT, wait_until
 
 

@@ -22,8 +22,9 @@ import pytest
 import redis
 
 from rollout_svc import RolloutClient
+from rollout_svc.client.calls import ClientStats
+from rollout_svc.client.status import fleet_status
 from rollout_svc.config import Settings
-from rollout_svc.producer import ClientStats
 from tests.support import WorkerProcs, async_wait_until, free_port
 
 pytestmark = pytest.mark.timeout(150)
@@ -179,7 +180,12 @@ def test_a_paused_fleet_stays_paused_when_redis_comes_back_empty(
 
             await async_wait_until(reseeded, 20, "the workers to write the control state back")
             task = asyncio.ensure_future(client.generate([[1, 2, 3]], {"max_tokens": 4}, timeout_s=30))
-            await asyncio.sleep(1.0)
+
+            async def queued() -> bool:
+                return sum(depth["queued"] for depth in (await fleet_status(settings))["streams"].values()) == 1
+
+            await async_wait_until(queued, 10, "the request queued")
+            await asyncio.sleep(1.0)  # time passes: a worker taking work would answer it (at once, echo) meanwhile
             assert not task.done(), "a request ran on a fleet that was paused before Redis forgot it"
             assert await client.resume() > epoch
             [trajectory] = await task

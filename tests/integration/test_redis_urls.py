@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollout_svc import RolloutClient, client
+from rollout_svc import RolloutClient
+from rollout_svc.client import rollout_client as client
 from rollout_svc.config import Settings
-from rollout_svc.connect import redis_sync
+from rollout_svc.connections.urls import redis_sync
 from tests.support import ROOT, WorkerProcs, free_port, settings_env
 
 pytestmark = pytest.mark.skipif(not shutil.which("openssl"), reason="openssl makes the test certificates")
@@ -89,7 +90,7 @@ with SyncRolloutClient() as client:
 
 def _serve_through(settings: Settings, url: str, tmp_path: Path) -> None:
     """An echo worker and a client, both on `url`: 20 prompts come back echoed, and `status` lists the worker."""
-    on_url = settings.model_copy(update={"redis_url": url})
+    on_url = settings.copy_with(redis_url=url)
     procs = WorkerProcs(on_url, tmp_path)
     try:
         procs.start("echo-url", "--engine", "echo")
@@ -134,7 +135,7 @@ async def test_an_evicting_redis_is_reported_at_start(settings, rds, workers, ca
         workers.start("echo-evict", "--engine", "echo")
         workers.wait_live("echo-evict")
         client._CHECKED_EVICTION.clear()  # once per process and URL: this test's client checks again
-        with caplog.at_level(logging.WARNING, logger="rollout_svc.connect"):
+        with caplog.at_level(logging.WARNING, logger="rollout_svc.connections.urls"):
             async with RolloutClient(settings) as producer:
                 await producer.workers()
         assert any("maxmemory-policy is allkeys-lru" in r.getMessage() for r in caplog.records)

@@ -20,13 +20,13 @@ import redis
 import torch
 
 from rollout_svc import RolloutClient
-from rollout_svc.cluster_connect import shard_url
+from rollout_svc.client.status import fleet_status
+from rollout_svc.client.weight_sender import WeightSender
 from rollout_svc.config import Settings
+from rollout_svc.connections.topology import shard_url
+from rollout_svc.deploy.redis_cluster import RedisClusterServers, free_cluster_ports, start_redis_cluster
 from rollout_svc.fleet import Fleet
-from rollout_svc.redis_cluster import RedisClusterServers, free_cluster_ports, start_redis_cluster
-from rollout_svc.status import fleet_status
-from rollout_svc.weights import WeightSender
-from tests.support import WorkerProcs, async_wait_until
+from tests.support import SYNC_ECHO_ARGS, SYNC_HEARTBEAT_TTL_S, WorkerProcs, async_wait_until
 
 PROMPT = list(range(1, 21))
 
@@ -55,14 +55,20 @@ def where(request: pytest.FixtureRequest, redis_url: str, rds: redis.Redis) -> t
 
 
 @pytest.fixture
-def shard_settings(where: tuple[str, str], tmp_path: Path) -> Settings:
+def heartbeat_ttl_s() -> float:
+    """The workers' heartbeat TTL (a test parametrized with `heartbeat_ttl_s` overrides it)."""
+    return 2.0
+
+
+@pytest.fixture
+def shard_settings(where: tuple[str, str], tmp_path: Path, heartbeat_ttl_s: float) -> Settings:
     root = tmp_path / "checkpoints"
     root.mkdir()
     return Settings(
         redis_url=where[1],
         key_prefix="test",
         heartbeat_interval_s=0.2,
-        heartbeat_ttl_s=2.0,
+        heartbeat_ttl_s=heartbeat_ttl_s,
         read_block_ms=50,
         request_timeout_s=60,
         redis_outage_s=3.0,
@@ -73,14 +79,24 @@ def shard_settings(where: tuple[str, str], tmp_path: Path) -> Settings:
 
 
 @pytest.fixture
-def fleet_procs(shard_settings: Settings, tmp_path: Path, where: tuple[str, str]) -> Iterator[dict[str, str]]:
+def echo_args() -> tuple[str, ...]:
+    """Options every echo worker of `fleet_procs` gets (a test parametrizes it)."""
+    return ()
+
+
+@pytest.fixture
+def fleet_procs(
+    shard_settings: Settings, tmp_path: Path, where: tuple[str, str], echo_args: tuple[str, ...]
+) -> Iterator[dict[str, str]]:
     """The layout's echo workers, live: worker id -> shard (`fleet_procs.procs`: the `WorkerProcs`)."""
     procs = WorkerProcs(shard_settings, tmp_path)
     layout = Layout({f"w{i}": shard for i, shard in enumerate(LAYOUTS[where[0]])})
     layout.procs = procs
     try:
         for worker_id, shard in layout.items():
-            procs.start(worker_id, "--engine", "echo", "--echo-token-delay-s", "0.02", env={"ROLLOUT_SHARD": shard})
+            procs.start(
+                worker_id, "--engine", "echo", "--echo-token-delay-s", "0.02", *echo_args, env={"ROLLOUT_SHARD": shard}
+            )
         asyncio.run(_wait_live(shard_settings, len(layout), procs))
         yield layout
     finally:
@@ -148,18 +164,26 @@ async def test_pause_resume_and_abort_reach_every_shard(shard_settings, fleet_pr
         per_shard = await _shard_states(shard_settings)
         assert set(per_shard) == set(fleet_procs.values()) and all(s.paused for s in per_shard.values()), per_shard
         waiting = asyncio.ensure_future(client.generate([PROMPT] * 30, {"max_tokens": 2}, session_ids=None))
-        await asyncio.sleep(1.0)
+        await async_wait_until(lambda: _queued(shard_settings, 30), 10, "30 requests queued over the shards")
+        await asyncio.sleep(0.5)  # time passes: a worker taking work while paused would answer (in 0.04 s) meanwhile
         assert not waiting.done(), "a request was served while every shard was paused"
+        assert await _queued(shard_settings, 30)
         assert all(w.state == "paused" for w in await client.workers())
         await client.resume(timeout_s=15)
         assert all(t.finish_reason == "length" for t in await asyncio.wait_for(waiting, 30))
         await client.pause("keep", timeout_s=15)
         queued = asyncio.ensure_future(client.generate([PROMPT] * 30, {"max_tokens": 2}))
-        await asyncio.sleep(0.5)
+        await async_wait_until(lambda: _queued(shard_settings, 30), 10, "30 requests queued before the abort")
         await client.abort(all=True, timeout_s=15)
         answered = await asyncio.wait_for(queued, 30)
         assert {t.abort_cause for t in answered} == {"user"}, "abort(all) did not answer every shard's queued requests"
         await client.resume(timeout_s=15)
+
+
+async def _queued(settings: Settings, count: int) -> bool:
+    """Whether `count` requests wait, untaken, in the request streams of every shard together."""
+    streams = (await fleet_status(settings))["streams"].values()
+    return sum(depth["queued"] for depth in streams) == count
 
 
 async def _shard_states(settings: Settings) -> dict[str, Any]:
@@ -171,6 +195,7 @@ async def _shard_states(settings: Settings) -> dict[str, Any]:
         await fleet.close()
 
 
+@pytest.mark.parametrize(("heartbeat_ttl_s", "echo_args"), [(SYNC_HEARTBEAT_TTL_S, SYNC_ECHO_ARGS)])
 async def test_weight_sync_barriers_span_every_shard(shard_settings, fleet_procs):
     weights = {"model.embed_tokens.weight": torch.randn(64, 32), "model.norm.weight": torch.randn(32)}
     async with WeightSender(settings=shard_settings) as sender, RolloutClient(shard_settings) as client:

@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import save_file
 
 from rollout_svc import InvalidRequestError, RolloutClient, WeightSyncError
+from rollout_svc.client.status import fleet_status
+from rollout_svc.client.weight_sender import WeightSender
 from rollout_svc.config import Settings
-from rollout_svc.status import fleet_status
-from rollout_svc.weights import WeightSender
-from tests.support import WorkerProcs, async_wait_until
+from tests.support import SYNC_ECHO_ARGS, SYNC_HEARTBEAT_TTL_S, Streaming, WorkerProcs, async_wait_until
 
 PROMPT = list(range(1, 41))  # the echo engine answers with the prompt: 40 tokens at most
 
@@ -37,8 +37,8 @@ def tensors(seed: int) -> dict[str, torch.Tensor]:
 def ws_settings(settings: Settings, tmp_path: Path) -> Settings:
     root = tmp_path / "checkpoints"
     root.mkdir()
-    return settings.model_copy(
-        update={"checkpoint_root": root, "weight_sync_timeout_s": 15.0, "control_timeout_s": 15.0}
+    return settings.copy_with(
+        checkpoint_root=root, weight_sync_timeout_s=15.0, control_timeout_s=15.0, heartbeat_ttl_s=SYNC_HEARTBEAT_TTL_S
     )
 
 
@@ -51,12 +51,8 @@ def procs(ws_settings: Settings, tmp_path: Path):
 
 def start(procs: WorkerProcs, *ids: str, args: tuple[str, ...] = ()) -> None:
     for worker_id in ids:
-        procs.start(worker_id, "--engine", "echo", *args)
+        procs.start(worker_id, "--engine", "echo", *SYNC_ECHO_ARGS, *args)
     procs.wait_live(*ids)
-
-
-async def in_flight(client: RolloutClient) -> bool:
-    return any(w.in_flight for w in await client.workers())
 
 
 async def statuses(client: RolloutClient) -> dict[str, object]:
@@ -86,24 +82,28 @@ async def test_broadcast_commits_a_version_that_every_token_carries(ws_settings,
 
 @pytest.mark.timeout(60)
 async def test_keep_pause_across_a_sync_splits_the_versions_at_the_frozen_token(ws_settings, procs):
-    start(procs, "w0", args=("--echo-token-delay-s", "0.05"))
+    # A chunk per token, sent as it is made: the client sees how far the generation got.
+    procs.start("w0", "--engine", "echo", "--echo-token-delay-s", "0.05", env={"ROLLOUT_STREAM_CHUNK_TOKENS": "1"})
+    procs.wait_live("w0")
     async with WeightSender(settings=ws_settings) as sender, RolloutClient(ws_settings) as client:
-        running = asyncio.ensure_future(client.generate([PROMPT], {"max_tokens": 40}))
-        await async_wait_until(lambda: in_flight(client), 10, "the request in flight")
-        await asyncio.sleep(0.5)
+        run = Streaming(client, [PROMPT], {"max_tokens": 40})
+        await run.streamed(5, 10)  # generating, 5 tokens in
         await client.pause("keep", holder="test")  # frozen: no token is generated until "test" resumes
+        [at_pause] = run.tokens
         frozen = (await client.workers())[0]
         assert frozen.state == "paused" and frozen.in_flight == 1
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # time passes while frozen: a request that was not would make 6 tokens meanwhile
         await sender.update(tensors(1).items(), version=1, pause_mode="keep")
+        [before_resume] = run.tokens
         await client.resume(holder="test")
-        [trajectory] = await running
+        [trajectory] = await run.task
         assert len(trajectory.completion_token_ids) == 40 and trajectory.finish_reason == "stop"
         [(old, zero), (new, cut)] = trajectory.weight_versions
         assert (old, zero, new) == (0, 0, 1) and 0 < cut < 40, trajectory.weight_versions
         assert trajectory.weight_version == 1 and trajectory.staleness == 1
-        # The cut is the token the pause froze it at: 0.05 s per token, ~0.5 s in, the pause itself a few ms.
-        assert 5 <= cut <= 20, cut
+        # The cut is the token the pause froze it at: what was streamed by then (the step under way when the pause
+        # landed completes, and its chunk may still be on its way), and every token made before the resume.
+        assert 5 <= at_pause <= cut <= at_pause + 2 and cut == before_resume, (at_pause, cut, before_resume)
 
 
 @pytest.mark.timeout(60)
@@ -113,11 +113,10 @@ async def test_max_staleness_drops_and_regenerates_or_marks(ws_settings, procs):
         for policy, expect_regenerated in (("regenerate", 1), ("mark", 0)):
             version = await sender.committed_version() + 1
             async with RolloutClient(ws_settings, max_staleness=0, stale_policy=policy) as client:
-                running = asyncio.ensure_future(client.generate([PROMPT], {"max_tokens": 30}))
-                await async_wait_until(lambda: in_flight(client), 10, "the request in flight")
-                await asyncio.sleep(0.1)  # a few tokens in
+                run = Streaming(client, [PROMPT], {"max_tokens": 30})
+                await run.streamed(2, 10)  # a few tokens in: its first token is the old version's
                 await sender.update(tensors(version).items(), version=version, pause_mode="keep")
-                [trajectory] = await running
+                [trajectory] = await run.task
                 assert client.stats.regenerated == expect_regenerated
                 if policy == "regenerate":  # generated again, from its first token on the new version
                     assert trajectory.weight_versions == [(version, 0)] and trajectory.staleness == 0
@@ -174,7 +173,7 @@ async def test_a_late_worker_stays_stale_until_included_and_catches_up_from_a_ch
         served = await client.generate([PROMPT] * 8, {"max_tokens": 4}, session_ids=[f"b{i}" for i in range(8)])
         assert {t.worker_id for t in served} == {"w0", "late"} and {t.weight_version for t in served} == {4}
 
-        checkpoint = ws_settings.checkpoint_root / "step-5"
+        checkpoint = ws_settings.weight_sync.checkpoint_root / "step-5"
         checkpoint.mkdir()
         save_file(tensors(5), str(checkpoint / "model.safetensors"))
         report = await sender.update_from_checkpoint(str(checkpoint), version=5)
@@ -193,11 +192,11 @@ async def test_a_checkpoint_outside_the_root_is_refused_and_the_version_kept(ws_
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     save_file(tensors(1), str(outside / "model.safetensors"))
-    escape = ws_settings.checkpoint_root / "escape"
+    escape = ws_settings.weight_sync.checkpoint_root / "escape"
     escape.symlink_to(outside)  # a link inside the root to a directory outside it
     async with WeightSender(settings=ws_settings) as sender, RolloutClient(ws_settings) as client:
         await sender.update(tensors(1).items(), version=1)
-        for path in (outside, escape, ws_settings.checkpoint_root / "missing"):
+        for path in (outside, escape, ws_settings.weight_sync.checkpoint_root / "missing"):
             with pytest.raises(WeightSyncError) as raised:
                 await sender.update_from_checkpoint(str(path), version=2)
             assert set(raised.value.failures) == {"w0", "w1"}
@@ -216,10 +215,10 @@ async def test_the_admin_route_syncs_from_a_checkpoint(ws_settings, procs, tmp_p
     from rollout_svc.api import create_app
 
     start(procs, "w0", "w1")
-    checkpoint = ws_settings.checkpoint_root / "step-3"
+    checkpoint = ws_settings.weight_sync.checkpoint_root / "step-3"
     checkpoint.mkdir()
     save_file(tensors(3), str(checkpoint / "model.safetensors"))
-    app = create_app(ws_settings.model_copy(update={"admin_token": "adm"}))
+    app = create_app(ws_settings.copy_with(admin_token="adm"))
     admin = {"Authorization": "Bearer adm"}
     async with (
         app.router.lifespan_context(app),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_svc.chaos_ledger import Answer, Ledger, Submitted, check
 from rollout_svc.protocol import Trajectory
+from rollout_svc.tools.chaos.ledger import Answer, Ledger, Submitted, check
 
 T0 = 1_000_000.0
 PROMPT = [72, 101, 108, 108, 111, 33]  # "Hello!"

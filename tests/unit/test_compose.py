@@ -13,9 +13,9 @@ import pytest
 import typer
 import yaml
 
-from rollout_svc.cli import app as cli_app
+from rollout_svc.cli.main import app as cli_app
 from rollout_svc.config import EngineSettings, Settings
-from rollout_svc.connect import is_loopback
+from rollout_svc.connections.urls import is_loopback
 from workers.__main__ import parse_args as worker_parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -197,14 +197,14 @@ def test_the_api_command_parses_with_the_cli_and_has_its_keys(monkeypatch: pytes
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     settings = Settings()
-    assert settings.api_keys == ["k1", "k2"] and settings.admin_token in (None, "")
+    assert settings.api.api_keys == ["k1", "k2"] and settings.api.admin_token in (None, "")
 
 
 def test_every_rollout_variable_is_a_settings_field():
     names = {k for s in services().values() for k in (s.get("environment") or {}) if k.startswith("ROLLOUT_")}
     names |= set(re.findall(r"\b(ROLLOUT_\w+)=", (ROOT / "Dockerfile").read_text()))
     assert names
-    assert {n for n in names if n.removeprefix("ROLLOUT_").lower() not in Settings.model_fields} == set()
+    assert {n for n in names if n.removeprefix("ROLLOUT_").lower() not in Settings().flat()} == set()
 
 
 def test_the_vendored_schema_is_the_compose_specification():

@@ -1,4 +1,4 @@
-"""Redis URLs (`rollout_svc.connect`) and batch input lines (`rollout_svc.batch.parse_lines`), without a server."""
+"""Redis URLs (`rollout_svc.connections.urls`) and batch input lines (`batch.store.parse_lines`), without a server."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from rollout_svc.batch import parse_lines
-from rollout_svc.connect import eviction_warning, is_sentinel, parse_sentinel
+from rollout_svc.batch.store import parse_lines
+from rollout_svc.connections.urls import eviction_warning, is_sentinel, parse_sentinel
 from rollout_svc.errors import InvalidRequestError
 
 
@@ -55,7 +55,7 @@ def test_every_connection_has_socket_timeouts_and_tcp_keepalive():
     """A link cut without a reset must raise, not hang: timeouts and keepalive unless the caller sets its own."""
     import socket
 
-    from rollout_svc.connect import KEEPALIVE_OPTIONS, SOCKET_TIMEOUT_S, redis_async, redis_sync
+    from rollout_svc.connections.urls import KEEPALIVE_OPTIONS, SOCKET_TIMEOUT_S, redis_async, redis_sync
 
     for client in (redis_async("redis://127.0.0.1:1/0"), redis_sync("redis://127.0.0.1:1/0")):
         kwargs = client.connection_pool.connection_kwargs

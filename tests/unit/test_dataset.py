@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rollout_svc import dataset
+from rollout_svc.tools import dataset
 
 
 def test_reads_every_whole_conversation_up_to_the_cut():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_svc.launch import (
+from rollout_svc.deploy.ray import (
     RayWorkerGroup,
     WorkerHost,
     import_ray,
@@ -64,7 +64,7 @@ def test_loopback_redis_urls_are_recognized():
 
 
 def test_importing_the_package_and_the_cli_does_not_import_ray():
-    code = "import sys, rollout_svc, rollout_svc.cli, rollout_svc.launch; print('ray' in sys.modules)"
+    code = "import sys, rollout_svc, rollout_svc.cli, rollout_svc.deploy.ray; print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False"
 

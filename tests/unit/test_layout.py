@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import io
 import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,11 +21,11 @@ def test_import_rollout_svc_pulls_in_neither_vllm_nor_torch():
 
 def test_weight_sender_is_exported_lazily_and_workers_import_torch_only_to_sync():
     code = (
-        "import sys, workers.worker, workers.echo, rollout_svc.weight_sync; before = 'torch' in sys.modules; "
+        "import sys, workers.worker, workers.echo, rollout_svc.weightsync.plane; before = 'torch' in sys.modules; "
         "from rollout_svc import WeightSender; print(before, 'torch' in sys.modules, WeightSender.__module__)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.split() == ["False", "True", "rollout_svc.weights"]
+    assert out.stdout.split() == ["False", "True", "rollout_svc.client.weight_sender"]
 
 
 def test_no_pickle_in_service_code():
@@ -41,3 +44,105 @@ def test_every_cli_command_answers_help():
         )
         assert out.returncode == 0, (command, out.stderr)
         assert "--redis-url" in out.stdout or command == "model", command
+
+
+# The package map (docs/architecture.md): each part of the package, and the parts it may import. A part is a folder
+# of rollout_svc, a module at its top, or `workers`.
+TOP = {"config.py", "keys.py", "errors.py", "protocol.py", "wire.py", "model.py"}
+PLANES = {"dataplane", "control", "weightsync"}
+MAY_IMPORT: dict[str, set[str]] = {
+    **{module: TOP for module in TOP},
+    "connections": TOP,
+    "dataplane": TOP,
+    "control": TOP | {"connections", "dataplane"},
+    "weightsync": TOP | {"dataplane"},
+    "fleet.py": TOP | {"connections"} | PLANES,
+    "client": TOP | {"connections", "fleet.py"} | PLANES,
+    "openai": TOP | {"client"},
+    "batch": TOP | {"connections", "fleet.py", "client", "openai"},
+    "api": TOP | {"connections", "client", "openai", "batch"},
+    "deploy": TOP | {"connections"},
+    "__init__.py": TOP | {"client"},
+    "launch.py": set(),  # the Ray worker group's old path: it loads deploy.ray by name, on first use
+    "workers": TOP | {"connections"} | PLANES,
+}
+EVERYTHING = set(MAY_IMPORT) | {"tools", "cli", "workers"}
+MAY_IMPORT |= {"tools": EVERYTHING - {"cli"}, "cli": EVERYTHING, "__main__.py": {"cli"}}
+
+
+def _part(module: str) -> str:
+    names = module.split(".")
+    if names[0] == "workers":
+        return "workers"
+    if len(names) == 1:
+        return "__init__.py"
+    return names[1] if (ROOT / "rollout_svc" / names[1]).is_dir() else f"{names[1]}.py"
+
+
+def _sources() -> list[Path]:
+    return sorted([*(ROOT / "rollout_svc").rglob("*.py"), *(ROOT / "workers").rglob("*.py")])
+
+
+def test_imports_follow_the_package_map():
+    """No part imports one the package map does not allow it (in particular, no circle between parts, and the
+    runtime never imports tools, deploy or the CLI), at module level or inside a function."""
+    wrong = []
+    for path in _sources():
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        part = _part(module)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                if target.split(".")[0] not in ("rollout_svc", "workers") or target == "rollout_svc":
+                    continue
+                other = _part(target)
+                if other != part and other not in MAY_IMPORT[part]:
+                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {target} ({part} -> {other})")
+    assert wrong == []
+
+
+def _code_lines(path: Path) -> int:
+    """Lines holding code: not blank, not comments, not docstrings."""
+    source = path.read_text()
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                docstrings.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    skipped = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+    lines: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in skipped:
+            lines.update(r for r in range(token.start[0], token.end[0] + 1) if r not in docstrings)
+    return len(lines)
+
+
+def test_no_runtime_module_holds_over_500_lines_of_code():
+    runtime = [p for p in _sources() if not {"tools", "deploy", "cli"} & set(p.relative_to(ROOT).parts[1:-1])]
+    big = {str(p.relative_to(ROOT)): n for p in runtime if (n := _code_lines(p)) > 500}
+    assert big == {}
+
+
+def test_the_import_paths_users_and_redis_name_still_work():
+    """What the README, users' code and Redis (RQ stores the job's function by name) already name."""
+    code = (
+        "import importlib; "
+        "paths = [('rollout_svc', 'RolloutClient'), ('rollout_svc', 'SyncRolloutClient'), "
+        "('rollout_svc', 'WeightSender'), ('rollout_svc.api', 'create_app'), ('rollout_svc.cli', 'app'), "
+        "('rollout_svc.batch', 'run_batch'), ('rollout_svc.launch', 'RayWorkerGroup')]; "
+        "print([f'{m}.{n}' for m, n in paths if not hasattr(importlib.import_module(m), n)])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+    worker = subprocess.run([sys.executable, "-m", "workers", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert worker.returncode == 0 and "--redis-url" in worker.stdout

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from rollout_svc.progress import Progress
+from rollout_svc.tools.progress import Progress
 
 
 def lines(stream: io.StringIO) -> list[str]:

@@ -115,7 +115,7 @@ def test_a_workers_answer_decodes_without_pydantic_to_the_same_model_and_is_stil
     decoded = decode(encode(full))
     assert decoded == full and type(decoded) is Trajectory
     assert decoded.weight_versions == [(1, 0), (2, 1)] and decoded.top_logprobs == [[(3, "a", -0.5)], [(4, "b", -0.25)]]
-    assert decoded.model_copy(update={"staleness": 0}).staleness == 0  # a real model: the producer copies it
+    assert decoded.model_copy(update={"staleness": 0}).staleness == 0  # a real model: it copies
     minimal = decode(encode(Trajectory(request_id="r", prompt_token_ids=[1], finish_reason="stop")))
     assert minimal.completion_token_ids == [] and minimal.error is None
     body = msgpack.unpackb(encode(full))

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout_svc.cluster import LocalCluster
 from rollout_svc.config import EngineSettings, Settings
-from rollout_svc.redis_cluster import RedisClusterServers, cluster_ports, worker_shard
+from rollout_svc.deploy.local import LocalCluster
+from rollout_svc.deploy.redis_cluster import RedisClusterServers, cluster_ports, worker_shard
 
 
 def test_workers_are_spread_over_the_shards():

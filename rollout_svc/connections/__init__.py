@@ -1,0 +1,1 @@
+"""Reaching Redis: connections from one URL (plain, TLS, unix socket, Sentinel), Redis Cluster topology, ACL users."""

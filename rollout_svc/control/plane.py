@@ -1,0 +1,414 @@
+"""The control plane: desired state in a Redis hash, epoch-numbered commands, pub/sub nudges, acknowledged barriers.
+
+The only module that spells the control keys' verbs (DESIGN.md section 4, "Control semantics"):
+
+- Desired state lives in `Keys.state` (epoch, pause holders, sleep level and mode, woken tags). Every command
+  bumps the epoch, updates the hash and is logged in `Keys.commands` under its epoch, in one script; a message on
+  `Keys.control_channel` only nudges (pub/sub is at most once). Workers also read the hash before their first
+  request, after a reconnect and at every heartbeat, so a lost nudge costs at most one heartbeat interval.
+- A worker acknowledges by writing the epoch it applied (a watermark) and its state into its heartbeat hash in
+  one step, and announcing it on `Keys.acks_channel`. The issuer waits until every worker that was live when it
+  issued has applied epoch >= E; a worker whose heartbeat expires meanwhile is dropped (its requests are
+  requeued). On timeout it raises `ControlTimeoutError` naming the rest; the desired state stays written.
+- The fleet is paused while any holder holds a pause; `resume` releases only its own holder. With holders in
+  different modes the strongest applies: abort > wait > keep.
+- Cancel is not a command: a producer writes tombstones (`Keys.cancelled`, with a TTL) and nudges on
+  `Keys.cancel_channel`; no barrier.
+- Under Redis ACL users (`connections.acl`) only `admin` may issue commands; a refusal raises `AccessDeniedError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, get_args
+
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+
+from rollout_svc.config import Settings
+from rollout_svc.connections.acl import ADMIN, permission_denied
+from rollout_svc.connections.urls import next_message, retry_while_away
+from rollout_svc.control.scripts import CANCEL_LUA, ISSUE_LUA, RESEED_LUA
+from rollout_svc.dataplane.registry import Registry
+from rollout_svc.dataplane.streams import Entry, Placed, RequestStreams, Sweep
+from rollout_svc.errors import (
+    AccessDeniedError,
+    ControlCommandError,
+    ControlTimeoutError,
+    InvalidRequestError,
+    ProtocolError,
+)
+from rollout_svc.keys import Nudge, StateField
+from rollout_svc.protocol import ControlCommand, PauseMode, RolloutRequest, decode, encode, unrun_trajectory
+
+SLEEP_TAGS = ("weights", "kv_cache")  # vLLM's memory pools: asleep until both are woken
+MODE_STRENGTH: dict[str, int] = {"keep": 0, "wait": 1, "abort": 2}
+DEFAULT_HOLDER = "operator"
+COMMAND_LOG_LEN = 1000  # commands kept in the log: a worker that far behind converges on the state alone
+ACK_POLL_S = 0.1  # how often an issuer also reads the heartbeats (a lost announcement, a dead worker)
+SWEEP_PAGE = 1000
+
+
+@dataclass(frozen=True)
+class FleetState:
+    """The desired control state of the fleet, as held in `Keys.state`.
+
+    `holders` maps each pause holder to its mode. `sleep_level` 0 is awake; `awake_tags` are the memory pools
+    a partial `wake_up(tags)` restored (the fleet sleeps until all of `SLEEP_TAGS` are).
+    """
+
+    epoch: int = 0
+    holders: dict[str, PauseMode] = field(default_factory=dict)
+    sleep_level: int = 0
+    sleep_mode: PauseMode = "abort"
+    awake_tags: frozenset[str] = frozenset()
+    weight_version: int = 0
+    weight_checkpoint: str = ""  # the checkpoint directory the committed version was loaded from ("": broadcast)
+
+    @property
+    def paused(self) -> bool:
+        return bool(self.holders)
+
+    @property
+    def pause_mode(self) -> PauseMode | None:
+        """The strongest mode among the holders (abort > wait > keep), or None when not paused."""
+        return max(self.holders.values(), key=MODE_STRENGTH.__getitem__, default=None)
+
+    @property
+    def sleeping(self) -> bool:
+        return self.sleep_level > 0 and not set(SLEEP_TAGS) <= self.awake_tags
+
+    @classmethod
+    def from_hash(cls, fields: dict[bytes, bytes]) -> FleetState:
+        values = {k.decode(): v.decode() for k, v in fields.items()}
+        holder, awake = StateField.HOLDER_PREFIX, StateField.AWAKE_PREFIX
+        return cls(
+            epoch=int(values.get(StateField.EPOCH, 0)),
+            holders={k[len(holder) :]: v for k, v in values.items() if k.startswith(holder)},  # type: ignore[misc]
+            sleep_level=int(values.get(StateField.SLEEP_LEVEL, 0)),
+            sleep_mode=values.get(StateField.SLEEP_MODE, "abort"),  # type: ignore[arg-type]
+            awake_tags=frozenset(k[len(awake) :] for k in values if k.startswith(awake)),
+            weight_version=int(values.get(StateField.WEIGHT_VERSION, 0)),
+            weight_checkpoint=values.get(StateField.WEIGHT_CHECKPOINT, ""),
+        )
+
+    def to_hash(self) -> dict[str, str]:
+        fields = {StateField.EPOCH: str(self.epoch), StateField.SLEEP_LEVEL: str(self.sleep_level)}
+        fields |= {StateField.SLEEP_MODE: self.sleep_mode, StateField.WEIGHT_VERSION: str(self.weight_version)}
+        fields |= {StateField.WEIGHT_CHECKPOINT: self.weight_checkpoint}
+        fields |= {StateField.holder(holder): mode for holder, mode in self.holders.items()}
+        return fields | {StateField.awake(tag): "1" for tag in self.awake_tags}
+
+
+@dataclass
+class _Issue:
+    """A command on its way: what it changes in the state hash."""
+
+    kind: str
+    args: dict[str, Any]
+    set_fields: dict[str, str] = field(default_factory=dict)
+    del_fields: list[str] = field(default_factory=list)
+
+
+class ControlPlane:
+    """Issue control commands and wait for every live worker's acknowledgement; read the desired state.
+
+    Example::
+
+        plane = ControlPlane(redis, settings)
+        await plane.pause("keep")          # returns once every live worker froze its in-flight requests
+        await plane.resume()
+
+    Every command raises `ControlTimeoutError` (naming the workers that did not ack within `timeout_s`,
+    default `Settings.client.control_timeout_s`), `ControlCommandError` (naming the workers that reported a failure) and
+    `AccessDeniedError` (Redis refused: this connection's Redis user is not `admin`; the state is unchanged).
+    """
+
+    def __init__(self, redis: Redis, settings: Settings) -> None:
+        self.redis, self.settings, self.keys = redis, settings, settings.keys
+        self.registry = Registry(redis, self.keys, settings.heartbeat_ttl_s)
+        self.streams = RequestStreams(redis, self.keys, settings.session_ttl_s)
+        self._issue = redis.register_script(ISSUE_LUA)
+        self._reseed = redis.register_script(RESEED_LUA)
+        self._cancel = redis.register_script(CANCEL_LUA)
+        self._acks: PubSub | None = None  # subscribed to the acks channel from the first command on
+        self._issuing = asyncio.Lock()  # one command at a time per plane: they share that subscription
+
+    async def close(self) -> None:
+        if self._acks is not None:
+            acks, self._acks = self._acks, None
+            await acks.aclose()
+
+    async def load_scripts(self) -> None:
+        """Load every script the control plane runs (its own, the registry's, the data plane's) once."""
+        for script in (self._issue, self._reseed, self._cancel):
+            script.sha = await self.redis.script_load(script.script)
+        await self.registry.load_scripts()
+        await self.streams.load_scripts()
+
+    # --- commands -------------------------------------------------------------------------------------------
+
+    async def pause(
+        self, mode: PauseMode = "keep", *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None
+    ) -> int:
+        """Stop taking requests; in-flight ones are frozen (`keep`), aborted (`abort`) or finished (`wait`).
+
+        Returns the epoch, once every live worker applied it (for `wait`, once their in-flight requests finished).
+        Requests queue meanwhile; their deadlines keep running.
+        """
+        _check_mode(mode)
+        issue = _Issue("pause", {"mode": mode, "holder": holder}, {StateField.holder(holder): mode})
+        return await self._run(issue, timeout_s)
+
+    async def resume(self, *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None) -> int:
+        """Release `holder`'s pause; the fleet serves again once no holder holds one. Returns the epoch."""
+        return await self._run(_Issue("resume", {"holder": holder}, del_fields=[StateField.holder(holder)]), timeout_s)
+
+    async def abort(
+        self,
+        request_ids: Sequence[str] | None = None,
+        session_id: str | None = None,
+        all: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Abort requests without pausing: in-flight ones return partial trajectories, queued ones are answered
+        unrun, all with `finish_reason="abort"`, `abort_cause="user"`, and neither is retried.
+
+        Exactly one scope: `request_ids` (also hits their retries), `session_id`, or `all`. A session or `all`
+        abort hits requests enqueued before the command; later ones run. Returns the epoch.
+        """
+        if sum((request_ids is not None, session_id is not None, bool(all))) != 1:
+            raise InvalidRequestError("abort needs exactly one of request_ids, session_id or all=True")
+        args: dict[str, Any] = {"request_ids": list(request_ids or []), "session_id": session_id, "all": bool(all)}
+        return await self._run(_Issue("abort", args), timeout_s, sweep=session_id is not None or bool(all))
+
+    async def sleep(self, level: int = 1, mode: PauseMode = "abort", *, timeout_s: float | None = None) -> int:
+        """Put the engines to sleep (vLLM sleep mode: level 1 offloads weights and drops the KV cache, level 2
+        drops both). A sleeping worker takes no requests; in-flight ones are first paused as `mode` says.
+        On CPU vLLM frees no memory: workers report `memory_released=False`. Returns the epoch."""
+        _check_mode(mode)
+        if level < 1:
+            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level}; to pause use pause()")
+        fields = {StateField.SLEEP_LEVEL: str(level), StateField.SLEEP_MODE: mode}
+        issue = _Issue("sleep", {"level": level, "mode": mode}, fields, [StateField.awake(t) for t in SLEEP_TAGS])
+        return await self._run(issue, timeout_s)
+
+    async def wake_up(self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None) -> int:
+        """Restore engine memory: all of it, or only the pools `tags` names (`weights`, `kv_cache`). Once all are
+        awake the fleet serves again, paused or not as it was before the sleep. Returns the epoch."""
+        unknown = set(tags or ()) - set(SLEEP_TAGS)
+        if unknown:
+            raise InvalidRequestError(f"unknown wake-up tags {sorted(unknown)}; known: {', '.join(SLEEP_TAGS)}")
+        if tags:
+            issue = _Issue("wake_up", {"tags": list(tags)}, {StateField.awake(t): "1" for t in tags})
+        else:
+            fields = {StateField.SLEEP_LEVEL: "0"}
+            issue = _Issue("wake_up", {"tags": None}, fields, [StateField.awake(t) for t in SLEEP_TAGS])
+        return await self._run(issue, timeout_s)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, *, timeout_s: float | None = None) -> int:
+        """Drop every engine's cached prefixes. Without `reset_running_requests` vLLM refuses while requests hold
+        KV blocks, and the command fails naming those workers (`ControlCommandError`). Returns the epoch."""
+        issue = _Issue("reset_prefix_cache", {"reset_running_requests": reset_running_requests})
+        return await self._run(issue, timeout_s)
+
+    async def commit_weights(self, version: int, checkpoint: str = "") -> None:
+        """Record `version` as the fleet's committed weight version (loaded from `checkpoint`, "" for a broadcast)
+        and nudge the workers: one whose version differs takes no work until it has this one. No barrier: the
+        weight sync waited for its loads already, and resumes (a command, acknowledged) right after.
+        Raises `AccessDeniedError` if this connection's Redis user may not write the state (not `admin`)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(
+            self.keys.state, mapping={StateField.WEIGHT_VERSION: str(version), StateField.WEIGHT_CHECKPOINT: checkpoint}
+        )
+        pipe.publish(self.keys.weights_channel, Nudge.WEIGHT_COMMIT)
+        pipe.publish(self.keys.control_channel, Nudge.COMMAND)
+        try:
+            await pipe.execute()
+        except ResponseError as exc:
+            if permission_denied(exc):
+                raise AccessDeniedError("commit_weights", ADMIN, str(exc)) from exc
+            raise
+
+    async def state(self) -> FleetState:
+        """The desired state now."""
+        fields: Any = await self.redis.hgetall(self.keys.state)
+        return FleetState.from_hash(fields)
+
+    async def _run(self, issue: _Issue, timeout_s: float | None, sweep: bool = False) -> int:
+        """Issue a command and wait for its acknowledgements (and, for a session/all abort, sweep the queue).
+
+        While Redis is away (restarting, failing over) the command is issued again for up to `redis_outage_s`, then
+        the connection error is raised: a command issued twice is applied at its later epoch (the desired state is
+        the same; an abort's scope grows by what was enqueued in between). A refusal by Redis' ACLs raises
+        `AccessDeniedError`: it comes before the issue script wrote anything (the acks subscription) or from that
+        script's first write, so the state is unchanged.
+        """
+        try:
+            return await retry_while_away(
+                lambda: self._issue_and_await(issue, timeout_s, sweep), self.settings.client.redis_outage_s, issue.kind
+            )
+        except ResponseError as exc:
+            if permission_denied(exc):
+                raise AccessDeniedError(issue.kind, ADMIN, str(exc)) from exc
+            raise
+
+    async def _issue_and_await(self, issue: _Issue, timeout_s: float | None, sweep: bool) -> int:
+        timeout_s = self.settings.client.control_timeout_s if timeout_s is None else timeout_s
+        async with self._issuing:
+            acks = await self._subscribed()
+            snapshot = await self.registry.live_ids()
+            command = ControlCommand(command_id=uuid.uuid4().hex, kind=issue.kind, args=issue.args)
+            fields = [x for item in issue.set_fields.items() for x in item]
+            args: list[bytes | str | int] = [encode(command), COMMAND_LOG_LEN, self.keys.control_channel]
+            args += [len(issue.set_fields), *fields]
+            epoch = int(await self._issue(keys=[self.keys.state, self.keys.commands], args=[*args, *issue.del_fields]))
+            if sweep:
+                await self._sweep_queued(epoch, issue.args)
+            failed = await self._await_acks(issue.kind, epoch, snapshot, acks, timeout_s)
+        if failed:
+            statuses = await self.registry.statuses(sorted(failed))
+            failures = {w: s.error for w, s in statuses.items() if s is not None and s.error_epoch == epoch}
+            raise ControlCommandError(issue.kind, epoch, failures or dict.fromkeys(failed, "failed"))
+        return epoch
+
+    async def _subscribed(self) -> PubSub:
+        """The acks subscription, made live before the first command (so no announcement is missed)."""
+        if self._acks is None or self._acks.connection is None or not self._acks.connection.is_connected:
+            if self._acks is not None:
+                await self._acks.aclose()
+            self._acks = self.redis.pubsub()
+            await self._acks.subscribe(self.keys.acks_channel)
+            await self._acks.get_message(timeout=1.0)  # the confirmation: the subscription is live
+        return self._acks
+
+    async def _await_acks(self, kind: str, epoch: int, snapshot: list[str], acks: PubSub, timeout_s: float) -> set[str]:
+        """Wait until each worker of `snapshot` applied `epoch` or died; returns those that reported a failure."""
+        pending, failed = set(snapshot), set()
+        deadline = time.monotonic() + timeout_s
+        next_poll = time.monotonic() + ACK_POLL_S
+        while pending:
+            now = time.monotonic()
+            if now >= next_poll or now >= deadline:
+                for worker_id, status in (await self.registry.statuses(sorted(pending))).items():
+                    if status is None or status.applied_epoch >= epoch:  # acked, or dead: dropped
+                        pending.discard(worker_id)
+                        if status is not None and status.error_epoch == epoch:
+                            failed.add(worker_id)
+                if pending and now >= deadline:
+                    raise ControlTimeoutError(kind, epoch, sorted(pending), timeout_s, self.settings.heartbeat_ttl_s)
+                next_poll = now + ACK_POLL_S
+                continue
+            try:
+                message = await next_message(acks, min(next_poll, deadline) - now, ignore_subscribe_messages=True)
+            except (RedisConnectionError, OSError):  # the subscription died with its connection (a Redis restart)
+                with contextlib.suppress(RedisError, OSError):
+                    await acks.aclose()
+                self._acks = None  # a new subscription; the polls cover an ack announced in between
+                acks = await self._subscribed()
+                continue
+            if message is not None:  # an announcement: "worker_id applied_epoch error_epoch" (of any command)
+                worker_id, applied, error_epoch = [*message["data"].decode().split(), "0", "0"][:3]
+                if int(applied) >= epoch and worker_id in pending:
+                    pending.discard(worker_id)
+                    if int(error_epoch) == epoch:
+                        failed.add(worker_id)
+        return failed
+
+    async def _sweep_queued(self, epoch: int, args: dict[str, Any]) -> int:
+        """Answer, unrun, the queued requests an abort(session_id | all) hits: enqueued before `epoch`, still
+        undelivered. A request a worker takes meanwhile is that worker's to abort (it applies the same command)."""
+        session_id = args.get("session_id")
+        streams = [self.keys.requests] + [self.keys.pinned_requests(w) for w in await self.registry.worker_ids()]
+        swept = 0
+        for stream in streams:
+            after: bytes | None = None
+            while entries := await self.streams.undelivered(stream, SWEEP_PAGE, after):
+                after = entries[-1].entry_id
+                hits = [e for e in entries if e.epoch < epoch and (session_id is None or e.session_id == session_id)]
+                sweeps = [s for s in map(self._abort_answer, hits) if s is not None]
+                if sweeps:
+                    swept += await self.streams.sweep(stream, sweeps, self.settings.results_ttl_s)
+        return swept
+
+    @staticmethod
+    def _abort_answer(entry: Entry) -> Sweep | None:
+        try:
+            request = decode(entry.payload)
+        except (ProtocolError, InvalidRequestError):
+            return None  # a worker dead-letters it, or answers it with its error
+        if not isinstance(request, RolloutRequest):
+            return None
+        return Sweep(entry.entry_id, (request.reply_to, encode(unrun_trajectory(request, "user"))))
+
+    # --- cancel (a producer's own requests) ------------------------------------------------------------------
+
+    async def cancel(self, attempts: Sequence[tuple[str, Placed | None]]) -> None:
+        """Cancel requests a producer no longer wants: tombstone their ids (workers abort them in flight, at the
+        next nudge or heartbeat), and delete those still queued. No acknowledgement: nobody awaits the answers."""
+        if not attempts:
+            return
+        ttl_ms = int(self.settings.results_ttl_s * 1000)
+        ids = [request_id for request_id, _ in attempts]
+        await self._cancel(keys=[self.keys.cancelled], args=[ttl_ms, self.keys.cancel_channel, *ids])
+        by_stream: dict[str, list[Sweep]] = {}
+        for _, placed in attempts:
+            if placed is not None:
+                by_stream.setdefault(placed.stream, []).append(Sweep(placed.entry_id))
+        for stream, sweeps in by_stream.items():
+            await self.streams.sweep(stream, sweeps, self.settings.results_ttl_s)
+
+    # --- the worker's side -----------------------------------------------------------------------------------
+
+    async def subscribe(self) -> PubSub:
+        """A worker's one pub/sub connection: the nudges on the control channel (`Nudge.COMMAND`), on the cancel
+        channel (`Nudge.CANCEL`) and on the weights channel (a sync order, announcement or commit).
+
+        redis-py reconnects it after a dropped connection and subscribes again; that confirmation arrives as a
+        `subscribe` message, on which the worker converges (a nudge may have been lost meanwhile).
+        """
+        pubsub = self.redis.pubsub()
+        await pubsub.subscribe(self.keys.control_channel, self.keys.cancel_channel, self.keys.weights_channel)
+        return pubsub
+
+    async def read(self, after_epoch: int | None) -> tuple[FleetState | None, list[ControlCommand]]:
+        """The desired state (None if the hash is missing) and the logged commands after `after_epoch`, oldest
+        first (None: every command still in the log), in one round trip."""
+        low = "-inf" if after_epoch is None else f"({after_epoch}"
+        pipe = self.redis.pipeline(transaction=True)  # one snapshot: no command lands between the two reads
+        pipe.hgetall(self.keys.state)
+        pipe.zrangebyscore(self.keys.commands, low, "+inf", withscores=True)
+        fields, logged = await pipe.execute()
+        state = FleetState.from_hash(fields) if fields else None
+        commands = []
+        for payload, score in logged:
+            try:
+                command = decode(payload)
+            except ProtocolError:
+                continue  # written by another version: its state change still applies through the hash
+            commands.append(command.model_copy(update={"epoch": int(score)}))
+        return state, commands
+
+    async def reseed(self, state: FleetState) -> bool:
+        """Write `state` back if the state hash is missing (Redis lost it). Returns whether this call wrote it."""
+        fields = [x for item in state.to_hash().items() for x in item]
+        return bool(await self._reseed(keys=[self.keys.state], args=fields))
+
+    async def tombstones(self, since: float) -> list[tuple[str, float]]:
+        """The tombstones expiring at or after `since` (unix ms), as (request id, expiry): a worker reads from
+        the latest expiry it saw, so each read returns about what was cancelled since (expiries only grow)."""
+        found: Any = await self.redis.zrangebyscore(self.keys.cancelled, since, "+inf", withscores=True)
+        return [(request_id.decode(), float(expiry)) for request_id, expiry in found]
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in get_args(PauseMode):
+        raise InvalidRequestError(f"unknown pause mode {mode!r}; use one of {', '.join(get_args(PauseMode))}")

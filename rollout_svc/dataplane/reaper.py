@@ -1,0 +1,115 @@
+"""Reclaiming what dead workers held: their pending entries and pinned backlog go back to the queue (Redis only).
+
+A worker whose heartbeat expired is dead. The live worker that wins its reap lock requeues the entries it had
+taken (pending in any requests stream) and those waiting in its pinned stream, through the same placement
+script as any enqueue, so sessions are re-pinned to live workers. An entry already delivered `max_deliveries`
+times becomes a dead letter and its producer is told. Each batch is requeued and acked in one script, so a crash
+here loses nothing. No process is needed: a test drives a `Reaper` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from redis.asyncio import Redis
+
+from rollout_svc.config import Settings
+from rollout_svc.dataplane.registry import Registry
+from rollout_svc.dataplane.streams import Enqueue, Entry, RequestStreams
+
+log = logging.getLogger("rollout_svc.dataplane.reaper")
+REAP_LOCK_TTL_S = 60.0
+FORGET_ATTEMPTS = 10  # a consumer still taking entries while it is reaped: requeue, and try to forget it, this often
+
+
+class Reaper:
+    """Requeues dead workers' requests (an entry delivered too often becomes a dead letter)."""
+
+    def __init__(self, redis: Redis, settings: Settings) -> None:
+        self.settings, self.keys = settings, settings.keys
+        self.streams = RequestStreams(redis, self.keys, settings.session_ttl_s)
+        self.registry = Registry(redis, self.keys, settings.heartbeat_ttl_s)
+        self._ttl_ms = int(settings.heartbeat_ttl_s * 1000)
+
+    async def reap_dead(self, reaper_id: str) -> dict[str, int]:
+        """Reclaim every registered worker whose heartbeat expired and whose reap lock this caller wins, and every
+        consumer that holds pending entries, is idle past the heartbeat TTL and has no heartbeat (a worker reaped
+        while it lived that took more before it noticed, then died: it is no longer registered).
+
+        Returns {dead worker id: requests requeued}.
+        """
+        reaped = {}
+        dead = await self.registry.dead_workers()
+        for stream in (self.keys.requests, self.keys.token_requests):
+            for consumer in await self.streams.orphaned_consumers(stream, self._ttl_ms):
+                if consumer not in dead and not await self.registry.alive(consumer):
+                    dead.append(consumer)
+        for dead_worker_id in dead:
+            moved = await self.reap(dead_worker_id, reaper_id)
+            if moved is not None:
+                reaped[dead_worker_id] = moved
+                log.warning("worker %s is dead: requeued %d of its requests", dead_worker_id, moved)
+        return reaped
+
+    async def reap(self, worker_id: str, reaper_id: str) -> int | None:
+        """Reclaim one worker (dead, or this process's own former incarnation) if its reap lock is free.
+
+        Returns how many requests were requeued, or None if another process holds the lock.
+        """
+        if not await self.registry.try_reap_lock(worker_id, reaper_id, REAP_LOCK_TTL_S):
+            return None
+        if await self.registry.alive(worker_id):
+            # A process came back under this id after it was found dead (a restart under the same id, which holds
+            # this lock while it starts): its streams are its own again, and requeueing them would place them back.
+            await self.registry.release_reap_lock(worker_id, reaper_id)
+            return None
+        moved = await self.reclaim(worker_id, backlog=True)
+        await self.registry.forget(worker_id)
+        return moved
+
+    async def reclaim(self, worker_id: str, *, backlog: bool) -> int:
+        """Requeue what `worker_id` holds: its pending entries in every requests stream, and with `backlog` its
+        pinned stream's undelivered entries too (then the stream and the consumer go). Returns how many moved."""
+        pinned = self.keys.pinned_requests(worker_id)
+        moved = 0
+        for stream in (self.keys.requests, pinned, self.keys.token_requests):
+            while entries := await self.streams.pending_of(stream, worker_id):
+                moved += await self.requeue(entries)
+        if backlog:
+            while entries := await self.streams.undelivered(pinned):
+                moved += await self.requeue(entries)
+            await self.streams.delete(pinned)
+            for stream in (self.keys.requests, self.keys.token_requests):
+                # A worker reaped while it lived (Redis forgot its heartbeat; a stall) may take more meanwhile: its
+                # consumer goes only once it holds nothing, what it took since being requeued first.
+                for _ in range(FORGET_ATTEMPTS):
+                    if await self.streams.forget_consumer(stream, worker_id):
+                        break
+                    while entries := await self.streams.pending_of(stream, worker_id):
+                        moved += await self.requeue(entries)
+        return moved
+
+    async def requeue(self, entries: list[Entry]) -> int:
+        """Put entries back in the queue (same payload, session and epoch; deliveries carried), ack the old ones.
+
+        Entries already delivered `max_deliveries` times become dead letters. Returns how many were requeued.
+        """
+        items, done = [], []
+        for entry in entries:
+            if entry.deliveries >= self.settings.worker.max_deliveries:
+                message = f"delivered {entry.deliveries} times; each worker that took it died"
+                await self.streams.dead_letter(
+                    entry,
+                    "max_deliveries",
+                    message,
+                    "",
+                    maxlen=self.settings.worker.dead_letter_maxlen,
+                    results_ttl_s=self.settings.results_ttl_s,
+                )
+                continue
+            tokens = entry.stream == self.keys.token_requests
+            items.append(Enqueue(entry.payload, entry.session_id, entry.deliveries, entry.epoch, tokens))
+            done.append(entry)
+        if items:
+            await self.streams.requeue(items, done)
+        return len(items)

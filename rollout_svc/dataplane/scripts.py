@@ -1,0 +1,264 @@
+"""The data plane's Lua scripts (run by `dataplane.streams` and `dataplane.registry`), rendered once at import.
+
+Each declares every key it touches in KEYS, binds its fixed KEYS and ARGV to named locals first, and names every
+field, state and reply through `keys.lua` placeholders (`'${HeartbeatField.STATE}'`), never spelled here.
+"""
+
+from rollout_svc.keys import lua
+
+# Shared by the placement scripts. fleet_at(kf, af): the fleet block of KEYS from index kf (Keys.fleet: state,
+# workers set, then heartbeat, session set and pinned stream per worker) and of ARGV from index af (the worker
+# count, then the ids). place(): a live pin stays unless its worker sleeps, drains or is stale; otherwise the preferred
+# worker, if serving or paused, takes the session; otherwise the converged (applied the current epoch) serving
+# or paused worker with the fewest unexpired sessions. No such worker: false (the shared stream).
+_FLEET_LUA = lua("""
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function fleet_at(kf, af)
+  local f = {state = KEYS[kf], set = KEYS[kf + 1], ids = {}, hb = {}, zs = {}, pinned = {}}
+  local n = tonumber(ARGV[af])
+  for i = 1, n do
+    local id, k = ARGV[af + i], kf + 2 + 3 * (i - 1)
+    f.ids[i] = id
+    f.hb[id], f.zs[id], f.pinned[id] = KEYS[k], KEYS[k + 1], k + 2
+  end
+  f.next_key, f.next_arg = kf + 2 + 3 * n, af + n + 1
+  return f
+end
+local function stale(f)
+  if redis.call('SCARD', f.set) ~= #f.ids then return true end
+  for _, id in ipairs(f.ids) do
+    if redis.call('SISMEMBER', f.set, id) == 0 then return true end
+  end
+  return false
+end
+local function epoch_of(f) return tonumber(redis.call('HGET', f.state, '${StateField.EPOCH}') or '0') end
+local function place(f, epoch, ttl_ms, skey, sid, preferred)
+  local function pin(w)
+    redis.call('SET', skey, w, 'PX', ttl_ms)
+    redis.call('ZADD', f.zs[w], now_ms + ttl_ms, sid)
+    return w
+  end
+  local w = redis.call('GET', skey)
+  if w and f.hb[w] then
+    local state = redis.call('HGET', f.hb[w], '${HeartbeatField.STATE}')
+    if state and state ~= '${WorkerLabels.SLEEPING}' and state ~= '${WorkerLabels.DRAINING}'
+        and state ~= '${WorkerLabels.STALE}' then
+      return pin(w)
+    end
+    redis.call('ZREM', f.zs[w], sid)
+  end
+  if w then redis.call('DEL', skey) end
+  if preferred and f.hb[preferred] then
+    local state = redis.call('HGET', f.hb[preferred], '${HeartbeatField.STATE}')
+    if state == '${WorkerLabels.SERVING}' or state == '${WorkerLabels.PAUSED}' then return pin(preferred) end
+  end
+  local best, best_load = false, 0
+  for _, id in ipairs(f.ids) do
+    local h = redis.call('HMGET', f.hb[id], '${HeartbeatField.STATE}', '${HeartbeatField.APPLIED_EPOCH}')
+    if (h[1] == '${WorkerLabels.SERVING}' or h[1] == '${WorkerLabels.PAUSED}') and tonumber(h[2] or '0') >= epoch then
+      redis.call('ZREMRANGEBYSCORE', f.zs[id], '-inf', now_ms)
+      local load = redis.call('ZCARD', f.zs[id])
+      if not best or load < best_load or (load == best_load and id < best) then best, best_load = id, load end
+    end
+  end
+  if best then return pin(best) end
+  return false
+end
+""")
+
+# KEYS: [1] shared requests stream, [2] token requests stream, the fleet from [3], then one session key per
+# session item, then the streams of the entries to ack. ARGV: [1] session ttl ms, [2] limit (-1: none), [3] group,
+# [4] worker count, worker ids, then the item count and 3 per item (kind, session id or '', payload), then the ack
+# count and 2 per ack (key index, entry id). The kind is an `EnqueueKind` ('g' rollout request, 't' tokenize), and for
+# a requeue 'g DELIVERIES EPOCH' (a new request gets the current epoch, as does an empty EPOCH, and no delivery count).
+# Returns (`ScriptReply`) {'stale'}, {'full', stream, length} or {'ok', entry id per item, then the target key index of
+# each session item}.
+# Placement happens before the admission check, so a refused chunk may still have pinned its sessions: harmless,
+# the pins expire.
+ENQUEUE_LUA = _FLEET_LUA + lua("""
+local shared, tokens = 1, 2  -- the KEYS indices of the shared and the token requests streams
+local ttl_ms, limit, group = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local f = fleet_at(3, 4)
+if stale(f) then return {'${ScriptReply.STALE}'} end
+local epoch = tostring(epoch_of(f))
+local k, a = f.next_key, f.next_arg
+local n = tonumber(ARGV[a])
+local first = a + 1
+local targets, counts, placed = {}, {}, {}
+for i = 1, n do
+  local at = first + 3 * (i - 1)
+  local target = shared
+  if ARGV[at] == '${EnqueueKind.TOKENS}' then
+    target = tokens
+  elseif ARGV[at + 1] ~= '' then
+    local w = place(f, tonumber(epoch), ttl_ms, KEYS[k], ARGV[at + 1], false)
+    k = k + 1
+    if w then target = f.pinned[w] end
+    placed[#placed + 1] = target
+  end
+  targets[i] = target
+  counts[target] = (counts[target] or 0) + 1
+end
+if limit >= 0 then
+  for target, c in pairs(counts) do
+    local len = redis.call('XLEN', KEYS[target])
+    if len + c > limit then return {'${ScriptReply.FULL}', KEYS[target], len} end
+  end
+end
+local reply = {'${ScriptReply.OK}'}
+for i = 1, n do
+  local at = first + 3 * (i - 1)
+  local kind, sid, key = ARGV[at], ARGV[at + 1], KEYS[targets[i]]
+  local e, d = epoch, '0'
+  if #kind > 1 then
+    d, e = string.match(kind, '^%a (%d+) (%d*)$$')
+    if e == '' then e = epoch end
+  end
+  local id
+  local payload = ARGV[at + 2]
+  if sid == '' and d == '0' then
+    id = redis.call('XADD', key, '*', '${PAYLOAD_FIELD}', payload, '${EPOCH_FIELD}', e)
+  elseif d == '0' then
+    id = redis.call('XADD', key, '*', '${PAYLOAD_FIELD}', payload, '${EPOCH_FIELD}', e, '${SESSION_FIELD}', sid)
+  elseif sid == '' then
+    id = redis.call('XADD', key, '*', '${PAYLOAD_FIELD}', payload, '${EPOCH_FIELD}', e, '${DELIVERIES_FIELD}', d)
+  else
+    id = redis.call(
+      'XADD', key, '*', '${PAYLOAD_FIELD}', payload, '${EPOCH_FIELD}', e, '${SESSION_FIELD}', sid,
+      '${DELIVERIES_FIELD}', d)
+  end
+  reply[i + 1] = id
+end
+for _, target in ipairs(placed) do reply[#reply + 1] = target end
+a = first + 3 * n
+for _ = 1, tonumber(ARGV[a]) do
+  local key, id = KEYS[tonumber(ARGV[a + 1])], ARGV[a + 2]
+  redis.call('XACK', key, group, id)
+  redis.call('XDEL', key, id)
+  a = a + 2
+end
+return reply
+""")
+
+# KEYS: the fleet, then the session key. ARGV: session ttl ms, worker count, worker ids, session id, worker id.
+# A worker that took a session's request from the shared stream pins the session to itself unless a live
+# worker holds it. Returns {'stale'} or {'ok', the pinned worker or ''}.
+PIN_LUA = _FLEET_LUA + lua("""
+local ttl_ms = tonumber(ARGV[1])
+local f = fleet_at(1, 2)
+if stale(f) then return {'${ScriptReply.STALE}'} end
+local skey, sid, worker_id = KEYS[f.next_key], ARGV[f.next_arg], ARGV[f.next_arg + 1]
+local w = place(f, epoch_of(f), ttl_ms, skey, sid, worker_id)
+return {'${ScriptReply.OK}', w or ''}
+""")
+
+# KEYS: the fleet, then the session key. ARGV: worker count, worker ids, session id. Unpins a session so its
+# next turn is placed anew. Returns {'stale'} or {'ok', 1 if it was pinned}.
+FINISH_SESSION_LUA = _FLEET_LUA + lua("""
+local f = fleet_at(1, 1)
+if stale(f) then return {'${ScriptReply.STALE}'} end
+local skey, sid = KEYS[f.next_key], ARGV[f.next_arg]
+local w = redis.call('GET', skey)
+if w and f.zs[w] then redis.call('ZREM', f.zs[w], sid) end
+return {'${ScriptReply.OK}', redis.call('DEL', skey)}
+""")
+
+# KEYS: the streams named (results and requests streams), each once. ARGV: [1] results ttl s, [2] group, then 4 per
+# item: results key index (0: no result), payload, requests key index, entry id. An item's result is added only if
+# its XACK returned 1, that is if the entry was still pending here; 0 means it was requeued while this worker was
+# presumed dead, and the worker that takes the requeued copy answers it. Returns how many were fenced.
+PUBLISH_LUA = lua("""
+local results_ttl_s, group = ARGV[1], ARGV[2]
+local fenced, touched = 0, {}
+for a = 3, #ARGV, 4 do
+  local stream, id = KEYS[tonumber(ARGV[a + 2])], ARGV[a + 3]
+  if redis.call('XACK', stream, group, id) == 1 then
+    redis.call('XDEL', stream, id)
+    local r = tonumber(ARGV[a])
+    if r > 0 then
+      redis.call('XADD', KEYS[r], '*', '${PAYLOAD_FIELD}', ARGV[a + 1])
+      touched[KEYS[r]] = true
+    end
+  else
+    fenced = fenced + 1
+  end
+end
+for key in pairs(touched) do redis.call('EXPIRE', key, results_ttl_s) end
+return fenced
+""")
+
+# KEYS: [1] the entry's stream, [2] the dead-letter stream, [3] the producer's results stream (or [2] again).
+# ARGV: [1] group, [2] entry id, [3] dead-letter maxlen, [4] results ttl s, [5] reply payload or '', then the dead
+# letter's field/value pairs. Fenced like a publish. Returns 1, or 0 if the entry was no longer pending here.
+DEAD_LETTER_LUA = lua("""
+local stream, dead, results = KEYS[1], KEYS[2], KEYS[3]
+local group, id, maxlen, results_ttl_s, reply = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+if redis.call('XACK', stream, group, id) == 0 then return 0 end
+redis.call('XDEL', stream, id)
+redis.call('XADD', dead, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, 6))
+if reply ~= '' then
+  redis.call('XADD', results, '*', '${PAYLOAD_FIELD}', reply)
+  redis.call('EXPIRE', results, results_ttl_s)
+end
+return 1
+""")
+
+# KEYS: [1] a requests stream, then results streams. ARGV: [1] group, [2] results ttl s, then 3 per entry (entry
+# id, results key index or 0, result payload). Deletes each entry that is still undelivered (it exists and no
+# consumer holds it) and answers it; an entry a worker took meanwhile is that worker's to answer.
+SWEEP_LUA = lua("""
+local stream, group, results_ttl_s = KEYS[1], ARGV[1], ARGV[2]
+local swept = 0
+for a = 3, #ARGV, 3 do
+  local id = ARGV[a]
+  if #redis.call('XRANGE', stream, id, id) == 1 then
+    local ok, pending = pcall(redis.call, 'XPENDING', stream, group, id, id, 1)
+    if not ok or #pending == 0 then
+      redis.call('XDEL', stream, id)
+      local r = tonumber(ARGV[a + 1])
+      if r > 0 then
+        redis.call('XADD', KEYS[r], '*', '${PAYLOAD_FIELD}', ARGV[a + 2])
+        redis.call('EXPIRE', KEYS[r], results_ttl_s)
+      end
+      swept = swept + 1
+    end
+  end
+end
+return swept
+""")
+
+# KEYS: [1] a requests stream. ARGV: [1] group, [2] consumer. Deletes the consumer only if it holds no pending entry:
+# XGROUP DELCONSUMER drops a consumer's pending entries with it, and an entry dropped so (not acked, not deleted,
+# before the group's last-delivered id) is never delivered again. Returns 1 if the consumer is gone (or the group
+# is), 0 if it still holds entries (delivered to it after they were requeued: a worker reaped while it lived).
+FORGET_CONSUMER_LUA = lua("""
+local stream, group, consumer = KEYS[1], ARGV[1], ARGV[2]
+local ok, pending = pcall(redis.call, 'XPENDING', stream, group, '-', '+', 1, consumer)
+if not ok then return 1 end
+if #pending > 0 then return 0 end
+redis.call('XGROUP', 'DELCONSUMER', stream, group, consumer)
+return 1
+""")
+
+# KEYS: [1] heartbeat hash, [2] workers set. ARGV: [1] ttl ms, [2] worker id, [3] '1' to renew only (the hash must
+# still exist: if it expired, this worker was presumed dead and may have been reaped, so it must not come back
+# under this id), [4] channel to announce on or '', [5] announcement, then the hash's field/value pairs
+# (`WorkerStatus.to_hash`). Returns 1, or 0 if a renewal was refused.
+HEARTBEAT_LUA = lua("""
+local heartbeat, workers = KEYS[1], KEYS[2]
+local ttl_ms, worker_id, renew, channel, announcement = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+if renew == '1' and redis.call('EXISTS', heartbeat) == 0 then return 0 end
+redis.call('HSET', heartbeat, unpack(ARGV, 6))
+redis.call('PEXPIRE', heartbeat, ttl_ms)
+redis.call('SADD', workers, worker_id)
+if channel ~= '' then redis.call('PUBLISH', channel, announcement) end
+return 1
+""")
+
+# KEYS: [1] a reap lock. ARGV: [1] its holder. Deletes the lock only if that holder still holds it.
+RELEASE_LOCK_LUA = lua("""
+local lock, holder = KEYS[1], ARGV[1]
+if redis.call('GET', lock) == holder then return redis.call('DEL', lock) end
+return 0
+""")

@@ -1,0 +1,46 @@
+"""Child processes of a local deployment: tied to their parent's life, signalled as a group, given CPUs and ports."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+# Sets PR_SET_PDEATHSIG (argv[1], a signal number), then execs the real command: if `up` itself is killed with -9,
+# its Redis and workers get SIGTERM (workers drain and requeue) instead of living on as orphans. The signal
+# follows the *thread* that started the child: the main thread, or the supervisor, which lives until stop().
+_DIE_WITH_PARENT = (
+    "import ctypes, os, sys; ctypes.CDLL(None).prctl(1, int(sys.argv[1])); os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
+def die_with_parent(args: list[str], sig: signal.Signals = signal.SIGTERM) -> list[str]:
+    """`args`, run so that the child gets `sig` when this process dies (Linux; elsewhere unchanged)."""
+    if not sys.platform.startswith("linux"):
+        return args
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(int(sig)), *args]
+
+
+def cpu_sets(count: int) -> list[str]:
+    """Split this process's CPUs evenly among `count` engines, as VLLM_CPU_OMP_THREADS_BIND values ("0-1")."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cpus) // max(1, count))
+    sets = []
+    for i in range(count):
+        chunk = cpus[(i * per) % len(cpus) :][:per]
+        sets.append(f"{chunk[0]}-{chunk[-1]}" if len(chunk) > 1 else str(chunk[0]))
+    return sets
+
+
+def signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,184 @@
+"""An OpenAI request as rollout requests, without HTTP: the plan of a chat or completions body (shared by the API
+and batch jobs).
+
+`n` samples of a prompt are n requests of one group (sample j seeded `seed + j`, as `RolloutClient.sample`), choice
+index `prompt * n + j` (vLLM's order). Tools: `auto` asks the worker to parse tool calls (vLLM's parser, run there);
+a named or `required` `tool_choice`, and `response_format`, constrain decoding with vLLM's structured outputs (a JSON
+schema built as vLLM's server builds it). Bad values raise `APIError` 400, naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from rollout_svc.client.rollout_client import Prompt
+from rollout_svc.openai.errors import APIError
+from rollout_svc.openai.render import Reply
+from rollout_svc.openai.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Sampling
+from rollout_svc.protocol import SamplingParams, StructuredOutputs, Trajectory
+
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "stop_token_ids",
+)
+
+
+@dataclass
+class Plan:
+    """The rollout requests of one API request: choice i is `prompts[i]` under `params[i]`."""
+
+    reply: Reply
+    prompts: list[Prompt]
+    params: list[SamplingParams]
+    prompt_indices: list[int]
+    session_id: str | None
+    group_ids: list[str | None]
+    stream: bool
+    include_usage: bool = False
+    tools: list[dict[str, Any]] | None = None
+    parse_tool_calls: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chunks: bool = True  # workers stream tokens (off when tool calls are made of the whole output)
+
+
+def sampling_params(
+    body: _Sampling, max_tokens: int, logprobs: int | None, structured: StructuredOutputs | None
+) -> SamplingParams:
+    """Our SamplingParams of an OpenAI body. Raises `APIError` 400 naming a bad value."""
+    fields: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "min_tokens": body.min_tokens,
+        "ignore_eos": body.ignore_eos,
+        "skip_special_tokens": body.skip_special_tokens,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+        "logprobs": logprobs,
+        "structured_outputs": structured,
+        "seed": body.seed,
+    }
+    fields.update({name: getattr(body, name) for name in _SAMPLING_FIELDS if getattr(body, name) is not None})
+    if body.stop is not None:
+        fields["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    try:
+        return SamplingParams.model_validate(fields)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        param = ".".join(str(p) for p in error.get("loc", ()))
+        raise APIError(400, f"{param or 'sampling params'}: {error.get('msg')}", param=param or None) from exc
+
+
+def _expand(
+    reply: Reply, body: _Sampling, prompts: list[Prompt], params: SamplingParams, session_id: str | None
+) -> tuple[list[Prompt], list[SamplingParams], list[int], list[str | None]]:
+    """n samples per prompt: choice `p * n + j` is prompt p seeded `seed + j`, its group the prompt's."""
+    out_prompts, out_params, indices, groups = [], [], [], []
+    for p, prompt in enumerate(prompts):
+        group = f"{reply.id}-{p}" if body.n > 1 else None
+        for j in range(body.n):
+            seeded = params if params.seed is None or j == 0 else params.model_copy(update={"seed": params.seed + j})
+            out_prompts.append(prompt)
+            out_params.append(seeded)
+            indices.append(p)
+            groups.append(group)
+    return out_prompts, out_params, indices, groups
+
+
+def chat_plan(body: ChatCompletionRequest, model: str, session_id: str | None, default_max_tokens: int) -> Plan:
+    """Plan a chat completion: messages, tools and structured outputs. Raises `APIError` 400."""
+    try:
+        messages = [m.as_dict() for m in body.messages]
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from exc
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    reply = Reply("chat", model, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0)
+    reply.return_token_ids = body.return_token_ids
+    structured: StructuredOutputs | None = None
+    if isinstance(choice, NamedToolChoice):
+        reply.forced_tool = choice.function.name
+        [function] = [t.function for t in body.tools or [] if t.function.name == choice.function.name][:1]
+        structured = StructuredOutputs(json_=function.parameters or {"type": "object"})
+    elif choice == "required":
+        reply.required_tools = True
+        structured = StructuredOutputs(json_=_required_tools_schema(body))
+    elif body.response_format is not None and body.response_format.type == "json_object":
+        structured = StructuredOutputs(json_object=True)
+    elif body.response_format is not None and body.response_format.type == "json_schema":
+        assert body.response_format.json_schema is not None
+        structured = StructuredOutputs(json_=body.response_format.json_schema.schema_)
+    max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, max_tokens, logprobs, structured)
+    prompts, all_params, indices, groups = _expand(reply, body, [messages], params, session_id)
+    parse = choice == "auto" and tools is not None
+    return Plan(
+        reply,
+        prompts,
+        all_params,
+        indices,
+        session_id,
+        groups,
+        body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        tools=tools,
+        parse_tool_calls=parse,
+        chat_template_kwargs=body.chat_template_kwargs,
+        chunks=not (parse or reply.forced_tool or reply.required_tools),
+    )
+
+
+def completion_plan(body: CompletionRequest, model: str, session_id: str | None) -> Plan:
+    """Plan a text completion: text or token-id prompts, one or a batch. Raises `APIError` 400."""
+    if body.echo:
+        raise APIError(
+            400, "echo is not supported: the prompt is in `prompt_token_ids` with return_token_ids", param="echo"
+        )
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    try:
+        prompts: list[Prompt] = list(body.prompts())
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="prompt") from exc
+    reply = Reply("text", model, logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
+    reply.return_token_ids = body.return_token_ids
+    params = sampling_params(body, body.max_tokens or 16, body.logprobs, None)
+    all_prompts, all_params, indices, groups = _expand(reply, body, prompts, params, session_id)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Plan(reply, all_prompts, all_params, indices, session_id, groups, body.stream, include_usage)
+
+
+def _required_tools_schema(body: ChatCompletionRequest) -> dict[str, Any]:
+    """`tool_choice="required"`: a non-empty JSON list of `{"name", "parameters"}` of the given tools (vLLM's
+    `_get_json_schema_from_tool`)."""
+    variants = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t.function.name]},
+                "parameters": t.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "parameters"],
+        }
+        for t in body.tools or []
+    ]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+
+
+def raise_for(t: Trajectory) -> None:
+    """An API error for a failed trajectory: bad input 400, a deadline 504, an engine failure 500."""
+    if t.finish_reason == "error":
+        if t.error_code == "invalid_request":
+            raise APIError(400, t.error or "invalid request", code="invalid_request")
+        if t.error_code == "deadline_exceeded":
+            raise APIError(504, t.error or "deadline exceeded", code="deadline_exceeded")
+        raise APIError(500, f"generation failed on worker {t.worker_id}: {t.error}", code=t.error_code)
+    if t.finish_reason == "abort" and t.abort_cause == "deadline" and not t.completion_token_ids:
+        raise APIError(504, "the request's deadline passed before it was served", code="deadline_exceeded")

@@ -1,0 +1,289 @@
+"""`rollout-svc bench`, the hop section's anchor: vllm-router (the Rust router vLLM users pick) in front of two trivial
+HTTP backends, and the closed-loop load both sides of the section are driven with (see `rollout_svc.tools.bench.hop`).
+
+Each backend is a minimal aiohttp server (`python -m rollout_svc.tools.bench.router --backend PORT`) that answers
+`POST /v1/completions` with one fixed OpenAI-style completion of 16 tokens, `GET /health` (what the router polls
+before it serves, and every `--health-check-interval-secs`) and `GET /v1/models`. Every process runs in a process
+group of its own and gets SIGTERM if this one dies; leaving `router_fleet` stops them all (bounded waits, then
+SIGKILL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollout_svc.deploy.processes import die_with_parent, free_port
+from rollout_svc.tools.runs import percentile
+
+HOP_PROMPT = list(range(1, 17))  # 16 token ids in, 16 out: the queue-overhead section's request
+MODEL = "echo"
+COMPLETION = {
+    "id": "cmpl-hop",
+    "object": "text_completion",
+    "created": 0,
+    "model": MODEL,
+    "choices": [
+        {"index": 0, "text": "abcdefghijklmnop", "token_ids": HOP_PROMPT, "logprobs": None, "finish_reason": "stop"}
+    ],
+    "usage": {"prompt_tokens": 16, "completion_tokens": 16, "total_tokens": 32},
+}
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+
+Send = Callable[[], Awaitable[None]]
+CpuMeter = Callable[[], float]  # cumulative CPU seconds of one role (this process, the router, the workers, ...)
+
+
+@dataclass
+class Point:
+    """One closed-loop run: `in_flight` requests kept in flight (or one call of `requests` prompts when batched)."""
+
+    in_flight: int
+    requests: int
+    elapsed_s: float
+    p50_ms: float
+    p99_ms: float
+    cpu_us: dict[str, float] = field(default_factory=dict)  # role -> CPU microseconds per request
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.elapsed_s
+
+
+def cpu_of(pids: list[int]) -> CpuMeter:
+    """A meter of the user + system CPU seconds of `pids` and their children (0 for a process that is gone)."""
+    import psutil
+
+    def read() -> float:
+        total = 0.0
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                process = psutil.Process(pid)
+                for p in [process, *process.children(recursive=True)]:
+                    with contextlib.suppress(psutil.Error):
+                        times = p.cpu_times()
+                        total += times.user + times.system
+        return total
+
+    return read
+
+
+def measured(requests: int, elapsed_s: float, latencies_s: list[float], in_flight: int, cpu: dict[str, float]) -> Point:
+    latencies_s.sort()
+    per_request = {role: seconds / max(1, requests) * 1e6 for role, seconds in cpu.items()}
+    ms = 1000.0
+    return Point(
+        in_flight,
+        requests,
+        elapsed_s,
+        percentile(latencies_s, 50) * ms,
+        percentile(latencies_s, 99) * ms,
+        per_request,
+    )
+
+
+def read_meters(meters: dict[str, CpuMeter]) -> dict[str, float]:
+    return {role: meter() for role, meter in meters.items()}
+
+
+async def closed_loop(
+    send: Send,
+    in_flight: int,
+    meters: dict[str, CpuMeter],
+    duration_s: float | None = None,
+    requests: int | None = None,
+) -> Point:
+    """Keep `in_flight` sends going (each lane sends its next as its last returns) for `duration_s` (then the last
+    ones drain) or for `requests` sends in all; each latency, the rate and every role's CPU per request."""
+    assert (duration_s is None) != (requests is None), "give a duration or a request count"
+    latencies_s: list[float] = []
+    remaining = requests if requests is not None else -1
+    end = float("inf")
+
+    async def lane() -> None:
+        nonlocal remaining
+        while True:
+            if remaining == 0 or time.perf_counter() >= end:
+                return
+            if remaining > 0:
+                remaining -= 1
+            started = time.perf_counter()
+            await send()
+            latencies_s.append(time.perf_counter() - started)
+
+    before = read_meters(meters)
+    started = time.perf_counter()
+    if duration_s is not None:
+        end = started + duration_s
+    await asyncio.gather(*(lane() for _ in range(in_flight)))
+    elapsed_s = time.perf_counter() - started
+    after = read_meters(meters)
+    cpu = {role: after[role] - before[role] for role in meters}
+    return measured(len(latencies_s), elapsed_s, latencies_s, in_flight, cpu)
+
+
+# --- the processes -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RouterFleet:
+    url: str
+    router_pid: int
+    backend_pids: list[int]
+    command: list[str]  # the router's command line, `vllm-router` first
+
+    @property
+    def command_line(self) -> str:
+        return " ".join(self.command)
+
+
+def router_binary() -> str:
+    """The `vllm-router` script beside this interpreter, else on PATH. Raises `RuntimeError` if there is none."""
+    binary = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
+    if binary is None:
+        raise RuntimeError("vllm-router is not installed: pip install vllm-router==0.1.17 (the dev extra has it)")
+    return binary
+
+
+def router_args(backends: list[str], port: int, metrics_port: int) -> list[str]:
+    """Its options: round robin over the backends, logging at warning (nothing per request), its own ports."""
+    return [
+        *("--worker-urls", *backends),
+        *("--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"),
+        *("--prometheus-port", str(metrics_port), "--log-level", "warning", "--worker-startup-check-interval", "1"),
+    ]
+
+
+@contextlib.contextmanager
+def router_fleet(log_dir: Path, backends: int = 2) -> Iterator[RouterFleet]:
+    """`backends` backends, then vllm-router in front of them; yields once the router answered a completion."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def spawn(args: list[str], name: str) -> subprocess.Popen[bytes]:
+        with open(log_dir / f"{name}.log", "ab") as out:
+            process = subprocess.Popen(
+                die_with_parent(args), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        processes.append(process)
+        return process
+
+    try:
+        urls = []
+        for i in range(backends):
+            port = free_port()
+            spawn([sys.executable, "-m", "rollout_svc.tools.bench.router", "--backend", str(port)], f"backend-{i}")
+            urls.append(f"http://127.0.0.1:{port}")
+        for url, process in zip(urls, processes, strict=True):
+            _wait_answering(f"{url}/health", None, process, log_dir)
+        args = router_args(urls, free_port(), free_port())
+        router = spawn([router_binary(), *args], "vllm-router")
+        url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
+        _wait_answering(
+            f"{url}/v1/completions", {"model": MODEL, "prompt": HOP_PROMPT, "max_tokens": 16}, router, log_dir
+        )
+        yield RouterFleet(url, router.pid, [p.pid for p in processes[:backends]], ["vllm-router", *args])
+    finally:
+        stop_groups(processes)
+
+
+def stop_groups(processes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each process group, wait (bounded), then SIGKILL what is left of each group."""
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for process in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _wait_answering(url: str, body: dict | None, process: subprocess.Popen[bytes], log_dir: Path) -> None:
+    import httpx
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            response = httpx.post(url, json=body, timeout=1.0) if body else httpx.get(url, timeout=1.0)
+            if response.status_code == 200:
+                return
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not answer in {START_TIMEOUT_S:g} s; see the logs in {log_dir}")
+        time.sleep(0.1)
+
+
+# --- sending through the router ----------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def router_sender(fleet: RouterFleet, connections: int) -> AsyncIterator[tuple[Send, dict[str, CpuMeter]]]:
+    """A send of one `POST /v1/completions` through the router (the response parsed, as a caller would), and the CPU
+    meters of that side: one aiohttp session with up to `connections` keep-alive connections (one per request in
+    flight)."""
+    import aiohttp
+
+    meters = {
+        "client": time.process_time,
+        "router": cpu_of([fleet.router_pid]),
+        "backends": cpu_of(fleet.backend_pids),
+    }
+    body = {"model": MODEL, "prompt": HOP_PROMPT, "max_tokens": len(HOP_PROMPT)}
+    connector = aiohttp.TCPConnector(limit=connections, limit_per_host=connections)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as http:
+        target = f"{fleet.url}/v1/completions"
+
+        async def send() -> None:
+            async with http.post(target, json=body) as response:
+                response.raise_for_status()
+                choice = (await response.json())["choices"][0]
+            assert choice["finish_reason"] == "stop", choice
+
+        yield send, meters
+
+
+# --- the backend process -----------------------------------------------------------------------------------------
+
+
+def serve_backend(port: int) -> None:
+    """A trivial OpenAI-style backend: one fixed completion for every `POST /v1/completions` (the body is read)."""
+    from aiohttp import web
+
+    completion = json.dumps(COMPLETION).encode()
+    models = {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "rollout-svc"}]}
+
+    async def completions(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=completion, content_type="application/json")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def list_models(request: web.Request) -> web.Response:
+        return web.json_response(models)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", list_models)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, backlog=8192, shutdown_timeout=1.0)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "--backend":
+        sys.exit("usage: python -m rollout_svc.tools.bench.router --backend PORT")
+    serve_backend(int(sys.argv[2]))

@@ -1,0 +1,284 @@
+"""`rollout-svc bench`: queue overhead (echo engine), generation efficiency (service vs direct vLLM), the
+control path (`bench.control`), weight sync (`bench.weights`), the HTTP API beside the Python client (`bench.api`),
+batch jobs (`bench.batch`), the hop beside vllm-router (`bench.hop`) and scaling over the shards of a Redis Cluster
+(`bench.shards`).
+
+Writes BENCHMARKS.md with the command that produced every figure. Figures are compared as ratios
+within one run: these machines are shared and noisy. Each section prints a progress line (`rollout_svc.tools.progress`)
+when it starts and ends, and every 5 s while it runs where stdout is not a terminal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from rollout_svc.client.rollout_client import RolloutClient
+from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.deploy.local import LocalCluster
+from rollout_svc.deploy.processes import cpu_sets
+from rollout_svc.tools import dataset
+from rollout_svc.tools.bench import api as bench_api
+from rollout_svc.tools.bench import batch as bench_batch
+from rollout_svc.tools.bench import control as bench_control
+from rollout_svc.tools.bench import hop as bench_hop
+from rollout_svc.tools.bench import shards as bench_shards
+from rollout_svc.tools.progress import Progress
+from rollout_svc.tools.runs import percentile, private_settings
+
+ECHO_PROMPT = list(range(1, 17))  # 16 tokens in, 16 out
+LATENCY_RATE_PER_S = 1000
+LATENCY_DURATION_S = 5.0
+
+
+@dataclass
+class QueueFigures:
+    workers: int
+    requests: int
+    requests_per_s: float
+    latency_p50_ms: float
+    latency_p99_ms: float
+    latency_rate_per_s: float
+
+
+@dataclass
+class GenerationFigures:
+    run: int
+    service_tokens_per_s: float
+    direct_tokens_per_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.service_tokens_per_s / self.direct_tokens_per_s
+
+
+def run_bench(
+    redis_url: str | None,
+    output: Path,
+    model: Path | None,
+    requests: int,
+    prompts: int,
+    max_tokens: int,
+    command: str,
+    control_cycles: int = 200,
+    api_requests: int = 3000,
+    api_in_flight: int = 32,
+    batch_lines: int = 2000,
+) -> None:
+    console = Console()
+    queue = [_queue_overhead(redis_url, workers, requests, console) for workers in (1, 2)]
+    control = [
+        bench_control.control_latency(redis_url, workers, control_cycles, _log_dir(), console)
+        for workers in bench_control.CONTROL_WORKERS
+    ]
+    frozen = bench_control.frozen_beyond_pause(redis_url, 10, _log_dir(), console)
+    api = bench_api.api_overhead(redis_url, api_requests, api_in_flight, _log_dir(), console)
+    batch = bench_batch.batch_overhead(redis_url, batch_lines, _log_dir(), console)
+    hop = bench_hop.run_hop_bench(redis_url, console, _log_dir(), command=command)
+    shards_plan = bench_shards.ShardsPlan(requests=requests)
+    shards = bench_shards.run_shards_bench(console, _log_dir(), shards_plan, command=command)
+    generation: list[GenerationFigures] = []
+    weights: list[str] = []
+    if model is not None:
+        generation = _generation_efficiency(redis_url, model, prompts, max_tokens, console)
+        from rollout_svc.tools.bench import weights as bench_weights  # imports torch
+
+        weights = bench_weights.report(bench_weights.weight_sync(redis_url, model, _log_dir(), console))
+    text = _report(command, queue, generation, prompts, max_tokens, requests)
+    sections = bench_control.report(control, frozen) + weights + bench_api.report(api)
+    text += "\n".join(sections + bench_batch.report(batch, command)) + "\n"
+    output.write_text(text + bench_hop.render_hop(hop) + bench_shards.render_shards(shards))
+    console.print(f"wrote {output}")
+
+
+# --- (a) queue overhead --------------------------------------------------------------------------------------
+
+
+def _queue_overhead(redis_url: str | None, workers: int, requests: int, console: Console) -> QueueFigures:
+    settings = private_settings(redis_url, "bench")
+    engine = EngineSettings(engine="echo", max_num_seqs=4096)
+    cluster = LocalCluster(settings, workers, engine, log_dir=_log_dir())
+    with Progress(None, f"bench (a) queue overhead, {workers} workers"), cluster.running(ready_timeout_s=60):
+        figures = asyncio.run(_measure_queue(settings, workers, requests))
+    console.print(figures)
+    return figures
+
+
+async def _measure_queue(settings: Settings, workers: int, requests: int) -> QueueFigures:
+    params = {"max_tokens": len(ECHO_PROMPT)}
+    async with RolloutClient(settings) as client:
+        await client.generate([ECHO_PROMPT] * 100, params)  # warm-up: connections, scripts loaded
+        best_s = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            trajectories = await client.generate([ECHO_PROMPT] * requests, params)
+            best_s = min(best_s, time.perf_counter() - started)
+            assert len(trajectories) == requests and all(t.finish_reason == "stop" for t in trajectories)
+        latencies_s, achieved = await _open_loop(client, params, LATENCY_RATE_PER_S, LATENCY_DURATION_S)
+    latencies_s.sort()
+    return QueueFigures(
+        workers,
+        requests,
+        requests / best_s,
+        percentile(latencies_s, 50) * 1000,
+        percentile(latencies_s, 99) * 1000,
+        achieved,
+    )
+
+
+async def _open_loop(client: RolloutClient, params: dict, rate_per_s: float, duration_s: float) -> tuple[list, float]:
+    """Send one request every 1/rate s regardless of replies; return each one's added latency and the rate.
+
+    Added latency = end-to-end latency minus the engine's generation time (echo: microseconds).
+    """
+    latencies_s: list[float] = []
+
+    async def one() -> None:
+        started = time.perf_counter()
+        [trajectory] = await client.generate([ECHO_PROMPT], params)
+        latencies_s.append(time.perf_counter() - started - trajectory.generation_time_s)
+
+    loop = asyncio.get_running_loop()
+    count = int(rate_per_s * duration_s)
+    start = loop.time()
+    tasks = []
+    for i in range(count):
+        delay = start + i / rate_per_s - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one()))
+    achieved = count / (loop.time() - start)
+    await asyncio.gather(*tasks)
+    return latencies_s, achieved
+
+
+# --- (b) generation efficiency ---------------------------------------------------------------------------------
+
+
+def _generation_efficiency(
+    redis_url: str | None, model: Path, prompts: int, max_tokens: int, console: Console, repeats: int = 2
+) -> list[GenerationFigures]:
+    """Service vs direct AsyncLLM, same settings and prompts; alternated so drift hits both alike."""
+    engine = EngineSettings(model=str(model), max_num_seqs=prompts)
+    conversations = dataset.first_turns(prompts)
+    prompt_ids: list[list[int]] = []
+    figures = []
+    with Progress(2 * repeats, "bench (b) generation efficiency, service and direct vLLM runs") as progress:
+        for run in range(1, repeats + 1):
+            service, prompt_ids = _service_run(redis_url, engine, conversations, max_tokens)
+            progress.advance()
+            direct = _direct_run(engine, prompt_ids, max_tokens)
+            progress.advance()
+            figures.append(GenerationFigures(run, service, direct))
+            console.print(figures[-1], f"ratio {figures[-1].ratio:.3f}")
+    return figures
+
+
+def _service_run(
+    redis_url: str | None, engine: EngineSettings, conversations: list[list[dict]], max_tokens: int
+) -> tuple[float, list[list[int]]]:
+    settings = private_settings(redis_url, "bench")
+    with LocalCluster(settings, 1, engine, log_dir=_log_dir()).running(ready_timeout_s=900):
+        return asyncio.run(_measure_service(settings, conversations, max_tokens))
+
+
+async def _measure_service(
+    settings: Settings, conversations: list[list[dict]], max_tokens: int
+) -> tuple[float, list[list[int]]]:
+    params = {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
+    async with RolloutClient(settings) as client:
+        prompt_ids = await client.apply_chat_template(conversations)
+        await client.generate(prompt_ids[:2], {**params, "max_tokens": 4})  # the warm-up `direct --warmup` does
+        started = time.perf_counter()
+        trajectories = await client.generate(prompt_ids, params)
+        elapsed_s = time.perf_counter() - started
+    tokens = sum(len(t.completion_token_ids) for t in trajectories)
+    return tokens / elapsed_s, prompt_ids
+
+
+def _direct_run(engine: EngineSettings, prompt_ids: list[list[int]], max_tokens: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts_file, out_file = Path(tmp) / "prompts.json", Path(tmp) / "out.json"
+        prompts_file.write_text(json.dumps(prompt_ids))
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cpu_sets(1)[0])}
+        args = [sys.executable, "-m", "workers.direct", *engine.to_args(), "--prompts-file", str(prompts_file)]
+        args += ["--out", str(out_file), "--max-tokens", str(max_tokens), "--temperature", "0", "--ignore-eos"]
+        log = Path(tmp) / "direct.log"
+        with open(log, "wb") as out:
+            done = subprocess.run([*args, "--warmup"], env=env, stdout=out, stderr=subprocess.STDOUT)
+        if done.returncode:
+            raise RuntimeError(f"the direct vLLM run failed ({done.returncode}):\n{log.read_text()[-3000:]}")
+        return float(json.loads(out_file.read_text())["output_tokens_per_s"])
+
+
+def _log_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="rollout-bench-"))
+
+
+# --- the report ------------------------------------------------------------------------------------------------
+
+
+def _report(
+    command: str,
+    queue: list[QueueFigures],
+    generation: list[GenerationFigures],
+    prompts: int,
+    max_tokens: int,
+    requests: int,
+) -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Produced by `{command}` on {time.strftime('%Y-%m-%d')} at commit `{commit or 'unknown'}`,",
+        f"on {platform.machine()} with {os.cpu_count()} CPUs, Python {platform.python_version()}. Every figure",
+        "below comes from that one run; compare them as ratios within it (the machine is shared and noisy).",
+        "",
+        "## (a) Queue overhead, EchoEngine",
+        "",
+        f"Throughput: one `RolloutClient.generate` call of {requests} requests (16 tokens in, 16 out), best of 3,",
+        "client, workers and a private redis-server on this machine. Added latency: end-to-end latency minus the",
+        f"engine's generation time, single-request calls sent open-loop at {LATENCY_RATE_PER_S} requests/s for"
+        f" {LATENCY_DURATION_S:g} s.",
+        "Goals: >= 20,000 requests/s with 2 workers; p50 added latency < 1 ms at 1k requests/s.",
+        "",
+        "| workers | requests/s | p50 added latency (ms) | p99 added latency (ms) | offered rate (req/s) |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for f in queue:
+        lines.append(
+            f"| {f.workers} | {f.requests_per_s:,.0f} | {f.latency_p50_ms:.2f} | {f.latency_p99_ms:.2f} |"
+            f" {f.latency_rate_per_s:,.0f} |"
+        )
+    if generation:
+        lines += [
+            "",
+            "## (b) Generation efficiency, vLLM",
+            "",
+            f"{prompts} ShareGPT first-turn prompts (chat template applied by the worker), greedy, {max_tokens} output",
+            "tokens each (`ignore_eos`), one engine with the same `AsyncLLM` settings both ways: through the service",
+            "(one worker, `RolloutClient.generate` of the whole batch) and called directly",
+            "(`python -m workers.direct`).",
+            "Runs alternate service and direct. Goal: ratio >= 0.95.",
+            "",
+            "| run | service output tok/s | direct output tok/s | ratio |",
+            "|---:|---:|---:|---:|",
+        ]
+        for g in generation:
+            lines.append(f"| {g.run} | {g.service_tokens_per_s:.1f} | {g.direct_tokens_per_s:.1f} | {g.ratio:.3f} |")
+        service = sum(g.service_tokens_per_s for g in generation) / len(generation)
+        direct = sum(g.direct_tokens_per_s for g in generation) / len(generation)
+        lines.append(f"| mean | {service:.1f} | {direct:.1f} | {service / direct:.3f} |")
+    else:
+        lines += ["", "## (b) Generation efficiency, vLLM", "", "Not run (`--skip-vllm`)."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,248 @@
+"""Weight sync in `rollout-svc bench`: the whole model pushed into two float32 vLLM workers.
+
+Measured in one run, alternating so drift hits both alike:
+
+- `WeightSender.update` of SmolLM2's own tensors (keep-pause): its total time and phases, and the effective GB/s of
+  its transfer phase (bytes / seconds from the first bucket to the last);
+- the peer: a bare `ProcessGroupGloo` broadcast of the same tensors, one broadcast per tensor, from rank 0 to two
+  receiver processes (what a trainer would write by hand), timed the same way, into receiving tensors already
+  written once (its best case);
+- the pause an in-flight request feels: a greedy request's latency with a sync in its middle, minus its median
+  latency without one. Goal: below the sync's own time + 100 ms.
+
+Imports torch (the CLI imports this module only for `bench`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+
+from rollout_svc.client.rollout_client import RolloutClient
+from rollout_svc.client.weight_sender import SyncReport, WeightSender
+from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.deploy.local import LocalCluster
+from rollout_svc.deploy.processes import free_port
+from rollout_svc.protocol import TransferGroup
+from rollout_svc.tools.progress import Progress
+from rollout_svc.tools.runs import private_settings
+from rollout_svc.weightsync.transfer import join_group
+
+MiB = 2**20
+SYNCS = 3
+WORKERS = 2
+FELT_TOKENS = 48
+FELT_PAIRS = 4
+BARE_TIMEOUT_S = 120.0
+BARE_ROUNDS = 3
+
+
+@dataclass
+class WeightFigures:
+    workers: int
+    model_bytes: int
+    tensors: int
+    buckets: int
+    syncs: int
+    sync_s: float  # medians over the syncs
+    pause_s: float
+    join_s: float
+    pack_s: float
+    transfer_s: float
+    load_s: float
+    bare_s: float  # median bare broadcast of the same tensors
+    unsynced_s: float  # median latency of the probe request without a sync
+    felt_s: float  # median extra latency of the probe request with a sync in its middle
+    felt_sync_s: float  # median time of those syncs
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.model_bytes / self.transfer_s / 1e9
+
+    @property
+    def bare_gb_per_s(self) -> float:
+        return self.model_bytes / self.bare_s / 1e9
+
+    @property
+    def ratio(self) -> float:
+        return self.gb_per_s / self.bare_gb_per_s
+
+
+def weight_sync(redis_url: str | None, model: Path, log_dir: Path, console: Console) -> WeightFigures:
+    settings = private_settings(redis_url, "bench-weights")
+    engine = EngineSettings(model=str(model), dtype="float32", max_num_seqs=16, kv_cache_memory_bytes=256 * MiB)
+    tensors = load_file(str(model / "model.safetensors"))
+    cluster = LocalCluster(settings, WORKERS, engine, log_dir=log_dir)
+    with Progress(None, "bench (e) weight sync, vLLM"), cluster.running(ready_timeout_s=900):
+        figures = asyncio.run(_measure(settings, model, tensors))
+    console.print(figures, f"transfer {figures.gb_per_s:.2f} GB/s, bare {figures.bare_gb_per_s:.2f} GB/s")
+    return figures
+
+
+async def _measure(settings: Settings, model: Path, tensors: dict[str, torch.Tensor]) -> WeightFigures:
+    reports: list[SyncReport] = []
+    bare: list[float] = []
+    async with WeightSender(settings=settings) as sender, RolloutClient(settings) as client:
+        version = await sender.committed_version()
+        for _ in range(SYNCS):
+            bare.append(await asyncio.to_thread(bare_broadcast, model, WORKERS))
+            version += 1
+            reports.append(await sender.update(tensors.items(), version=version))
+        unsynced, felt, felt_syncs = await _felt(client, sender, tensors, version)
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    return WeightFigures(
+        workers=WORKERS,
+        model_bytes=size,
+        tensors=len(tensors),
+        buckets=reports[-1].buckets,
+        syncs=SYNCS,
+        sync_s=_median([r.total_s for r in reports]),
+        pause_s=_median([r.pause_s for r in reports]),
+        join_s=_median([r.join_s for r in reports]),
+        pack_s=_median([r.pack_s for r in reports]),
+        transfer_s=_median([r.transfer_s for r in reports]),
+        load_s=_median([r.load_s for r in reports]),
+        bare_s=_median(bare),
+        unsynced_s=unsynced,
+        felt_s=_median(felt),
+        felt_sync_s=_median(felt_syncs),
+    )
+
+
+async def _felt(
+    client: RolloutClient, sender: WeightSender, tensors: dict[str, torch.Tensor], version: int
+) -> tuple[float, list[float], list[float]]:
+    """Pairs of a greedy probe request alone, then the same with a sync issued a third of the way in (interleaved,
+    so drift hits both alike): the extra latency each synced probe felt over the alone one before it."""
+    [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Tell me a long story."}]])
+    params = {"temperature": 0.0, "max_tokens": FELT_TOKENS, "ignore_eos": True}
+    await client.generate([prompt], params)  # warm: the prompt's prefix cached, as in the runs that follow
+    alone, felt, syncs = [], [], []
+    for _ in range(FELT_PAIRS):
+        started = time.perf_counter()
+        await client.generate([prompt], params)
+        alone.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        probe = asyncio.ensure_future(client.generate([prompt], params))
+        await asyncio.sleep(alone[-1] / 3)
+        version += 1
+        report = await sender.update(tensors.items(), version=version, pause_mode="keep")
+        [trajectory] = await probe
+        if len(trajectory.weight_versions) != 2:
+            continue  # it finished before the pause, or started after the sync: not a probe of this
+        felt.append(time.perf_counter() - started - alone[-1])
+        syncs.append(report.total_s)
+    if not felt:
+        raise RuntimeError("no probe request was in flight across a sync; raise FELT_TOKENS")
+    return _median(alone), felt, syncs
+
+
+def bare_broadcast(model: Path, receivers: int, rounds: int = BARE_ROUNDS) -> float:
+    """Broadcast every tensor of `model`, one `ProcessGroupGloo.broadcast` each, from a root process to `receivers`
+    processes, `rounds` times into the same receiving tensors; the median seconds from the first broadcast to the
+    last of the rounds after the first (the root's view, as for a sync's transfer phase): warm buffers, the best
+    case of a hand-written loop. Every rank is a process of its own, so the trainer's process is left as it was."""
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "rollout_svc.tools.bench.weights",
+        str(model),
+        str(port),
+        str(receivers + 1),
+        str(rounds),
+    ]
+    procs = [
+        subprocess.Popen([*command, str(rank)], stdout=subprocess.PIPE, text=True) for rank in range(receivers + 1)
+    ]
+    outputs = [proc.communicate(timeout=BARE_TIMEOUT_S)[0] for proc in procs]
+    if any(proc.returncode for proc in procs):
+        raise RuntimeError(f"the bare gloo broadcast failed (exit codes {[p.returncode for p in procs]})")
+    times = json.loads(outputs[0])
+    return _median(times[1:] or times)
+
+
+def _bare_rank(model: str, port: int, world_size: int, rounds: int, rank: int) -> None:
+    """One rank of the bare broadcast; rank 0 prints its times (JSON)."""
+    tensors = list(load_file(str(Path(model) / "model.safetensors")).values())
+    if rank:
+        tensors = [torch.empty_like(t) for t in tensors]
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", port, world_size, rank == 0, timeout=datetime.timedelta(seconds=BARE_TIMEOUT_S)
+    )
+    spec = TransferGroup(
+        group_id="bare",
+        master_addr="127.0.0.1",
+        master_port=port,
+        token="bare",
+        world_size=world_size,
+        timeout_s=BARE_TIMEOUT_S,
+    )
+    group = join_group(spec, rank, "127.0.0.1", store)
+    times = []
+    for _ in range(rounds):
+        group.broadcast(torch.zeros(1), 0).wait()  # every rank is ready
+        started = time.perf_counter()
+        for tensor in tensors:
+            group.broadcast(tensor, 0).wait()
+        times.append(time.perf_counter() - started)
+    if rank == 0:
+        print(json.dumps(times))
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def report(figures: WeightFigures) -> list[str]:
+    """The report's weight-sync section (markdown lines)."""
+    f = figures
+    return [
+        "",
+        "## (e) Weight sync, vLLM",
+        "",
+        f"`WeightSender.update` of SmolLM2-135M's own tensors ({f.tensors} tensors, {f.model_bytes / 1e6:.0f} MB in"
+        f" float32, {f.buckets} buckets) into {f.workers} float32 vLLM workers over gloo, keep-pause, {f.syncs} syncs;"
+        " the peer is a bare `ProcessGroupGloo` broadcast of the same tensors (one broadcast per tensor) from rank 0 to"
+        f" {f.workers} receiver processes (the median of {BARE_ROUNDS - 1} rounds into warm receiving tensors),"
+        " alternated with the syncs in the same run. GB/s = bytes / seconds from the"
+        " first broadcast to the last. Goal: transfer GB/s >= 0.8 x the bare broadcast's.",
+        "",
+        "| sync total (s) | pause (s) | join (s) | pack (s) | transfer (s) | load + prefix-cache reset (s)"
+        " | transfer GB/s | bare gloo GB/s | ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| {f.sync_s:.2f} | {f.pause_s:.3f} | {f.join_s:.3f} | {f.pack_s:.3f} | {f.transfer_s:.3f} | {f.load_s:.2f} |"
+        f" {f.gb_per_s:.2f} | {f.bare_gb_per_s:.2f} | {f.ratio:.2f} |",
+        "",
+        f"The pause an in-flight request feels: a greedy request of {FELT_TOKENS} tokens ({f.unsynced_s:.2f} s alone,"
+        " median) with a sync issued a third of the way in, alternated with the same request alone; felt = its"
+        " latency minus that of the run alone just before (it includes recomputing its KV cache under the new"
+        f" weights after the prefix-cache reset), median of {FELT_PAIRS} pairs. Goal: < sync time + 100 ms.",
+        "",
+        "| felt by the request, median (s) | its syncs' time, median (s) | felt - sync (ms) |",
+        "|---:|---:|---:|",
+        f"| {f.felt_s:.2f} | {f.felt_sync_s:.2f} | {(f.felt_s - f.felt_sync_s) * 1000:.0f} |",
+    ]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="one rank of the bare gloo broadcast of the weight-sync benchmark")
+    parser.add_argument("model")
+    parser.add_argument("port", type=int)
+    parser.add_argument("world_size", type=int)
+    parser.add_argument("rounds", type=int)
+    parser.add_argument("rank", type=int)
+    arguments = parser.parse_args()
+    _bare_rank(arguments.model, arguments.port, arguments.world_size, arguments.rounds, arguments.rank)

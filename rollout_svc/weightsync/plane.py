@@ -1,0 +1,192 @@
+"""Weight sync's Redis side: the sync order, the tensor announcement and the barriers (no torch here).
+
+A sync (DESIGN.md section 5) is coordinated in Redis, never over the transfer itself:
+
+- the trainer publishes a `WeightSyncOrder` (`Keys.weight_sync`): its version, transport, members, and for a
+  broadcast the transfer group (rank assignment, rendezvous address, one-time token);
+- barrier `joined`: each member writes "ok" (or its error) once it is in the transfer group;
+- the announcement: the trainer writes the `WeightManifest` (names, dtypes, shapes, buckets; msgpack);
+- barrier `loaded`: each member writes "ok" once it loaded the weights and reset its prefix cache, or the error
+  it met (then it is `stale`).
+
+A barrier waits for every member with a timeout; a member whose heartbeat expires meanwhile is dropped as dead,
+and the rest are named as missing. Every value is msgpack or a plain string: nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from redis.asyncio import Redis
+
+from rollout_svc.config import Settings
+from rollout_svc.dataplane.registry import Registry
+from rollout_svc.errors import InvalidRequestError, ProtocolError
+from rollout_svc.keys import OK, Nudge
+from rollout_svc.protocol import WeightManifest, WeightSyncOrder, decode, encode
+
+BARRIER_POLL_S = 0.02  # how often a barrier re-reads its hash (a sync takes seconds; this is noise)
+LIVENESS_POLL_S = 0.5  # how often it checks that the members it waits for are alive
+SYNC_KEYS_TTL_S = 3600  # barriers and manifests expire an hour after their sync
+
+
+@dataclass
+class BarrierOutcome:
+    """Who reached a barrier: `arrived` maps each member to "ok" or its error; `dead` lost its heartbeat on the
+    way; `missing` were alive but did not arrive within the timeout."""
+
+    arrived: dict[str, str] = field(default_factory=dict)
+    dead: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> list[str]:
+        return sorted(w for w, outcome in self.arrived.items() if outcome == OK)
+
+    @property
+    def failures(self) -> dict[str, str]:
+        """Every member that did not reach the barrier in good order, with why."""
+        failed = {w: outcome for w, outcome in self.arrived.items() if outcome != OK}
+        failed |= dict.fromkeys(self.dead, "dead: its heartbeat expired during the sync")
+        return failed | dict.fromkeys(self.missing, "did not reach the barrier in time")
+
+    @classmethod
+    def merge(cls, parts: Sequence[BarrierOutcome], dead: Sequence[str] = ()) -> BarrierOutcome:
+        """One outcome of several shards' parts of a barrier; `dead`: members found in no shard."""
+        merged = cls(dead=list(dead))
+        for part in parts:
+            merged.arrived |= part.arrived
+            merged.dead += part.dead
+            merged.missing += part.missing
+        merged.dead.sort()
+        merged.missing.sort()
+        return merged
+
+
+def advertise_address(settings: Settings) -> str:
+    """The address peers reach this process at: `settings.weight_sync.advertise_addr`, else that of the interface which
+    routes to Redis (a host that reaches Redis reaches the trainer the same way)."""
+    if settings.weight_sync.advertise_addr:
+        return settings.weight_sync.advertise_addr
+    url = urlparse(settings.redis_url)
+    host = url.hostname or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, url.port or 6379))  # UDP: no packet is sent, the kernel only picks a route
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def checkpoint_dir(root: Path | None, path: str) -> Path:
+    """The checkpoint directory `path` resolved (symlinks followed), if it lies under `root` and holds
+    `model.safetensors` (itself under `root`). Raises `InvalidRequestError` otherwise: a forged sync order cannot
+    make a worker load arbitrary files."""
+    if root is None:
+        raise InvalidRequestError(
+            "this worker has no checkpoint root, so it loads no checkpoint: set ROLLOUT_CHECKPOINT_ROOT to the "
+            "directory the trainer writes checkpoints under"
+        )
+    base = Path(root).resolve()
+    resolved = Path(path).resolve()
+    weights = (resolved / "model.safetensors").resolve()
+    if not (resolved.is_relative_to(base) and weights.is_relative_to(base)):
+        raise InvalidRequestError(f"checkpoint {path} is outside this worker's checkpoint root {base}: refused")
+    if not weights.is_file():
+        raise InvalidRequestError(f"checkpoint {path} holds no model.safetensors")
+    return resolved
+
+
+class WeightSyncPlane:
+    """The weight-sync keys' verbs, shared by the trainer (`client.weight_sender.WeightSender`) and the workers."""
+
+    def __init__(self, redis: Redis, settings: Settings) -> None:
+        self.redis, self.settings, self.keys = redis, settings, settings.keys
+        self.registry = Registry(redis, self.keys, settings.heartbeat_ttl_s)
+
+    # --- the trainer's side -----------------------------------------------------------------------------------
+
+    async def publish(self, order: WeightSyncOrder) -> None:
+        """Write the current sync order and nudge the workers."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(self.keys.weight_sync, encode(order))
+        pipe.publish(self.keys.weights_channel, Nudge.WEIGHT_ORDER)
+        await pipe.execute()
+
+    async def announce(self, manifest: WeightManifest) -> None:
+        """The `announced` barrier: the tensors of a broadcast sync, written once every member joined."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(self.keys.weight_manifest(manifest.sync_id), encode(manifest), ex=SYNC_KEYS_TTL_S)
+        pipe.publish(self.keys.weights_channel, Nudge.WEIGHT_MANIFEST)
+        await pipe.execute()
+
+    async def await_barrier(self, sync_id: str, phase: str, members: Sequence[str], timeout_s: float) -> BarrierOutcome:
+        """Wait until every member reached `phase` of `sync_id` or died, at most `timeout_s` seconds."""
+        outcome = BarrierOutcome()
+        waiting = set(members)
+        deadline = time.monotonic() + timeout_s
+        next_liveness = time.monotonic() + LIVENESS_POLL_S
+        key = self.keys.weight_barrier(sync_id, phase)
+        while waiting:
+            arrived: Any = await self.redis.hgetall(key)
+            for worker, value in arrived.items():
+                worker_id = worker.decode()
+                if worker_id in waiting:
+                    outcome.arrived[worker_id] = value.decode()
+                    waiting.discard(worker_id)
+            if not waiting:
+                break
+            now = time.monotonic()
+            if now >= next_liveness or now >= deadline:
+                statuses = await self.registry.statuses(sorted(waiting))
+                for worker_id, status in statuses.items():
+                    if status is None:
+                        outcome.dead.append(worker_id)
+                        waiting.discard(worker_id)
+                next_liveness = now + LIVENESS_POLL_S
+                if now >= deadline:
+                    break
+            await asyncio.sleep(BARRIER_POLL_S)
+        outcome.missing = sorted(waiting)
+        outcome.dead.sort()
+        return outcome
+
+    # --- the workers' side ------------------------------------------------------------------------------------
+
+    async def order(self) -> WeightSyncOrder | None:
+        """The current sync order, or None (none yet, or one this build cannot read)."""
+        data: Any = await self.redis.get(self.keys.weight_sync)
+        if data is None:
+            return None
+        try:
+            order = decode(data)
+        except ProtocolError:
+            return None
+        return order if isinstance(order, WeightSyncOrder) else None
+
+    async def manifest(self, sync_id: str, timeout_s: float) -> WeightManifest | None:
+        """Wait for the announcement of `sync_id`; None if it does not come within `timeout_s` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            data: Any = await self.redis.get(self.keys.weight_manifest(sync_id))
+            if data is not None:
+                manifest = decode(data)
+                if isinstance(manifest, WeightManifest):
+                    return manifest
+            await asyncio.sleep(BARRIER_POLL_S)
+        return None
+
+    async def arrive(self, sync_id: str, phase: str, worker_id: str, outcome: str = OK) -> None:
+        """Reach `phase` of `sync_id`: "ok", or the error this worker met."""
+        key = self.keys.weight_barrier(sync_id, phase)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(key, worker_id, outcome)
+        pipe.expire(key, SYNC_KEYS_TTL_S)
+        await pipe.execute()

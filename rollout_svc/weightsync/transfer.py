@@ -1,0 +1,180 @@
+"""Weight transfer's tensor code, shared by both ends: buckets, the transfer process group, the receiving end.
+
+Imports torch. The trainer's side (`client.weight_sender.WeightSender`) packs and broadcasts; the receiving end
+(`ReceivingEnd`) lives in vLLM's worker process (`workers.weight_extension`) or in the echo engine. A bucket is one
+uint8 tensor holding several tensors' raw bytes at aligned offsets, as a `WeightManifest` describes them.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rollout_svc.errors import ProtocolError
+from rollout_svc.protocol import TensorSpec, TransferGroup, WeightManifest
+
+ALIGN_BYTES = 64  # every tensor starts at a multiple of this inside its bucket (any dtype's view is aligned)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype called `name` ("float32", "bfloat16", ...). Raises `ProtocolError` for anything else."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ProtocolError(f"unknown tensor dtype {name!r} in a weight manifest")
+    return dtype
+
+
+def plan_buckets(
+    tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> tuple[list[list[TensorSpec]], list[int]]:
+    """Pack tensors, in order, into buckets of at most `bucket_bytes` bytes (a larger tensor gets one of its own).
+
+    Returns each bucket's tensor specs and its size in bytes. Offsets are aligned to `ALIGN_BYTES`.
+    """
+    buckets: list[list[TensorSpec]] = [[]]
+    sizes = [0]
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        offset = -(-sizes[-1] // ALIGN_BYTES) * ALIGN_BYTES
+        if buckets[-1] and offset + nbytes > bucket_bytes:
+            buckets.append([])
+            sizes.append(0)
+            offset = 0
+        spec = TensorSpec(
+            name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), offset=offset, nbytes=nbytes
+        )
+        buckets[-1].append(spec)
+        sizes[-1] = offset + nbytes
+    if not buckets[-1]:
+        buckets.pop()
+        sizes.pop()
+    return buckets, sizes
+
+
+def fill_into(buffer: torch.Tensor, specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Write the tensors' raw bytes at their offsets into `buffer` (uint8); returns it."""
+    for spec, tensor in zip(specs, tensors, strict=True):
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        buffer[spec.offset : spec.offset + spec.nbytes].copy_(raw)
+    return buffer
+
+
+def unpack_bucket(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a received bucket holds, as views of `buffer` (named, typed and shaped by the manifest)."""
+    out = []
+    for spec in specs:
+        raw = buffer[spec.offset : spec.offset + spec.nbytes]
+        out.append((spec.name, raw.view(torch_dtype(spec.dtype)).reshape(spec.shape)))
+    return out
+
+
+# --- the transfer group ---------------------------------------------------------------------------------------
+
+
+def open_store(host: str, world_size: int, timeout_s: float) -> Any:
+    """The trainer's rendezvous: a `TCPStore` listening on a fresh port of `host` (read it from `.port`)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return torch.distributed.TCPStore(host, 0, world_size, True, timeout=timeout, wait_for_workers=False)
+
+
+def join_group(spec: TransferGroup, rank: int, host: str, store: Any = None) -> Any:
+    """Join the transfer group as `rank` (blocks until every rank has; at most `spec.timeout_s`).
+
+    `host`: this process's own address (gloo binds there). `store`: the trainer passes the one it opened; the
+    other ranks connect to `spec.master_addr:spec.master_port`. Returns the process group (its `broadcast`).
+    Raises what torch raises when a peer does not come (a `DistStoreError` or `RuntimeError` naming a timeout).
+    """
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    dist: Any = torch.distributed
+    if store is None:
+        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout=timeout)
+    prefixed = dist.PrefixStore(f"rollout-svc/{spec.token}/", store)
+    if spec.backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(prefixed, rank, spec.world_size, options)
+
+
+class BucketBuffers:
+    """Bucket buffers kept from one sync to the next (same sizes: the same model), on the CPU only.
+
+    A fresh buffer costs a page fault per 4 KiB page on first write, which on a small host took longer than the
+    transfer itself; a kept one costs nothing. On a GPU the caching allocator already reuses memory, and keeping a
+    second copy of the model there would be a waste, so CUDA buffers are never kept.
+    """
+
+    def __init__(self) -> None:
+        self._sizes: list[int] = []
+        self._buffers: list[torch.Tensor] = []
+
+    def get(self, sizes: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+        if device.type != "cpu":
+            return [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+        if list(sizes) != self._sizes:
+            self._buffers = []  # freed before the new ones are made
+            self._buffers = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+            self._sizes = list(sizes)
+        return self._buffers
+
+
+def receive_buckets(
+    group: Any, manifest: WeightManifest, device: torch.device, buffers: BucketBuffers | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """Receive every bucket of `manifest` from rank 0 (one broadcast each); the named tensors, in order, as views
+    of the bucket buffers (valid until the next receive into the same `buffers`)."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    targets = (buffers or BucketBuffers()).get(manifest.bucket_nbytes, device)
+    for buffer, specs in zip(targets, manifest.buckets, strict=True):
+        group.broadcast(buffer, 0).wait()
+        tensors += unpack_bucket(buffer, specs)
+    return tensors
+
+
+def receive_device(backend: str) -> torch.device:
+    """Where a receiver puts what it receives: its CUDA device for NCCL, the CPU for gloo."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class ReceivingEnd:
+    """A receiver's side of the transfer: the group it is in, and bucket buffers kept between syncs.
+
+    Used by vLLM's worker process (`workers.weight_extension`) and by the echo engine. A failed receive leaves the
+    group (a failed collective leaves it unusable: the trainer builds a new one)."""
+
+    def __init__(self) -> None:
+        self.group: Any = None
+        self.backend = "gloo"
+        self._buffers = BucketBuffers()
+
+    def join(self, spec: TransferGroup, rank: int, host: str) -> None:
+        """Join the group `spec` as `rank` (blocks until every rank has; at most the spec's timeout)."""
+        self.group = None
+        self.group = join_group(spec, rank, host)
+        self.backend = spec.backend
+
+    def leave(self) -> None:
+        self.group = None
+
+    def receive(self, manifest: WeightManifest) -> list[tuple[str, torch.Tensor]]:
+        """Every announced tensor, received from rank 0 (views of the kept buffers, valid until the next receive).
+        Raises `RuntimeError` outside a group, and what torch raises when a collective fails."""
+        if self.group is None:
+            raise RuntimeError("not in a weight transfer group: join one first")
+        try:
+            return receive_buckets(self.group, manifest, receive_device(self.backend), self._buffers)
+        except Exception:
+            self.group = None
+            raise

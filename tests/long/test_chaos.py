@@ -1,0 +1,31 @@
+"""`rollout-svc chaos --minutes 1`: a minute of load under every kind of fault, and a clean ledger (a soak: `make
+test-long`, not `make test`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rollout_svc.tools.chaos.soak import FAULT_KINDS
+from tests.support import ROOT
+
+
+@pytest.mark.timeout(180)  # a minute of faults, the start, the drain and the checks: ~70 s
+def test_a_minute_of_chaos_leaves_a_clean_ledger(tmp_path):
+    command = [sys.executable, "-m", "rollout_svc", "chaos", "--minutes", "1", "--seed", "7"]
+    command += ["--log-dir", str(tmp_path)]
+    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=170)
+    story = run.stdout[-6000:] + run.stderr[-2000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert {"requests", "faults", "violations"} <= summary.keys()
+    assert summary["violations"] == [], story
+    assert run.returncode == 0, story
+    assert summary["requests"] >= 500, story
+    assert summary["answered"] == summary["requests"]
+    assert set(summary["faults"]) == set(FAULT_KINDS)
+    assert all(count >= 2 for count in summary["faults"].values()), summary["faults"]
+    assert summary["outcomes"]["aborted_by_user"] > 0  # the session aborts hit something
+    assert "SIGKILL" in story and "SIGSTOP" in story and "Redis back from its append-only file" in story
