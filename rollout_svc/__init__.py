@@ -1,5 +1,5 @@
 """rollout-svc: a Redis-Streams rollout service for RL of LLMs. Never imports vllm or torch (`WeightSender` and
-`SyncReport`, which need torch, are imported from `rollout_svc.client.weight_sender` on first use)."""
+`SyncReport` are imported from `rollout_svc.client.weight_sender` on first use; a broadcast imports torch)."""
 
 from typing import TYPE_CHECKING, Any
 

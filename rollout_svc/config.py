@@ -179,6 +179,11 @@ class ApiSettings(_Concern):
     admin_token: str | None = Field(None, description="the bearer token of /admin/* (none: admin routes off)")
     served_model_name: str = Field("", description="the model name served ('': the workers' model folder name)")
     api_default_max_tokens: int = Field(1024, ge=1, description="max_tokens of a chat request that sets none")
+    open_control: bool = Field(
+        False,
+        description="serve the control routes of SkyRL's server protocol (/pause, /sleep, ...) without the admin "
+        "token, as SkyRL's client sends none (`serve` allows it on a loopback address only)",
+    )
 
 
 class BatchSettings(_Concern):

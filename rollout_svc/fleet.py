@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from redis.asyncio import BlockingConnectionPool
 from redis.exceptions import RedisError
 
 from rollout_svc.config import Settings
@@ -36,6 +37,8 @@ from rollout_svc.weightsync.plane import BarrierOutcome, WeightSyncPlane
 
 log = logging.getLogger("rollout_svc.fleet")
 T = TypeVar("T")
+SHARD_CONNECTIONS = 256  # connections a producer keeps to one shard at most; more calls at once wait for one
+SHARD_CONNECTION_WAIT_S = 30.0  # then redis-py raises ConnectionError("No connection available.")
 
 
 def rendezvous(session_id: str, shards: Sequence[str]) -> str:
@@ -63,7 +66,15 @@ class ShardLink:
         """Connect to shard `name`'s primary. Raises `RuntimeError` or a Redis error if it cannot be found."""
         shard_settings = settings.copy_with(shard=name)
         url = await asyncio.to_thread(shard_url, settings.redis_url, name)
-        redis = redis_async(url, decode_responses=False)
+        # A producer's calls share this client: past SHARD_CONNECTIONS at once they wait for a connection (redis-py's
+        # default pool refuses the 101st with "Too many connections", which read as the shard being away).
+        redis = redis_async(
+            url,
+            decode_responses=False,
+            connection_pool_class=BlockingConnectionPool,
+            max_connections=SHARD_CONNECTIONS,
+            timeout=SHARD_CONNECTION_WAIT_S,
+        )
         return cls(
             name=name,
             settings=shard_settings,

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import redis
 
 from rollout_svc.config import EngineSettings, Settings
@@ -254,3 +255,32 @@ def vllm_workers(settings: Settings, engine: EngineSettings, log_dir: Path, coun
         yield procs
     finally:
         procs.stop_all()
+
+
+@contextlib.contextmanager
+def serve(settings: Settings, log: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """`rollout-svc serve` on a free port, `env` added to the settings' environment (keys, tokens); yields its base
+    URL once it answers."""
+    port = free_port()
+    environment = {**settings_env(settings), **(env or {})}
+    command = [sys.executable, "-m", "rollout_svc", "serve", "--port", str(port), *args]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, env=environment, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def up() -> bool:
+            assert proc.poll() is None, log.read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(f"{base}/metrics", timeout=1).status_code == 200
+            return False
+
+        wait_until(up, 20, "rollout-svc serve answering")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # a response still open (a test that failed mid-stream): no leftovers
+            proc.kill()
+            proc.wait()

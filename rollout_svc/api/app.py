@@ -26,6 +26,8 @@ from rollout_svc.api.batches import batch_router
 from rollout_svc.api.errors import install_error_handlers
 from rollout_svc.api.generation import Generation, until_disconnected
 from rollout_svc.api.metrics import install_metrics
+from rollout_svc.api.served import ServedModels, session_header
+from rollout_svc.api.skyrl import InFlight, control_router, data_router
 from rollout_svc.batch.store import BatchStore
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.config import Settings
@@ -33,56 +35,6 @@ from rollout_svc.errors import GenerationError
 from rollout_svc.openai.errors import APIError
 from rollout_svc.openai.plans import chat_plan, completion_plan
 from rollout_svc.openai.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody
-from rollout_svc.protocol import WorkerStatus
-
-
-def session_header(request: Request, body_session: str | None) -> str | None:
-    """The session of a request: the `X-Session-ID` header (read directly: a declared header parameter costs FastAPI
-    ~5% of a request), else the body's `session_id`. Raises `APIError` 400 for an empty or over-long one."""
-    session = request.headers.get("x-session-id")
-    if session is None:
-        return body_session
-    if not 0 < len(session) <= 256:
-        raise APIError(400, "X-Session-ID must be 1 to 256 characters", param="X-Session-ID")
-    return session
-
-
-class ServedModels:
-    """The live workers, read from Redis at most once per `ttl_s` (every request checks the model and that some
-    worker is live), and the model names served: `served_model_names`, or what the live workers report (the model
-    folder's name)."""
-
-    def __init__(self, client: RolloutClient, served_model_names: list[str], ttl_s: float = 1.0) -> None:
-        self.client, self.served, self.ttl_s = client, served_model_names, ttl_s
-        self._workers: list[WorkerStatus] = []
-        self._read_at = float("-inf")
-
-    async def workers(self) -> list[WorkerStatus]:
-        if time.monotonic() - self._read_at > self.ttl_s:
-            self._workers, self._read_at = await self.client.workers(), time.monotonic()
-        return self._workers
-
-    async def models(self) -> list[str]:
-        return self.served or sorted({w.model for w in await self.workers() if w.model})
-
-    async def check(self, model: str | None) -> str:
-        """The model name to answer with. Raises `APIError` 503 with no live worker, 404 for another model."""
-        workers = await self.workers()
-        if not workers:
-            raise APIError(
-                503, "no live worker: start one with `rollout-svc worker` or `rollout-svc up`", code="no_worker"
-            )
-        names = await self.models()
-        if model is None:
-            return names[0]
-        if model not in names:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist; this server serves {', '.join(names)}",
-                param="model",
-                code="model_not_found",
-            )
-        return model
 
 
 def create_app(settings: Settings | None = None, served_model_names: list[str] | None = None) -> FastAPI:
@@ -187,5 +139,9 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
         return {"session_id": session_id, "finished": await client.finish_session(session_id)}
 
     app.include_router(batch_router(batches), dependencies=data)
+    inflight = InFlight()
+    app.include_router(data_router(client, served, generation, inflight), dependencies=data)
+    control = [] if settings.api.open_control else [auth.admin_dependency()]  # open: loopback only (`serve`)
+    app.include_router(control_router(client, inflight), dependencies=control)
     app.include_router(admin_router(client), dependencies=[auth.admin_dependency()])
     return app

@@ -286,18 +286,34 @@ def serve(
         typer.Option(help="Model name(s) to serve (default: the model folder's name, as the workers report it)."),
     ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "warning",
+    open_control: Annotated[
+        bool,
+        typer.Option(
+            help="Serve SkyRL's control routes (/pause, /resume, /sleep, /wake_up, /reset_prefix_cache, "
+            "/abort_requests) without the admin token, as SkyRL's client sends none: on a loopback address only."
+        ),
+    ] = False,
 ) -> None:
-    """Serve the OpenAI-compatible API (and /admin, /health, /metrics) in front of the queue.
+    """Serve the OpenAI-compatible API and SkyRL's server protocol (and /admin, /health, /metrics) in front of the
+    queue.
 
     Data-plane keys come from ROLLOUT_API_KEYS (a JSON list), the admin token from ROLLOUT_ADMIN_TOKEN. Listening
-    beyond loopback without data-plane keys is refused.
+    beyond loopback without data-plane keys, or with --open-control, is refused.
     """
     import uvicorn
 
     from rollout_svc.api import create_app
     from rollout_svc.connections.urls import is_loopback
 
-    settings = Settings(redis_url=redis_url)
+    settings = Settings(redis_url=redis_url, **({"open_control": True} if open_control else {}))
+    if settings.api.open_control and not is_loopback(host):
+        typer.echo(
+            f"rollout-svc serve: refusing to serve the control routes without the admin token on {host}: "
+            "--open-control (ROLLOUT_OPEN_CONTROL) is for a loopback address (127.0.0.1); elsewhere send the admin "
+            "token (ROLLOUT_ADMIN_TOKEN)",
+            err=True,
+        )
+        raise typer.Exit(2)
     if not is_loopback(host) and not settings.api.api_keys:
         typer.echo(
             f"rollout-svc serve: refusing to listen on {host} with no API key: set ROLLOUT_API_KEYS "

@@ -71,6 +71,7 @@ class RolloutClient:
         self.settings = settings.copy_with(**overrides) if settings else Settings(**overrides)
         self.producer_id = producer_id
         self._connection: Connection | None = None
+        self._starting: asyncio.Future[None] | None = None  # the current connection's start, awaited by every caller
 
     def __getstate__(self) -> dict[str, Any]:
         return {"settings": self.settings.model_dump(mode="json"), "producer_id": self.producer_id}
@@ -78,7 +79,7 @@ class RolloutClient:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.settings = Settings.model_validate(state["settings"])
         self.producer_id = state.get("producer_id")
-        self._connection = None
+        self._connection, self._starting = None, None
 
     async def __aenter__(self) -> RolloutClient:
         await self._connect()
@@ -90,18 +91,34 @@ class RolloutClient:
     async def close(self) -> None:
         """Stop the reader and delete this producer's results stream."""
         if self._connection is not None:
-            connection, self._connection = self._connection, None
+            connection, starting, self._connection, self._starting = self._connection, self._starting, None, None
+            if starting is not None and not starting.done():
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
             await connection.close()
 
     async def _connect(self) -> Connection:
+        """The started connection of this event loop. Concurrent first calls share one start (none sees a
+        connection before it has discovered the shards); a start that failed is tried again by the next call."""
         connection = self._connection
         if connection is None or connection.loop is not asyncio.get_running_loop():
             connection = self._connection = Connection(self.settings, self.producer_id)
-            await connection.start()
-            if self.settings.redis_url not in _CHECKED_EVICTION:  # once per process and Redis
-                _CHECKED_EVICTION.add(self.settings.redis_url)
-                await warn_if_evicting(connection.redis, "rollout client")
+            self._starting = asyncio.ensure_future(self._start(connection))
+        starting = self._starting
+        if starting is not None and not (starting.done() and not starting.cancelled() and not starting.exception()):
+            try:
+                await asyncio.shield(starting)
+            except BaseException:
+                if starting.done() and self._connection is connection:
+                    self._connection = self._starting = None
+                raise
         return connection
+
+    async def _start(self, connection: Connection) -> None:
+        await connection.start()
+        if self.settings.redis_url not in _CHECKED_EVICTION:  # once per process and Redis
+            _CHECKED_EVICTION.add(self.settings.redis_url)
+            await warn_if_evicting(connection.redis, "rollout client")
 
     @property
     def stats(self) -> ClientStats:

@@ -1,7 +1,6 @@
 """Weight sync, the trainer's side: `WeightSender` (the tensor code both ends share: `weightsync.transfer`).
-Imports torch.
-
-`import rollout_svc` never imports this module's torch: `rollout_svc.WeightSender` is exported lazily.
+Imports torch at its first broadcast only: importing it, and a sync from a checkpoint (`update_from_checkpoint`, the
+admin route), need none.
 
 A sync (DESIGN.md section 5): pause the fleet (keep or abort, the trainer's choice) -> publish the sync order ->
 barrier `joined` -> announce the tensors -> transfer -> workers load and reset their prefix cache -> barrier
@@ -22,9 +21,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from rollout_svc.config import Settings
 from rollout_svc.errors import InvalidRequestError, WeightSyncError
@@ -32,7 +29,11 @@ from rollout_svc.fleet import Fleet, FleetControl, FleetWeightPlane
 from rollout_svc.keys import JOINED, LOADED
 from rollout_svc.protocol import PauseMode, TensorSpec, TransferGroup, WeightManifest, WeightSyncOrder
 from rollout_svc.weightsync.plane import BarrierOutcome, advertise_address
-from rollout_svc.weightsync.transfer import BucketBuffers, fill_into, join_group, open_store, plan_buckets
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollout_svc.weightsync.transfer import BucketBuffers
 
 log = logging.getLogger("rollout_svc.client.weight_sender")
 SYNC_HOLDER = "weight-sync"  # the pause holder of a sync: `rollout-svc resume --holder weight-sync` if a trainer died
@@ -112,7 +113,7 @@ class WeightSender:
         self._fleet: Fleet | None = None  # the shards, once connected
         self._group: _Group | None = None
         self._lock: asyncio.Lock | None = None
-        self._buffers = BucketBuffers()
+        self._buffers: BucketBuffers | None = None  # made at the first broadcast (torch is imported there)
 
     async def __aenter__(self) -> WeightSender:
         await self.init()
@@ -220,6 +221,10 @@ class WeightSender:
         return report
 
     async def _broadcast(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> SyncReport:
+        from rollout_svc.weightsync.transfer import BucketBuffers, join_group, plan_buckets  # torch: a broadcast only
+
+        if self._buffers is None:
+            self._buffers = BucketBuffers()
         buckets, sizes = plan_buckets(tensors, self.bucket_bytes)
         lost: dict[str, str] = {}  # failed or died in an earlier attempt of this sync
         dead: list[str] = []
@@ -289,6 +294,8 @@ class WeightSender:
 
     async def _open_group(self, members: dict[str, int], backend: Literal["gloo", "nccl"]) -> tuple[TransferGroup, Any]:
         """A fresh rendezvous (new port, new token) for `members`, ranks assigned in worker-id order."""
+        from rollout_svc.weightsync.transfer import open_store
+
         host = advertise_address(self.settings)
         world_size = 1 + sum(members.values())
         store = await asyncio.to_thread(open_store, host, world_size, self.timeout_s)
@@ -318,6 +325,10 @@ class WeightSender:
         """Pack, then broadcast every bucket from rank 0 (runs in a thread). Returns (seconds packing, seconds from
         the first bucket to the last). A bucket holding one contiguous tensor is sent from the tensor's own memory;
         the others are packed into buffers kept from the last sync (no page faults)."""
+        import torch
+
+        from rollout_svc.weightsync.transfer import fill_into
+
         started = time.perf_counter()
         device = tensors[0][1].device if group.spec.backend == "nccl" else torch.device("cpu")
         targets = buffers.get(sizes, device)

@@ -22,43 +22,19 @@ from openai import OpenAI
 from rollout_svc import SyncRolloutClient
 from rollout_svc.config import Settings
 from tests.support import ROOT, free_port, settings_env, wait_until
+from tests.support import serve as support_serve
 
 KEY, ADMIN = "data-key", "admin-token"
 ECHO_DELAY = "0.01"  # seconds per echoed token: long generations stream for a while
 
 
-@contextlib.contextmanager
-def serve(settings: Settings, log: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """`rollout-svc serve` on a free port; yields its base URL once /health answers (or, with no worker, once
-    /v1/models does)."""
-    port = free_port()
-    environment = {
-        **settings_env(settings),
-        "ROLLOUT_API_KEYS": f'["{KEY}"]',
-        "ROLLOUT_ADMIN_TOKEN": ADMIN,
-        **(env or {}),
-    }
-    command = [sys.executable, "-m", "rollout_svc", "serve", "--port", str(port), *args]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(command, env=environment, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-
-        def up() -> bool:
-            assert proc.poll() is None, log.read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(f"{base}/metrics", timeout=1).status_code == 200
-            return False
-
-        wait_until(up, 20, "rollout-svc serve answering")
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # a response still open (a test that failed mid-stream): no leftovers
-            proc.kill()
-            proc.wait()
+def serve(
+    settings: Settings, log: Path, *args: str, env: dict[str, str] | None = None
+) -> contextlib.AbstractContextManager[str]:
+    """`rollout-svc serve` with this module's data-plane key and admin token."""
+    return support_serve(
+        settings, log, *args, env={"ROLLOUT_API_KEYS": f'["{KEY}"]', "ROLLOUT_ADMIN_TOKEN": ADMIN, **(env or {})}
+    )
 
 
 @pytest.fixture

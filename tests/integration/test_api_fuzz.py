@@ -64,11 +64,19 @@ def operations() -> list[tuple[str, str, bool]]:
     ]
 
 
+# The admin token's routes: /admin/*, and the control routes of SkyRL's server protocol (tagged "control").
+ADMIN_PATHS = {
+    path
+    for path, methods in create_app(Settings()).openapi()["paths"].items()
+    if path.startswith("/admin") or any("control" in spec.get("tags", []) for spec in methods.values())
+}
+
+
 def cases(admin: bool) -> list[Any]:
     """pytest params: each operation of the data plane (or /admin) positive, and negative where it takes input."""
     params = []
     for method, path, takes_input in operations():
-        if path.startswith("/admin") != admin:
+        if (path in ADMIN_PATHS) != admin:
             continue
         modes = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE] if takes_input else [GenerationMode.POSITIVE]
         if (
@@ -110,7 +118,7 @@ def openai_error_shape(ctx: CheckContext, response: Response, case: Case) -> Non
 def expected_status(ctx: CheckContext, response: Response, case: Case) -> None:
     """Only what the route can answer with a healthy fleet and a valid key: 200, 400 (bad body or value), 404 (an
     unknown model; not on /admin). A 504 on /admin only when the case gave the command its own `timeout_s`."""
-    admin = case.operation.path.startswith("/admin")
+    admin = case.operation.path in ADMIN_PATHS
     allowed = {200, 400} if admin else {200, 400, 404}
     if admin and isinstance(case.body, dict) and case.body.get("timeout_s") is not None:
         allowed.add(504)

@@ -35,6 +35,19 @@ async def test_batch_comes_back_in_input_order_across_two_workers(settings, echo
     assert all(t.finish_reason == "stop" and t.logprobs == [0.0] * 3 for t in trajectories)
 
 
+async def test_many_concurrent_first_calls_of_a_client_all_see_the_fleet(settings, echo_workers):
+    """500 first calls of a fresh client at once (a server's first requests, SkyRL's gathered generates) all wait
+    for the one connection start, then for a free connection: none sees a fleet whose shards are not discovered
+    yet, or a shard left out because redis-py's pool refused its 101st connection (no worker: a 503)."""
+    echo_workers(2)
+    client = RolloutClient(settings)
+    try:
+        seen = await asyncio.gather(*(client.workers() for _ in range(500)))
+        assert [[w.worker_id for w in workers] for workers in seen] == [["echo-0", "echo-1"]] * 500
+    finally:
+        await client.close()
+
+
 async def test_sessions_are_sticky_and_balanced(settings, echo_workers):
     worker_ids = echo_workers(3)
     sessions = [f"session-{i}" for i in range(10)]

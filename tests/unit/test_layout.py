@@ -14,18 +14,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_import_rollout_svc_pulls_in_neither_vllm_nor_torch():
-    code = "import sys, rollout_svc, rollout_svc.cli; print(sorted({'vllm', 'torch'} & set(sys.modules)))"
+    code = (
+        "import sys, rollout_svc, rollout_svc.cli, rollout_svc.api, rollout_svc.batch, rollout_svc.integrations.skyrl; "
+        "rollout_svc.WeightSender, rollout_svc.SyncReport; print(sorted({'vllm', 'torch'} & set(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
 
 
-def test_weight_sender_is_exported_lazily_and_workers_import_torch_only_to_sync():
+def test_workers_and_the_weight_sender_import_torch_only_to_transfer_tensors():
     code = (
         "import sys, workers.worker, workers.echo, rollout_svc.weightsync.plane; before = 'torch' in sys.modules; "
-        "from rollout_svc import WeightSender; print(before, 'torch' in sys.modules, WeightSender.__module__)"
+        "from rollout_svc import WeightSender; import rollout_svc.weightsync.transfer; "
+        "print(before, WeightSender.__module__, 'torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.split() == ["False", "True", "rollout_svc.client.weight_sender"]
+    assert out.stdout.split() == ["False", "rollout_svc.client.weight_sender", "True"]
 
 
 def test_no_pickle_in_service_code():
@@ -61,6 +65,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "openai": TOP | {"client"},
     "batch": TOP | {"connections", "fleet.py", "client", "openai"},
     "api": TOP | {"connections", "client", "openai", "batch"},
+    "integrations": TOP | {"client"},
     "deploy": TOP | {"connections"},
     "__init__.py": TOP | {"client"},
     "launch.py": set(),  # the Ray worker group's old path: it loads deploy.ray by name, on first use

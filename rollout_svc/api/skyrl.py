@@ -1,0 +1,209 @@
+"""SkyRL's server protocol on `serve`: the routes of vLLM's server and SkyRL's server actor, answered by the fleet as
+one server whose world size is every GPU (weight-transfer rank) behind it.
+
+Sources: SkyRL 0.3.0's `remote_inference_client.py` (the calls) and `vllm_server_actor.py` (the server it expects:
+vLLM's, with its RL and dev routes), vLLM 0.32's `entrypoints/rl/online/api_router.py`, `serve/dev/sleep`,
+`serve/dev/cache` and `scale_out/token_in_token_out` (the shapes). Point SkyRL's `RemoteInferenceClient` at
+`serve` as both `proxy_url` and `server_urls=[that URL]`.
+
+Data routes (`data_router`, the data-plane keys): `POST /inference/v1/generate`; `GET /get_world_size`,
+`/get_server_info`, `/servers`, `/is_paused`, `/is_sleeping`.
+
+Control routes (`control_router`): `POST /pause?mode=keep|abort|wait&clear_cache=`, `/resume`,
+`/sleep?level=&mode=`, `/wake_up?tags=`, `/reset_prefix_cache`, `/abort_requests`. Each is fleet-wide through the
+control plane and answers once every live worker acknowledged it, in vLLM's shape. They need the admin token, as
+`/admin/*` does; SkyRL's client sends none, so `serve --open-control` serves them without one, which `serve` allows
+only on a loopback address. A pause is held as holder `http` (`/resume` releases that holder only: a pause held by
+the trainer's `WeightSender` or an operator stays).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
+
+from rollout_svc.api.generation import Generation, until_disconnected, worker_header
+from rollout_svc.api.served import ServedModels, session_header
+from rollout_svc.client.rollout_client import RolloutClient
+from rollout_svc.openai.errors import APIError
+from rollout_svc.openai.plans import raise_for
+from rollout_svc.openai.tokens import GenerateBody, generate_params, generate_response, group_params
+from rollout_svc.protocol import Trajectory
+
+HOLDER = "http"  # the pause holder of the HTTP control routes
+PauseMode = Literal["keep", "abort", "wait"]
+
+
+class InFlight:
+    """The requests this `serve` process has in flight for `/inference/v1/generate`, by the caller's `request_id`
+    (vLLM's id), so `/abort_requests` can name them: external id -> our request ids."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, list[str]] = {}
+
+    def ours(self, external: list[str]) -> list[str]:
+        return [ours for e in external for ours in self.ids.get(e, [])]
+
+
+def data_router(client: RolloutClient, served: ServedModels, generation: Generation, inflight: InFlight) -> APIRouter:
+    """`served`: the app's `ServedModels`; `generation`: its `Generation` (for the timeout and token counts)."""
+    router = APIRouter(tags=["skyrl"])
+
+    @router.post("/inference/v1/generate")
+    async def generate(body: GenerateBody, request: Request) -> JSONResponse:
+        """vLLM's token-in, token-out generate (SkyRL's `generate` and `sample`): `n` samples of `token_ids` as one
+        group; `X-Session-ID` (or `session_id`) pins the session to one worker."""
+        model = await served.check(body.model)
+        params, n = generate_params(body)
+        session = session_header(request, body.session_id)
+        external = body.request_id or uuid.uuid4().hex
+        ours = [f"gen:{external}:{uuid.uuid4().hex[:12]}:{j}" for j in range(n)]
+        requests = await client.rollout_requests(
+            [list(body.token_ids)] * n,
+            group_params(params, n),
+            [session] * n if session else None,
+            request_ids=ours,
+            group_ids=[ours[0]] * n if n > 1 else None,
+            timeout_s=generation.timeout_s,
+        )
+        inflight.ids.setdefault(external, []).extend(ours)
+        try:
+            trajectories: list[Trajectory] = await until_disconnected(request, client.run(requests))
+        finally:
+            left = [i for i in inflight.ids.get(external, []) if i not in ours]
+            if left:
+                inflight.ids[external] = left
+            else:
+                inflight.ids.pop(external, None)
+        for t in trajectories:
+            raise_for(t)
+        if generation.metrics is not None:
+            generation.metrics.count_tokens(len(body.token_ids), sum(len(t.completion_token_ids) for t in trajectories))
+        return JSONResponse(generate_response(body, model, trajectories, external), headers=worker_header(trajectories))
+
+    @router.get("/get_world_size")
+    async def get_world_size(include_dp: Annotated[bool, Query()] = True) -> dict[str, int]:
+        """vLLM's: the weight-transfer ranks (GPUs) behind this server: every live engine's (`include_dp`, the
+        default), or one engine's (`include_dp=false`: its tensor x pipeline parallel size)."""
+        ranks = [w.weight_ranks for w in await client.workers()]
+        if not ranks:
+            raise APIError(503, "no live worker: start one with `rollout-svc worker`", code="no_worker")
+        return {"world_size": sum(ranks) if include_dp else max(ranks)}
+
+    @router.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        """This server as SkyRL's server group sees one: its world size, model, committed weight version, and the
+        engines behind it."""
+        workers = await client.workers()
+        state = await client.fleet_state()
+        return {
+            "world_size": sum(w.weight_ranks for w in workers),
+            "model": next(iter(await served.models()), None),
+            "weight_version": state.weight_version,
+            "engines": [
+                {"worker_id": w.worker_id, "world_size": w.weight_ranks, "weight_version": w.weight_version}
+                for w in workers
+            ],
+        }
+
+    @router.get("/servers")
+    async def servers(request: Request) -> dict[str, list[str]]:
+        """The router's list of servers to fan control calls out to: this one (the fleet answers as one server)."""
+        return {"servers": [str(request.base_url).rstrip("/")]}
+
+    @router.get("/is_paused")
+    async def is_paused() -> dict[str, bool]:
+        return {"is_paused": (await client.fleet_state()).paused}
+
+    @router.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": (await client.fleet_state()).sleep_level > 0}
+
+    return router
+
+
+def control_router(client: RolloutClient, inflight: InFlight) -> APIRouter:
+    router = APIRouter(tags=["skyrl", "control"])  # "control": the admin token's routes, outside /admin
+
+    @router.post("/pause")
+    async def pause(
+        mode: Annotated[PauseMode, Query()] = "abort", clear_cache: Annotated[bool, Query()] = True
+    ) -> dict[str, str]:
+        """vLLM's pause, fleet-wide: `keep` freezes in-flight requests until `/resume`; `abort` cuts them (a caller
+        of `/inference/v1/generate` never sees it: the request is retried token-exact after `/resume`); `wait` lets
+        them finish. `clear_cache` (vLLM's default true, ignored for `keep`) then drops every prefix cache."""
+        await client.pause(mode, holder=HOLDER)
+        if clear_cache and mode != "keep":
+            await client.reset_prefix_cache()
+        return {"status": "paused"}
+
+    @router.post("/resume")
+    async def resume() -> dict[str, str]:
+        await client.resume(holder=HOLDER)
+        return {"status": "resumed"}
+
+    @router.post("/sleep")
+    async def sleep(
+        level: Annotated[int, Query(ge=1, le=2)] = 1,
+        mode: Annotated[PauseMode, Query()] = "abort",
+        tags: Annotated[list[str] | None, Query()] = None,
+    ) -> dict[str, Any]:
+        """vLLM's sleep, fleet-wide (level 1 or 2; in-flight requests first paused as `mode` says)."""
+        await client.sleep(level, mode)
+        return {"status": "sleeping", "level": level}
+
+    @router.post("/wake_up")
+    async def wake_up(tags: Annotated[list[Literal["weights", "kv_cache"]] | None, Query()] = None) -> dict[str, Any]:
+        """vLLM's wake_up, fleet-wide: all memory, or the pools `tags` names."""
+        await client.wake_up(tags or None)
+        awake = (await client.fleet_state()).sleep_level == 0
+        return {"status": "awake" if awake else "sleeping", "tags": tags or None}
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache(
+        request: Request, reset_running_requests: Annotated[bool, Query()] = False
+    ) -> dict[str, bool]:
+        """Drop every engine's prefix cache. `reset_running_requests` as a query parameter (vLLM) or in a JSON body
+        (SkyRL's client sends `{"reset_running_requests": ...}`)."""
+        body = await _json_object(request)
+        running = body.get("reset_running_requests", reset_running_requests)
+        if not isinstance(running, bool):
+            raise APIError(400, "reset_running_requests must be true or false", param="reset_running_requests")
+        await client.reset_prefix_cache(running)
+        return {"success": True}
+
+    @router.post("/abort_requests")
+    async def abort_requests(request: Request) -> dict[str, Any]:
+        """vLLM's: abort the requests `request_ids` names (the ids given to `/inference/v1/generate` through this
+        server), or, with none, every request in the fleet. Aborted requests answer with `finish_reason` abort."""
+        body = await _json_object(request)
+        external = body.get("request_ids")
+        if external:
+            if not isinstance(external, list) or not all(isinstance(i, str) for i in external):
+                raise APIError(400, "request_ids must be a list of strings", param="request_ids")
+            ours = inflight.ours(external)
+            if ours:
+                await client.abort(ours)
+            return {"status": "aborted", "aborted": len(ours)}
+        await client.abort(all=True)
+        return {"status": "aborted", "aborted": None}
+
+    return router
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    """The request's JSON object body; {} for an empty body. Raises `APIError` 400 for anything else."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise APIError(400, f"the body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    return body

@@ -1,0 +1,212 @@
+"""SkyRL's own `RemoteInferenceClient` (skyrl 0.3.0, unmodified) against `rollout-svc serve` as both its router and
+its one server (`proxy_url` and `server_urls=[it]`), over 2 echo workers and a real redis-server.
+
+The echo engine echoes its prompt (token ids are bytes), so every answer is known exactly. What depends on a real
+model (token equality with `RolloutClient`, a generator's episode) is in tests/e2e/test_skyrl_vllm.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rollout_svc import RolloutClient
+from rollout_svc.config import Settings
+from rollout_svc.integrations.skyrl import skyrl_module
+from tests.support import async_wait_until, free_port, serve, settings_env
+
+ADMIN = "admin-token"
+CLIENT = "skyrl.backends.skyrl_train.inference_servers.remote_inference_client"
+PROMPT = list(b"The quick brown fox jumps over the lazy dog, twice over")  # 55 tokens: echoes are cut at max_tokens
+# SkyRL's own defaults (`skyrl.train.config.SamplingParams` through `get_vllm_sampling_params`), `stop` None.
+SKYRL_PARAMS = {
+    "min_tokens": 1,
+    "skip_special_tokens": True,
+    "include_stop_str_in_output": True,
+    "max_tokens": 24,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "logprobs": 1,
+    "stop": None,
+}
+
+
+@pytest.fixture
+def fleet(settings: Settings, echo_workers, tmp_path: Path) -> Iterator[tuple[str, Any]]:
+    """2 echo workers (10 ms a token), `serve --open-control`, and SkyRL's client on it."""
+    echo_workers(2, "--echo-token-delay-s", "0.01")
+    with serve(settings, tmp_path / "serve.log", "--open-control", env={"ROLLOUT_ADMIN_TOKEN": ADMIN}) as base:
+        client = skyrl_module(CLIENT).RemoteInferenceClient(
+            proxy_url=base, server_urls=[base], data_parallel_size=1, model_name="echo"
+        )
+        yield base, client
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+async def _teardown(client: Any, coro: Any) -> Any:
+    try:
+        return await coro
+    finally:
+        await client.teardown()
+
+
+def call(client: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """One call of SkyRL's client on a fresh event loop (its session is made per loop, closed after)."""
+    return run(_teardown(client, getattr(client, method)(*args, **kwargs)))
+
+
+def test_every_call_skyrl_makes_gets_a_vllm_shaped_answer(fleet, settings):
+    base, client = fleet
+    out = call(client, "generate", {"prompt_token_ids": [PROMPT, PROMPT[:10]], "sampling_params": SKYRL_PARAMS})
+    assert out["response_ids"] == [PROMPT[:24], PROMPT[:10]]
+    assert out["stop_reasons"] == ["length", "stop"]
+    assert out["responses"] == [bytes(PROMPT[:24]).decode(), bytes(PROMPT[:10]).decode()]  # through /detokenize
+    assert out["response_logprobs"] == [[0.0] * 24, [0.0] * 10]
+
+    sampled = call(
+        client,
+        "sample",
+        {"json": {"prompt": {"chunks": [{"tokens": PROMPT}]}, "num_samples": 3, "sampling_params": {"max_tokens": 5}}},
+    )
+    assert [s["tokens"] for s in sampled["sequences"]] == [PROMPT[:5]] * 3
+    assert all(s["logprobs"] == [0.0] * 5 and s["stop_reason"] == "length" for s in sampled["sequences"])
+
+    chat = call(
+        client,
+        "chat_completion",
+        {"json": {"model": "echo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}},
+    )
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
+    completion = call(client, "completion", {"json": {"model": "echo", "prompt": "hello", "max_tokens": 3}})
+    assert completion["choices"][0]["text"] == "hel"
+    assert call(client, "tokenize", ["hi"]) == [list(b"hi")]
+    assert call(client, "detokenize", [list(b"ok")]) == ["ok"]
+    call(client, "finish_session", "episode-1")  # best effort: SkyRL logs a failure instead of raising
+
+    assert call(client, "get_world_size") == (2, 2)  # every engine's ranks: one each for an echo engine
+    info = httpx.get(f"{base}/get_server_info").json()
+    assert info["world_size"] == 2 and len(info["engines"]) == 2 and info["model"] == "echo"
+    assert httpx.get(f"{base}/servers").json() == {"servers": [base]}
+
+    assert call(client, "pause", mode="keep") == {base: {"status": 200, "body": {"status": "paused"}}}
+    assert httpx.get(f"{base}/is_paused").json() == {"is_paused": True}
+    assert call(client, "resume")[base]["body"] == {"status": "resumed"}
+    assert httpx.get(f"{base}/is_paused").json() == {"is_paused": False}
+
+    async def workers() -> list[Any]:
+        async with RolloutClient(settings) as rollout:
+            return await rollout.workers()
+
+    assert call(client, "sleep", level=1)[base]["body"] == {"status": "sleeping", "level": 1}
+    assert {(w.state, w.sleep_level) for w in run(workers())} == {("sleeping", 1)}  # every worker acknowledged
+    assert httpx.get(f"{base}/is_sleeping").json() == {"is_sleeping": True}
+    assert call(client, "wake_up")[base]["body"]["status"] == "awake"
+    assert {(w.state, w.sleep_level) for w in run(workers())} == {("serving", 0)}
+    epoch = max(w.applied_epoch for w in run(workers()))
+    assert call(client, "reset_prefix_cache")[base]["body"] == {"success": True}
+    assert all(w.applied_epoch > epoch for w in run(workers())), "a worker did not apply the cache reset"
+
+
+def test_a_batch_of_generates_keeps_each_session_on_one_worker(fleet):
+    _, client = fleet
+    sessions = [f"episode-{i % 8}" for i in range(64)]
+    served_by: dict[str, set[str]] = {}
+
+    async def main() -> None:
+        post = client._post
+
+        async def spy(url: str, json: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+            body = await post(url, json=json, headers=headers)  # SkyRL's own call; only its answer is looked at
+            if headers and "X-Session-ID" in headers:
+                served_by.setdefault(headers["X-Session-ID"], set()).add(body["choices"][0]["worker_id"])
+            return body
+
+        client._post = spy
+        out = await _teardown(
+            client,
+            client.generate(
+                {"prompt_token_ids": [PROMPT] * 64, "sampling_params": SKYRL_PARAMS, "session_ids": sessions}
+            ),
+        )
+        assert out["response_ids"] == [PROMPT[:24]] * 64
+
+    run(main())
+    assert set(served_by) == set(sessions) and all(len(workers) == 1 for workers in served_by.values()), served_by
+    assert len(set().union(*served_by.values())) == 2, "all 8 sessions landed on one worker"
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_a_pause_with_100_generates_in_flight_loses_nothing(fleet, settings, mode):
+    base, client = fleet
+    params = {**SKYRL_PARAMS, "max_tokens": 200}  # 2 s each at 10 ms a token: all 100 are in flight at once
+    prompt = PROMPT * 4
+
+    async def main() -> dict[str, Any]:
+        async with RolloutClient(settings) as rollout:
+            batch = asyncio.ensure_future(
+                client.generate({"prompt_token_ids": [prompt] * 100, "sampling_params": params})
+            )
+            await async_wait_until(lambda: _in_flight(rollout), 20, "100 generates in flight on the workers")
+            paused = await client.pause(mode=mode)
+            assert paused[base]["body"] == {"status": "paused"}
+            assert set((await rollout.is_paused(per_worker=True)).values()) == {True}  # acknowledged by every worker
+            await asyncio.sleep(0.3)
+            assert not batch.done(), "generation went on through the pause"
+            await client.resume()
+            return await _teardown(client, batch)
+
+    out = run(main())
+    assert out["response_ids"] == [prompt[:200]] * 100  # whole: a kept request resumed, an aborted one was retried
+    assert out["stop_reasons"] == ["length"] * 100
+
+
+async def _in_flight(rollout: RolloutClient) -> bool:
+    return sum(w.in_flight for w in await rollout.workers()) >= 100
+
+
+def test_sampling_params_are_lenient_where_vllm_is_and_refuse_what_is_not_served(fleet):
+    base, _ = fleet
+    url = f"{base}/inference/v1/generate"
+    ok = httpx.post(url, json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 4, "stop": None, "seed": None}})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"] == PROMPT[:4]
+    three = httpx.post(url, json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 2, "n": 3, "seed": 7}})
+    assert [c["index"] for c in three.json()["choices"]] == [0, 1, 2]
+    at_default = {"max_tokens": 2, "logit_bias": None, "prompt_logprobs": None, "output_kind": 2, "detokenize": True}
+    assert httpx.post(url, json={"token_ids": PROMPT, "sampling_params": at_default}).status_code == 200
+    for params, named in (
+        ({"logit_bias": {"5": 1.0}}, "sampling_params.logit_bias"),
+        ({"bad_words": ["x"]}, "sampling_params.bad_words"),
+        ({"no_such_field": 1}, "sampling_params.no_such_field"),
+        ({"max_tokens": 0}, "sampling_params.max_tokens"),
+    ):
+        refused = httpx.post(url, json={"token_ids": PROMPT, "sampling_params": params})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == named, refused.text
+    for body, named in (({"stream": True}, "stream"), ({"features": {"mm_hashes": {}}}, "features")):
+        refused = httpx.post(url, json={"token_ids": PROMPT, **body})
+        assert refused.status_code == 400 and named in refused.text, refused.text
+
+
+def test_control_routes_need_the_admin_token_unless_opened_on_loopback(settings, echo_workers, tmp_path):
+    echo_workers(1)
+    with serve(settings, tmp_path / "serve.log", env={"ROLLOUT_ADMIN_TOKEN": ADMIN}) as base:
+        assert httpx.post(f"{base}/pause", params={"mode": "keep"}).status_code == 401
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        assert httpx.post(f"{base}/pause", params={"mode": "keep"}, headers=admin).json() == {"status": "paused"}
+        assert httpx.post(f"{base}/resume", headers=admin).json() == {"status": "resumed"}
+        assert httpx.get(f"{base}/get_world_size").json() == {"world_size": 1}  # a data route: open without keys
+    command = [sys.executable, "-m", "rollout_svc", "serve", "--host", "0.0.0.0", "--open-control"]
+    env = {**settings_env(settings), "ROLLOUT_API_KEYS": '["k"]'}
+    done = subprocess.run([*command, "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "--open-control" in done.stderr and "loopback" in done.stderr, done.stderr
