@@ -182,7 +182,15 @@ class EchoEngine:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        rendered = "".join(f"<|{m['role']}|>{m.get('content') or ''}\n" for m in messages) + "<|assistant|>"
+        """`<|role|>content` a line per message, then `<|assistant|>`; `chat_template_kwargs`'
+        `add_generation_prompt: False` leaves that out, `continue_final_message: True` also leaves the last message
+        open (no line end), as Hugging Face templates do. Any other template keyword is ignored."""
+        kwargs = chat_template_kwargs or {}
+        rendered = "".join(f"<|{m['role']}|>{m.get('content') or ''}\n" for m in messages)
+        if kwargs.get("continue_final_message"):
+            rendered = rendered.removesuffix("\n")
+        elif kwargs.get("add_generation_prompt", True):
+            rendered += "<|assistant|>"
         return await self.tokenize(rendered, add_special_tokens=False)
 
     def parse_tool_calls(self, text: str, tools: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:

@@ -358,7 +358,9 @@ class VLLMEngine:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of `messages` rendered by the model's chat template, ending with the assistant's turn opener.
+        """Token ids of `messages` rendered by the model's chat template, ending with the assistant's turn opener
+        (unless `chat_template_kwargs` says `add_generation_prompt: False`, or `continue_final_message: True`, which
+        leaves the last assistant message open; `chat_template` replaces the model's template).
 
         `tools` (OpenAI's `{"type": "function", "function": {...}}` list) and `chat_template_kwargs` are passed to
         the template (Hugging Face `apply_chat_template`), as vLLM's OpenAI server does.
@@ -366,9 +368,8 @@ class VLLMEngine:
         """
         tokenizer: Any = self._running().get_tokenizer()  # Any: vLLM types messages as OpenAI's TypedDicts
         try:
-            text = tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
-            )
+            kwargs = {"add_generation_prompt": True, **(chat_template_kwargs or {})}  # the request's kwargs win
+            text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
         except Exception as exc:  # jinja2 errors, or a template's own raise_exception()
             raise InvalidRequestError(f"the chat template of {self.model_name} refused the messages: {exc}") from exc
         # The template already wrote every special token; encoding must not add a BOS of its own.

@@ -148,11 +148,10 @@ def control_router(client: RolloutClient, inflight: InFlight) -> APIRouter:
 
     @router.post("/sleep")
     async def sleep(
-        level: Annotated[int, Query(ge=1, le=2)] = 1,
-        mode: Annotated[PauseMode, Query()] = "abort",
-        tags: Annotated[list[str] | None, Query()] = None,
+        level: Annotated[int, Query(ge=1, le=2)] = 1, mode: Annotated[PauseMode, Query()] = "abort"
     ) -> dict[str, Any]:
-        """vLLM's sleep, fleet-wide (level 1 or 2; in-flight requests first paused as `mode` says)."""
+        """vLLM's sleep, fleet-wide (level 1 or 2; in-flight requests first paused as `mode` says). SkyRL's client
+        also sends `tags`, which vLLM's /sleep does not read: nor does this one."""
         await client.sleep(level, mode)
         return {"status": "sleeping", "level": level}
 

@@ -130,7 +130,7 @@ def chat_plan(body: ChatCompletionRequest, model: str, session_id: str | None, d
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         tools=tools,
         parse_tool_calls=parse,
-        chat_template_kwargs=body.chat_template_kwargs,
+        chat_template_kwargs=body.template_kwargs(),
         chunks=not (parse or reply.forced_tool or reply.required_tools),
     )
 

@@ -174,6 +174,25 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's chat templating fields (the template is ours: the worker renders it)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = Field(None, min_length=1)
+    # vLLM's, not implemented: refused when set (a salt isolates a tenant's prefix cache, a bias changes sampling)
+    cache_salt: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """What goes into the chat template (Hugging Face `apply_chat_template`): `chat_template_kwargs`, then the
+        templating fields where they differ from their defaults (they win, as in vLLM's server)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if not self.add_generation_prompt:
+            kwargs["add_generation_prompt"] = False
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        return kwargs or None
 
     def _free_form(self) -> list[tuple[str, Any]]:
         parts = _message_extras(self.messages)
@@ -186,6 +205,14 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
+        if self.cache_salt is not None:
+            raise ValueError("cache_salt is not implemented by rollout-svc (no prefix cache is salted): leave it unset")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not implemented by rollout-svc: leave it unset")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt: false (as in vLLM)")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":

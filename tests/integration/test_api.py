@@ -131,6 +131,28 @@ def test_a_session_sticks_to_one_worker_until_finished(api):
     assert httpx.post(f"{base}/v1/sessions/episode-1/finish", headers=auth).json()["finished"] is False
 
 
+def test_chat_templating_fields_reach_the_template_and_unserved_ones_are_refused(api):
+    """vLLM's `add_generation_prompt` and `continue_final_message` reach the worker's template (the echo engine's
+    answer is its templated prompt); `cache_salt` and `logit_bias` are refused, never dropped."""
+    _, client = api
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+
+    def text(**extra: object) -> str | None:
+        reply = client.chat.completions.create(model="echo", messages=turns, max_tokens=100, extra_body=extra)
+        return reply.choices[0].message.content
+
+    assert text() == "<|user|>hi\n<|assistant|>Hel\n<|assistant|>"
+    assert text(add_generation_prompt=False) == "<|user|>hi\n<|assistant|>Hel\n"
+    assert text(add_generation_prompt=False, continue_final_message=True) == "<|user|>hi\n<|assistant|>Hel"
+    for extra, named in (
+        ({"continue_final_message": True}, "add_generation_prompt"),
+        ({"cache_salt": "tenant-1"}, "cache_salt"),
+        ({"logit_bias": {"42": 5.0}}, "logit_bias"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=named):
+            text(**extra)
+
+
 def test_errors_have_openai_shape_and_status(api):
     base, client = api
     cases = [
