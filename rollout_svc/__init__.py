@@ -3,7 +3,8 @@
 
 from typing import TYPE_CHECKING, Any
 
-from rollout_svc.client.rollout_client import RolloutClient, SyncRolloutClient
+from rollout_svc.client.rollout_client import RolloutClient
+from rollout_svc.client.sync_client import SyncRolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.errors import (
     AccessDeniedError,

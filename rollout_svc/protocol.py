@@ -200,12 +200,15 @@ class RolloutRequest(_Message):
 
 
 class TokenizeRequest(_Message):
-    """Turn text (or chat messages, templated with a generation prompt) into token ids on a worker."""
+    """Turn text (or chat messages, templated with a generation prompt) into token ids on a worker. `tools` and
+    `chat_template_kwargs` go into the chat template, as a `RolloutRequest`'s do."""
 
     request_id: str = Field(min_length=1)
     text: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     reply_to: str
     deadline: float | None = None
     submitted_at: float = Field(default_factory=time.time)

@@ -162,7 +162,8 @@ class RequestServer:
         worker_id = self.state.worker_id
         if isinstance(request, TokenizeRequest):
             if request.messages is not None:
-                ids = await self.engine.chat_prompt([m.model_dump() for m in request.messages])
+                messages = [m.model_dump() for m in request.messages]
+                ids = await self.engine.chat_prompt(messages, request.tools, request.chat_template_kwargs)
             else:
                 ids = await self.engine.tokenize(request.text or "", request.add_special_tokens)
             return TokenizeResult(request_id=request.request_id, token_ids=ids, worker_id=worker_id)

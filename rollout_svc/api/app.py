@@ -140,7 +140,8 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
 
     app.include_router(batch_router(batches), dependencies=data)
     inflight = InFlight()
-    app.include_router(data_router(client, served, generation, inflight), dependencies=data)
+    default_max_tokens = settings.api.api_default_max_tokens
+    app.include_router(data_router(client, served, generation, inflight, default_max_tokens), dependencies=data)
     control = [] if settings.api.open_control else [auth.admin_dependency()]  # open: loopback only (`serve`)
     app.include_router(control_router(client, inflight), dependencies=control)
     app.include_router(admin_router(client), dependencies=[auth.admin_dependency()])

@@ -6,7 +6,8 @@ vLLM's, with its RL and dev routes), vLLM 0.32's `entrypoints/rl/online/api_rout
 `serve/dev/cache` and `scale_out/token_in_token_out` (the shapes). Point SkyRL's `RemoteInferenceClient` at
 `serve` as both `proxy_url` and `server_urls=[that URL]`.
 
-Data routes (`data_router`, the data-plane keys): `POST /inference/v1/generate`; `GET /get_world_size`,
+Data routes (`data_router`, the data-plane keys): `POST /inference/v1/generate`, `/v1/chat/completions/render`
+(text only); `GET /get_world_size`,
 `/get_server_info`, `/servers`, `/is_paused`, `/is_sleeping`.
 
 Control routes (`control_router`): `POST /pause?mode=keep|abort|wait&clear_cache=`, `/resume`,
@@ -31,7 +32,8 @@ from rollout_svc.api.served import ServedModels, session_header
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.openai.errors import APIError
 from rollout_svc.openai.plans import raise_for
-from rollout_svc.openai.tokens import GenerateBody, generate_params, generate_response, group_params
+from rollout_svc.openai.schemas import ChatCompletionRequest
+from rollout_svc.openai.tokens import GenerateBody, generate_params, generate_response, group_params, render_chat
 from rollout_svc.protocol import Trajectory
 
 HOLDER = "http"  # the pause holder of the HTTP control routes
@@ -49,9 +51,21 @@ class InFlight:
         return [ours for e in external for ours in self.ids.get(e, [])]
 
 
-def data_router(client: RolloutClient, served: ServedModels, generation: Generation, inflight: InFlight) -> APIRouter:
-    """`served`: the app's `ServedModels`; `generation`: its `Generation` (for the timeout and token counts)."""
+def data_router(
+    client: RolloutClient, served: ServedModels, generation: Generation, inflight: InFlight, default_max_tokens: int
+) -> APIRouter:
+    """`served`: the app's `ServedModels`; `generation`: its `Generation` (for the timeout and token counts);
+    `default_max_tokens`: a chat request's when it sets none."""
     router = APIRouter(tags=["skyrl"])
+
+    @router.post("/v1/chat/completions/render")
+    async def render_chat_completion(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
+        """vLLM's render: a chat request as the `/inference/v1/generate` body that would run it (vLLM's
+        `GenerateRequest`: the prompt's token ids under the workers' chat template, its sampling params), without
+        generating. Text only: no multimodal `features`."""
+        model = await served.check(body.model)
+        session = session_header(request, body.session_id)
+        return await until_disconnected(request, render_chat(client, body, model, session, default_max_tokens))
 
     @router.post("/inference/v1/generate")
     async def generate(body: GenerateBody, request: Request) -> JSONResponse:

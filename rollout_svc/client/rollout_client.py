@@ -4,9 +4,8 @@ the fleet (pause, resume, abort, sleep)."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
@@ -105,13 +104,13 @@ class RolloutClient:
             connection = self._connection = Connection(self.settings, self.producer_id)
             self._starting = asyncio.ensure_future(self._start(connection))
         starting = self._starting
-        if starting is not None and not (starting.done() and not starting.cancelled() and not starting.exception()):
-            try:
-                await asyncio.shield(starting)
-            except BaseException:
-                if starting.done() and self._connection is connection:
-                    self._connection = self._starting = None
-                raise
+        assert starting is not None  # set with the connection
+        try:
+            await asyncio.shield(starting)  # a done start: at once
+        except BaseException:
+            if starting.done() and self._connection is connection:
+                self._connection = self._starting = None
+            raise
         return connection
 
     async def _start(self, connection: Connection) -> None:
@@ -508,12 +507,19 @@ class RolloutClient:
         return [r.token_ids for r in await self._token_results(requests, timeout_s)]
 
     async def apply_chat_template(
-        self, conversations: Sequence[Sequence[dict[str, Any]]], *, timeout_s: float | None = None
+        self,
+        conversations: Sequence[Sequence[dict[str, Any]]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
     ) -> list[list[int]]:
-        """Prompt token ids of each conversation under the model's chat template, with a generation prompt."""
-        connection = await self._connect()
+        """Prompt token ids of each conversation under the model's chat template, with a generation prompt (unless
+        `chat_template_kwargs` says otherwise: `add_generation_prompt`, `continue_final_message`, `chat_template`).
+        `tools`: OpenAI's function tools, for the template."""
+        connection, template = await self._connect(), {"tools": tools, "chat_template_kwargs": chat_template_kwargs}
         requests = [
-            self._build(TokenizeRequest, i, timeout_s, connection, messages=list(c))
+            self._build(TokenizeRequest, i, timeout_s, connection, messages=list(c), **template)
             for i, c in enumerate(conversations)
         ]
         return [r.token_ids for r in await self._token_results(requests, timeout_s)]
@@ -626,74 +632,6 @@ class RolloutClient:
     async def world_size(self) -> int:
         """Number of live engine replicas."""
         return len(await self.workers())
-
-
-class SyncRolloutClient:
-    """Blocking wrapper: the same methods as `RolloutClient`, run on a private event loop thread.
-
-    Example::
-
-        client = SyncRolloutClient(redis_url="redis://127.0.0.1:6379/0")
-        trajectories = client.generate([[1, 2, 3]], {"max_tokens": 8})
-        for index, trajectory in client.as_completed([[1, 2], [3]], {"max_tokens": 8}):
-            print(index, trajectory.text)
-        client.close()
-    """
-
-    def __init__(self, settings: Settings | None = None, **overrides: Any) -> None:
-        self.client = RolloutClient(settings, **overrides)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"client": self.client}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.client, self._loop, self._thread = state["client"], None, None
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True)
-            self._thread.start()
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.client, name)
-        if not asyncio.iscoroutinefunction(method):
-            return method
-        return lambda *args, **kwargs: self._run(method(*args, **kwargs))
-
-    def as_completed(self, *args: Any, **kwargs: Any) -> Iterator[tuple[int, Trajectory]]:
-        """The blocking twin of `RolloutClient.as_completed`; leaving the loop early cancels the rest."""
-        iterator = self.client.as_completed(*args, **kwargs)
-        try:
-            while True:
-                try:
-                    yield self._run(_next(iterator))
-                except StopAsyncIteration:
-                    return
-        finally:
-            self._run(iterator.aclose())  # type: ignore[attr-defined]
-
-    def close(self) -> None:
-        """Close the client, then stop and close the private event loop."""
-        if self._loop is not None and self._thread is not None:
-            self._run(self.client.close())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
-            self._loop = self._thread = None
-
-    def __enter__(self) -> SyncRolloutClient:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-async def _next(iterator: AsyncIterator[T]) -> T:
-    return await anext(iterator)
 
 
 def _event(event: int | tuple[int, TrajectoryChunk | None]) -> tuple[int, TrajectoryChunk | None]:

@@ -1,17 +1,41 @@
-"""SkyRL on rollout-svc, in Python: loading SkyRL's own modules (`skyrl_module`).
+"""SkyRL on rollout-svc, in Python: SkyRL's `InferenceEngineInterface` over `RolloutClient` (`RolloutServiceEngine`:
+a SkyRL trainer or generator drives the fleet with no HTTP hop), and loading SkyRL's own modules (`skyrl_module`).
 
-SkyRL is imported only when asked for: `import rollout_svc.integrations.skyrl` works without it installed.
+SkyRL is imported only when used: `import rollout_svc.integrations.skyrl` works without it installed, and
+`RolloutServiceEngine` (a subclass of SkyRL's abstract class) is built on first access. Checked against SkyRL 0.3.0's
+`skyrl/backends/skyrl_train/inference_servers/base.py` (16 abstract members).
+
+Example::
+
+    from rollout_svc import RolloutClient
+    from rollout_svc.integrations.skyrl import RolloutServiceEngine
+
+    engine = RolloutServiceEngine(RolloutClient(redis_url="redis://127.0.0.1:6379/0"), model_name="my-model")
+    out = await engine.generate({"prompt_token_ids": [[1, 2, 3]], "sampling_params": {"max_tokens": 8}})
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 import types
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from rollout_svc.client.rollout_client import RolloutClient
+from rollout_svc.errors import RolloutError
+from rollout_svc.openai.errors import APIError, from_exception, invalid_body
+from rollout_svc.openai.plans import Plan, chat_plan, completion_plan, raise_for
+from rollout_svc.openai.schemas import ChatCompletionRequest, CompletionRequest
+from rollout_svc.openai.tokens import render_chat, vllm_sampling_params
+
+log = logging.getLogger("rollout_svc.integrations.skyrl")
 _NAMESPACES = ("skyrl.backends", "skyrl.backends.skyrl_train")
+BASE = "skyrl.backends.skyrl_train.inference_servers.base"
+HOLDER = "skyrl"  # the pause holder of the adapter's pause_generation / pause
 
 
 def skyrl_module(name: str) -> Any:
@@ -36,3 +60,205 @@ def skyrl_module(name: str) -> Any:
             module.__path__ = [str(root.joinpath(*package.split(".")[1:]))]
             sys.modules[package] = module
     return importlib.import_module(name)
+
+
+class _Engine:
+    """The methods of `RolloutServiceEngine` (mixed into SkyRL's `InferenceEngineInterface` on first use).
+
+    `client`: the fleet; `model_name`: the served model's name (what requests' `model` must be); `endpoint_url`: a
+    `rollout-svc serve` URL for generators that point HTTP clients at the fleet (`get_endpoint_url`).
+    `owns_client`: `teardown` closes the client. Pauses are held as holder `skyrl`.
+    """
+
+    def __init__(
+        self, client: RolloutClient, model_name: str, *, endpoint_url: str | None = None, owns_client: bool = True
+    ) -> None:
+        self.client, self._model_name, self.endpoint_url, self.owns_client = (
+            client,
+            model_name,
+            endpoint_url,
+            owns_client,
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    def get_endpoint_url(self) -> str:
+        if self.endpoint_url is None:
+            raise RuntimeError("no HTTP endpoint: pass endpoint_url, the URL of a `rollout-svc serve` of this fleet")
+        return self.endpoint_url
+
+    # --- data plane ------------------------------------------------------------------------------------------
+
+    async def generate(self, input_batch: dict[str, Any], model: str | None = None) -> dict[str, Any]:
+        """SkyRL's `InferenceEngineInput` -> `InferenceEngineOutput`: token-id prompts (`prompt_token_ids`) or
+        conversations (`prompts`), vLLM's `sampling_params`, `session_ids` pinning each to one worker. Raises
+        `ValueError` for what is not served (n > 1, as SkyRL's own client; multimodal features; a cache salt) and
+        `GenerationError` for a failed generation."""
+        self._check_model(model)
+        token_ids, conversations = input_batch.get("prompt_token_ids"), input_batch.get("prompts")
+        if (token_ids is None) == (conversations is None):
+            raise ValueError("give exactly one of prompt_token_ids and prompts")
+        if input_batch.get("mm_features") or input_batch.get("cache_salt") is not None:
+            raise ValueError("mm_features and cache_salt are not served by rollout-svc")
+        try:
+            params, n = vllm_sampling_params(input_batch.get("sampling_params") or {})
+        except APIError as exc:
+            raise ValueError(exc.message) from exc
+        if n != 1:
+            raise ValueError("n > 1 is not supported: use `config.generator.n_samples_per_prompt` (as SkyRL's client)")
+        prompts = token_ids if token_ids is not None else conversations
+        sessions = input_batch.get("session_ids")
+        ids = [str(s) if s is not None else None for s in sessions] if sessions else None
+        trajectories = await self._run(prompts, params, ids)
+        return {
+            "responses": [t.text for t in trajectories],
+            "response_ids": [t.completion_token_ids for t in trajectories],
+            "stop_reasons": [t.finish_reason for t in trajectories],
+            "response_logprobs": [t.logprobs for t in trajectories] if params.logprobs is not None else None,
+            "prompt_logprobs": None,
+            "rollout_expert_indices": None,
+        }
+
+    async def _run(self, prompts: Any, params: Any, sessions: list[str | None] | None) -> list[Any]:
+        requests = await self.client.rollout_requests(prompts, params, sessions)
+        return await self.client.run(requests, raise_on_error=True)
+
+    async def chat_completion(self, request_payload: dict[str, Any]) -> dict[str, Any]:
+        """OpenAI's chat completion of `{"json": body, "headers": {...}}`: the response, or an error response
+        (`{"error": {...}}`), as vLLM's server answers. Not streamed."""
+        return await self._openai(request_payload, chat=True)
+
+    async def completion(self, request_payload: dict[str, Any]) -> dict[str, Any]:
+        """OpenAI's (legacy) completion of `{"json": body, "headers": {...}}`, as `chat_completion`."""
+        return await self._openai(request_payload, chat=False)
+
+    async def render_chat_completion(self, request_payload: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's render of a chat request (its token ids and sampling params, nothing generated), or an error."""
+        try:
+            body, session = _body(request_payload, ChatCompletionRequest)
+            self._check_model(body.model, http=True)
+            default_max_tokens = self.client.settings.api.api_default_max_tokens
+            return await render_chat(self.client, body, self.model_name, session, default_max_tokens)
+        except (APIError, RolloutError) as exc:
+            return from_exception(exc).body()
+
+    async def _openai(self, request_payload: dict[str, Any], chat: bool) -> dict[str, Any]:
+        try:
+            plan: Plan
+            if chat:
+                body, session = _body(request_payload, ChatCompletionRequest)
+                plan = chat_plan(body, self.model_name, session, self.client.settings.api.api_default_max_tokens)
+            else:
+                body, session = _body(request_payload, CompletionRequest)
+                plan = completion_plan(body, self.model_name, session)
+            self._check_model(body.model, http=True)
+            if plan.stream:
+                raise APIError(400, "stream is not served in process: use `rollout-svc serve`", param="stream")
+            requests = await self.client.rollout_requests(
+                plan.prompts,
+                plan.params,
+                [plan.session_id] * len(plan.prompts) if plan.session_id else None,
+                group_ids=plan.group_ids,
+                tools=plan.tools,
+                parse_tool_calls=plan.parse_tool_calls,
+                chat_template_kwargs=plan.chat_template_kwargs,
+            )
+            trajectories = await self.client.run(requests)
+            for t in trajectories:
+                raise_for(t)
+            return plan.reply.response(trajectories, plan.prompt_indices)
+        except (APIError, RolloutError) as exc:
+            return from_exception(exc).body()
+
+    def _check_model(self, model: str | None, http: bool = False) -> None:
+        if model and model != self.model_name:
+            message = f"The model `{model}` does not exist; this fleet serves {self.model_name}"
+            raise APIError(404, message, param="model", code="model_not_found") if http else ValueError(message)
+
+    async def finish_session(self, session_id: str) -> None:
+        """Unpin a session (best effort, as SkyRL's: a failure is logged, never raised)."""
+        try:
+            await self.client.finish_session(str(session_id))
+        except (RolloutError, OSError) as exc:
+            log.warning("finish_session(%r) failed: %s", session_id, exc)
+
+    # --- control plane: fleet-wide, every worker acknowledging ----------------------------------------------
+
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> dict[str, Any]:
+        """SkyRL's client's pause (`keep`, `abort` or `wait`), held as holder `skyrl`."""
+        mode = getattr(mode, "value", mode).lower()
+        epoch = await self.client.pause(mode, holder=HOLDER)  # type: ignore[arg-type]
+        if clear_cache and mode != "keep":
+            epoch = await self.client.reset_prefix_cache()
+        return {"status": "paused", "epoch": epoch}
+
+    async def resume(self) -> dict[str, Any]:
+        return {"status": "resumed", "epoch": await self.client.resume(holder=HOLDER)}
+
+    async def pause_generation(self) -> None:
+        """Keep-mode pause: in-flight requests freeze and continue on `resume_generation`."""
+        await self.pause("keep")
+
+    async def resume_generation(self) -> None:
+        await self.resume()
+
+    async def sleep(self, level: int = 2, tags: list[str] | None = None, **_: Any) -> dict[str, Any]:
+        """Every engine to sleep at `level` (`tags` is not read, as vLLM's /sleep does not)."""
+        return {"status": "sleeping", "level": level, "epoch": await self.client.sleep(level)}
+
+    async def wake_up(self, tags: list[str] | None = None, **_: Any) -> dict[str, Any]:
+        return {"status": "awake", "tags": tags, "epoch": await self.client.wake_up(tags or None)}
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> dict[str, Any]:
+        return {"success": True, "epoch": await self.client.reset_prefix_cache(reset_running_requests)}
+
+    async def get_world_size(self) -> tuple[int, int]:
+        """`(total, per server)` weight-transfer ranks: the fleet is one server, so both are every engine's ranks."""
+        total = sum(w.weight_ranks for w in await self.client.workers())
+        return total, total
+
+    # --- weights ---------------------------------------------------------------------------------------------
+
+    async def init_weight_update_communicator(self, init_info: Any) -> None:
+        raise NotImplementedError(
+            "SkyRL's own broadcast group is not joined by rollout-svc yet: sync weights with "
+            "rollout_svc.WeightSender (update or update_from_checkpoint) from the trainer's process"
+        )
+
+    async def update_named_weights(self, request: Any) -> None:
+        await self.init_weight_update_communicator(request)
+
+    async def teardown(self) -> None:
+        if self.owns_client:
+            await self.client.close()
+
+
+def _body(request_payload: dict[str, Any], model: type[Any]) -> tuple[Any, str | None]:
+    """The validated body of `{"json": body, "headers": {...}}` and its session (`X-Session-ID`, else `session_id`).
+    Raises `APIError` 400 for a bad body."""
+    try:
+        body = model.model_validate(request_payload.get("json") or {})
+    except ValidationError as exc:
+        raise invalid_body(exc.errors()) from exc
+    headers = {k.lower(): v for k, v in (request_payload.get("headers") or {}).items()}
+    return body, headers.get("x-session-id") or body.session_id
+
+
+_ENGINE: type[Any] | None = None
+
+
+def engine_class() -> type[Any]:
+    """`RolloutServiceEngine`: SkyRL's `InferenceEngineInterface` with `_Engine`'s methods (imports SkyRL)."""
+    global _ENGINE
+    if _ENGINE is None:
+        base = skyrl_module(BASE).InferenceEngineInterface
+        _ENGINE = type("RolloutServiceEngine", (_Engine, base), {"__module__": __name__, "__doc__": _Engine.__doc__})
+    return _ENGINE
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RolloutServiceEngine":
+        return engine_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

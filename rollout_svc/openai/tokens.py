@@ -30,8 +30,11 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationError
 
+from rollout_svc.client.rollout_client import RolloutClient
+from rollout_svc.errors import GenerationError
 from rollout_svc.openai.errors import APIError
-from rollout_svc.openai.schemas import Body
+from rollout_svc.openai.plans import chat_plan
+from rollout_svc.openai.schemas import Body, ChatCompletionRequest
 from rollout_svc.protocol import SamplingParams, Trajectory
 
 # vLLM SamplingParams fields we implement, by our name (the same as vLLM's).
@@ -99,9 +102,16 @@ def generate_params(body: GenerateBody) -> tuple[SamplingParams, int]:
             raise APIError(400, f"{name}={value!r} is not served here (only {allowed[0]!r})", param=name)
     if any(t < 0 for t in body.token_ids):
         raise APIError(400, "token_ids must be non-negative", param="token_ids")
+    return vllm_sampling_params(body.sampling_params)
+
+
+def vllm_sampling_params(sampling_params: dict[str, Any]) -> tuple[SamplingParams, int]:
+    """Our `SamplingParams` and `n` of vLLM's sampling params (a dict, as SkyRL sends them). Raises `APIError` 400
+    naming what is refused: a field we do not implement set to other than vLLM's default, an unknown field, a bad
+    value."""
     fields: dict[str, Any] = {}
     n = 1
-    for name, value in body.sampling_params.items():
+    for name, value in sampling_params.items():
         if value is None:
             continue  # unset: our default, as vLLM's dataclass default where a field is absent
         if name == "n":
@@ -129,6 +139,33 @@ def generate_params(body: GenerateBody) -> tuple[SamplingParams, int]:
         error = exc.errors()[0]
         param = "sampling_params." + ".".join(str(p) for p in error.get("loc", ()))
         raise APIError(400, f"{param}: {error.get('msg')}", param=param) from exc
+
+
+async def render_chat(
+    client: RolloutClient, body: ChatCompletionRequest, model: str, session_id: str | None, default_max_tokens: int
+) -> dict[str, Any]:
+    """vLLM's render of a chat request: the `/inference/v1/generate` body that would run it (vLLM's
+    `GenerateRequest`: the prompt's token ids under the workers' chat template, its sampling params), without
+    generating. Text only (`features` None). Raises `APIError` 400 for a bad request or one the template refuses."""
+    plan = chat_plan(body, model, session_id, default_max_tokens)
+    try:
+        [ids] = await client.apply_chat_template(
+            [plan.prompts[0]],  # type: ignore[list-item]  # a chat plan's prompts are conversations
+            tools=plan.tools,
+            chat_template_kwargs=plan.chat_template_kwargs,
+        )
+    except (GenerationError, ValueError) as exc:
+        raise APIError(400, str(exc)) from exc
+    params = plan.params[0].model_dump(mode="json", by_alias=True, exclude_none=True)
+    return {
+        "request_id": f"chatcmpl-{plan.reply.id}",
+        "token_ids": ids,
+        "features": None,
+        "sampling_params": {**params, "n": body.n, **({"seed": body.seed} if body.seed is not None else {})},
+        "model": model,
+        "stream": False,
+        "cache_salt": None,
+    }
 
 
 def group_params(params: SamplingParams, n: int) -> list[SamplingParams]:

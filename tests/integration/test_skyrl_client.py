@@ -91,6 +91,14 @@ def test_every_call_skyrl_makes_gets_a_vllm_shaped_answer(fleet, settings):
     assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
     completion = call(client, "completion", {"json": {"model": "echo", "prompt": "hello", "max_tokens": 3}})
     assert completion["choices"][0]["text"] == "hel"
+    rendered = call(
+        client,
+        "render_chat_completion",
+        {"json": {"model": "echo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7, "seed": 3}},
+    )
+    assert rendered["token_ids"] == list(b"<|user|>hi\n<|assistant|>")  # the echo engine's chat template
+    assert rendered["sampling_params"]["max_tokens"] == 7 and rendered["sampling_params"]["seed"] == 3
+    assert rendered["model"] == "echo" and rendered["features"] is None
     assert call(client, "tokenize", ["hi"]) == [list(b"hi")]
     assert call(client, "detokenize", [list(b"ok")]) == ["ok"]
     call(client, "finish_session", "episode-1")  # best effort: SkyRL logs a failure instead of raising

@@ -65,7 +65,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "openai": TOP | {"client"},
     "batch": TOP | {"connections", "fleet.py", "client", "openai"},
     "api": TOP | {"connections", "client", "openai", "batch"},
-    "integrations": TOP | {"client"},
+    "integrations": TOP | {"client", "openai"},
     "deploy": TOP | {"connections"},
     "__init__.py": TOP | {"client"},
     "launch.py": set(),  # the Ray worker group's old path: it loads deploy.ray by name, on first use

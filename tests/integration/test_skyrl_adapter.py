@@ -1,0 +1,107 @@
+"""`rollout_svc.integrations.skyrl.RolloutServiceEngine`: SkyRL's own `InferenceEngineInterface` (skyrl 0.3.0)
+implemented over `RolloutClient`, in process (no HTTP), on 2 echo workers and a real redis-server; the checks of
+tests/integration/test_skyrl_client.py, without the hop."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from rollout_svc import RolloutClient
+from rollout_svc.config import Settings
+from rollout_svc.integrations.skyrl import BASE, skyrl_module
+from tests.integration.test_skyrl_client import PROMPT, SKYRL_PARAMS
+from tests.support import ROOT, async_wait_until
+
+
+@pytest.fixture
+async def engine(settings: Settings, echo_workers) -> AsyncIterator[Any]:
+    from rollout_svc.integrations.skyrl import RolloutServiceEngine
+
+    echo_workers(2, "--echo-token-delay-s", "0.01")
+    engine = RolloutServiceEngine(RolloutClient(settings), model_name="echo")
+    yield engine
+    await engine.teardown()
+
+
+def test_the_adapter_imports_without_skyrl_and_says_how_to_install_it():
+    code = (
+        "import sys; sys.modules['skyrl'] = None\n"
+        "import rollout_svc.integrations.skyrl as adapter\n"
+        "try:\n    adapter.RolloutServiceEngine\nexcept ImportError as exc:\n    print(exc)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert "SkyRL is not installed: pip install" in out.stdout, out.stdout + out.stderr
+
+
+async def test_it_is_skyrls_interface_and_serves_every_call_in_process(engine, settings):
+    assert isinstance(engine, skyrl_module(BASE).InferenceEngineInterface)  # instantiated: nothing left abstract
+    out = await engine.generate({"prompt_token_ids": [PROMPT, PROMPT[:10]], "sampling_params": SKYRL_PARAMS})
+    assert out["response_ids"] == [PROMPT[:24], PROMPT[:10]] and out["stop_reasons"] == ["length", "stop"]
+    assert out["responses"] == [bytes(PROMPT[:24]).decode(), bytes(PROMPT[:10]).decode()]
+    assert out["response_logprobs"] == [[0.0] * 24, [0.0] * 10]
+    chat = await engine.generate({"prompts": [[{"role": "user", "content": "hi"}]], "sampling_params": None})
+    assert chat["responses"] == ["<|user|>hi\n<|assistant|>"[:16]]  # the echo's templated prompt, 16 tokens
+    with pytest.raises(ValueError, match="n > 1"):
+        await engine.generate({"prompt_token_ids": [PROMPT], "sampling_params": {"n": 2}})
+    with pytest.raises(ValueError, match="logit_bias"):
+        await engine.generate({"prompt_token_ids": [PROMPT], "sampling_params": {"logit_bias": {"1": 1.0}}})
+
+    reply = await engine.chat_completion({"json": {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}})
+    assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["content"].startswith("<|user|>")
+    text = await engine.completion({"json": {"model": "echo", "prompt": "hello", "max_tokens": 3}})
+    assert text["choices"][0]["text"] == "hel"
+    wrong = await engine.completion({"json": {"model": "other", "prompt": "x"}})
+    assert wrong["error"]["code"] == "model_not_found"
+    rendered = await engine.render_chat_completion(
+        {"json": {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}}
+    )
+    assert rendered["token_ids"] == list(b"<|user|>hi\n<|assistant|>")
+    await engine.finish_session("episode-1")
+    assert await engine.get_world_size() == (2, 2)
+
+    async with RolloutClient(settings) as rollout:
+        await engine.sleep(level=1)
+        assert {(w.state, w.sleep_level) for w in await rollout.workers()} == {("sleeping", 1)}
+        await engine.wake_up()
+        assert {(w.state, w.sleep_level) for w in await rollout.workers()} == {("serving", 0)}
+        epoch = max(w.applied_epoch for w in await rollout.workers())
+        await engine.reset_prefix_cache()
+        assert all(w.applied_epoch > epoch for w in await rollout.workers())
+    with pytest.raises(NotImplementedError, match="WeightSender"):
+        await engine.init_weight_update_communicator(None)
+
+
+async def test_sessions_stay_on_one_worker(engine, settings):
+    sessions = [f"episode-{i % 8}" for i in range(64)]
+    out = await engine.generate(
+        {"prompt_token_ids": [PROMPT] * 64, "sampling_params": SKYRL_PARAMS, "session_ids": sessions}
+    )
+    assert out["response_ids"] == [PROMPT[:24]] * 64
+    async with RolloutClient(settings) as rollout:
+        pinned = {s: await rollout.session_worker(s) for s in set(sessions)}
+    assert None not in pinned.values() and len(set(pinned.values())) == 2, pinned
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+async def test_a_pause_with_100_generates_in_flight_loses_nothing(engine, settings, mode):
+    prompt, params = PROMPT * 4, {**SKYRL_PARAMS, "max_tokens": 200}
+    async with RolloutClient(settings) as rollout:
+        batch = asyncio.ensure_future(engine.generate({"prompt_token_ids": [prompt] * 100, "sampling_params": params}))
+
+        async def in_flight() -> bool:
+            return sum(w.in_flight for w in await rollout.workers()) >= 100
+
+        await async_wait_until(in_flight, 20, "100 generates in flight on the workers")
+        await engine.pause(mode)
+        assert set((await rollout.is_paused(per_worker=True)).values()) == {True}
+        await asyncio.sleep(0.3)
+        assert not batch.done(), "generation went on through the pause"
+        await engine.resume_generation()
+        out = await batch
+    assert out["response_ids"] == [prompt[:200]] * 100 and out["stop_reasons"] == ["length"] * 100
