@@ -73,16 +73,21 @@ class _Engine:
     def __init__(
         self, client: RolloutClient, model_name: str, *, endpoint_url: str | None = None, owns_client: bool = True
     ) -> None:
-        self.client, self._model_name, self.endpoint_url, self.owns_client = (
-            client,
-            model_name,
-            endpoint_url,
-            owns_client,
-        )
+        self.client, self._model_name, self.owns_client = client, model_name, owns_client
+        self.endpoint_url, self._weight_version = endpoint_url, 0
 
     @property
     def model_name(self) -> str:
         return self._model_name
+
+    @property
+    def weight_version(self) -> int:
+        """SkyRL's client-side count of weight syncs (its trainers call `increment_weight_version` after each);
+        the fleet's own committed version is `RolloutClient.fleet_state().weight_version`."""
+        return self._weight_version
+
+    def increment_weight_version(self) -> None:
+        self._weight_version += 1
 
     def get_endpoint_url(self) -> str:
         if self.endpoint_url is None:

@@ -64,6 +64,8 @@ async def test_it_is_skyrls_interface_and_serves_every_call_in_process(engine, s
     assert rendered["token_ids"] == list(b"<|user|>hi\n<|assistant|>")
     await engine.finish_session("episode-1")
     assert await engine.get_world_size() == (2, 2)
+    engine.increment_weight_version()  # what SkyRL's trainers call after a sync (FullyAsyncTrainerSim among them)
+    assert engine.weight_version == 1
 
     async with RolloutClient(settings) as rollout:
         await engine.sleep(level=1)
