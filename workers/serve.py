@@ -264,10 +264,12 @@ class RequestServer:
 
 class ChunkSender:
     """The engine's `on_delta` for a streaming request: gathers its new tokens and sends them as `TrajectoryChunk`s
-    into the producer's results stream, once `stream_chunk_tokens` have gathered, or `stream_interval_s` passed since
-    the last send and 2 tokens or more have gathered, or 4 intervals passed (so a chunk holds a few tokens or tens
-    of milliseconds of them, not one entry per token where each step is slower than the interval). What is still
-    gathered at the end is not sent: the final trajectory holds every token."""
+    into the producer's results stream. The first tokens of a completion go at once (time to first token is what an
+    agent feels); after them, once `stream_chunk_tokens` have gathered, or `stream_interval_s` passed since the last
+    send and 2 tokens or more have gathered, or 4 intervals passed (so a chunk holds a few tokens or tens of
+    milliseconds of them, not one entry per token where each step is slower than the interval). A continuation
+    (`offset` > 0: its caller has tokens already) gathers from the start. What is still gathered at the end is not
+    sent: the final trajectory holds every token."""
 
     def __init__(
         self, server: RequestServer, request: RolloutRequest, offset: int, clock: Callable[[], float] = time.monotonic
@@ -277,15 +279,17 @@ class ChunkSender:
         self.interval_s, self.max_tokens = worker.stream_interval_s, worker.stream_chunk_tokens
         self.pending: list[Completion] = []
         self.last_sent = clock()
+        self.first = offset == 0  # nothing of this completion streamed yet
 
     async def __call__(self, delta: Completion) -> None:
         self.pending.append(delta)
         gathered = sum(len(d.completion_token_ids) for d in self.pending)
         waited = self.clock() - self.last_sent
-        # Full; or an interval passed and it holds 2 tokens or more (not an entry per token where steps are slow);
-        # or 4 intervals passed (a slow engine still streams).
+        # The first tokens; full; or an interval passed and it holds 2 tokens or more (not an entry per token where
+        # steps are slow); or 4 intervals passed (a slow engine still streams).
         if (
-            gathered >= self.max_tokens
+            self.first
+            or gathered >= self.max_tokens
             or (waited >= self.interval_s and gathered >= 2)
             or waited >= 4 * self.interval_s
         ):
@@ -308,7 +312,7 @@ class ChunkSender:
             tokens=part.tokens,
         )
         self.offset += len(part.completion_token_ids)
-        self.last_sent = self.clock()
+        self.last_sent, self.first = self.clock(), False
         await self.server.send_chunk(self.request.reply_to, chunk)
 
 

@@ -62,61 +62,68 @@ def sent_tokens(server: Server) -> list[tuple[int, list[int]]]:
     return [(chunk.offset, chunk.token_ids) for _, chunk in server.sent]
 
 
-async def test_a_chunk_is_sent_once_it_holds_stream_chunk_tokens(server: Server, clock: Clock):
+async def test_the_first_token_goes_at_once_then_a_chunk_once_it_holds_stream_chunk_tokens(
+    server: Server, clock: Clock
+):
     send = sender(server, clock)
-    for token in range(65, 65 + 2 * CHUNK_TOKENS - 1):  # no time passes: only a full chunk is sent
+    await send(delta(64))  # no time passes: the first token goes anyway (time to first token)
+    assert sent_tokens(server) == [(0, [64])]
+    for token in range(65, 65 + 2 * CHUNK_TOKENS - 1):  # then only a full chunk is sent
         await send(delta(token))
-    assert sent_tokens(server) == [(0, [65, 66, 67, 68])]
+    assert sent_tokens(server) == [(0, [64]), (1, [65, 66, 67, 68])]
     await send(delta(72))
-    assert sent_tokens(server) == [(0, [65, 66, 67, 68]), (4, [69, 70, 71, 72])]
+    assert sent_tokens(server) == [(0, [64]), (1, [65, 66, 67, 68]), (5, [69, 70, 71, 72])]
 
 
 async def test_a_delta_of_many_tokens_is_sent_whole(server: Server, clock: Clock):
     send = sender(server, clock)
     await send(delta(65, 66))
     await send(delta(67, 68, 69, 70, 71))
-    assert sent_tokens(server) == [(0, [65, 66, 67, 68, 69, 70, 71])]
+    assert sent_tokens(server) == [(0, [65, 66]), (2, [67, 68, 69, 70, 71])]
 
 
 async def test_after_an_interval_two_tokens_are_enough(server: Server, clock: Clock):
     send = sender(server, clock)
+    await send(delta(64))  # the first, at once
     clock.now += INTERVAL_S
     await send(delta(65))
-    assert server.sent == []  # one token: wait for a second, not an entry per token
+    assert len(server.sent) == 1  # one token: wait for a second, not an entry per token
     await send(delta(66))
-    assert sent_tokens(server) == [(0, [65, 66])]
+    assert sent_tokens(server) == [(0, [64]), (1, [65, 66])]
     clock.now += INTERVAL_S / 2
     await send(delta(67))
     await send(delta(68))
-    assert len(server.sent) == 1  # the interval counts from the last send
+    assert len(server.sent) == 2  # the interval counts from the last send
     clock.now += INTERVAL_S / 2
     await send(delta(69))
-    assert sent_tokens(server) == [(0, [65, 66]), (2, [67, 68, 69])]
+    assert sent_tokens(server) == [(0, [64]), (1, [65, 66]), (3, [67, 68, 69])]
 
 
 async def test_after_four_intervals_one_token_is_sent(server: Server, clock: Clock):
     send = sender(server, clock)
+    await send(delta(64))  # the first, at once
     clock.now += 4 * INTERVAL_S - 0.001
     await send(delta(65))
-    assert server.sent == []
+    assert len(server.sent) == 1
     clock.now += 0.001
     await send(delta(66))  # would go with 2 tokens anyway: check a single token on the next
     clock.now += 4 * INTERVAL_S
     await send(delta(67))
-    assert sent_tokens(server) == [(0, [65, 66]), (2, [67])]
+    assert sent_tokens(server) == [(0, [64]), (1, [65, 66]), (3, [67])]
 
 
 async def test_what_is_gathered_at_the_end_is_not_sent_and_flush_of_nothing_sends_nothing(server: Server, clock: Clock):
     send = sender(server, clock)
+    await send(delta(64))
     await send(delta(65))
-    assert server.sent == []  # the final trajectory holds it
+    assert sent_tokens(server) == [(0, [64])]  # the final trajectory holds 65
     await send.flush()
     await send.flush()
-    assert sent_tokens(server) == [(0, [65])]
+    assert sent_tokens(server) == [(0, [64]), (1, [65])]
 
 
-async def test_a_chunk_holds_the_joined_deltas_after_a_retry_s_kept_tokens(server: Server, clock: Clock):
-    send = sender(server, clock, offset=10, logprobs=1)  # a continuation: 10 tokens kept from the cut attempt
+async def test_a_continuation_gathers_from_the_start_and_a_chunk_holds_the_joined_deltas(server: Server, clock: Clock):
+    send = sender(server, clock, offset=10, logprobs=1)  # a continuation: 10 tokens kept, its caller has them
     await send(delta(104, 105, tops=True))
     await send(delta(33, tops=True))
     await send(delta(33, tops=True))
