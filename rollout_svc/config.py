@@ -50,7 +50,8 @@ class EngineSettings(BaseModel):
     CPU hosts. `enable_sleep_mode` (vLLM sleep mode, GPU only) defaults to on where the platform supports it.
     `echo_token_delay_s`: the echo engine's seconds per generated token (it stands in for a long generation).
     `echo_preload_weight_transfer`: the echo engine imports torch before the worker registers, as the vLLM one does,
-    so its first weight sync does not stall the heartbeat.
+    so its first weight sync does not stall the heartbeat. `weight_transfer_backend` gives vLLM's engine its native
+    weight transfer (vLLM 0.32's `weight_transfer_config`), which SkyRL's trainer drives through `serve`.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -77,6 +78,11 @@ class EngineSettings(BaseModel):
     tool_call_parser: str = Field(
         "hermes", description="vLLM tool-call parser for tool_choice=auto ('' for none): hermes, llama3_json, ..."
     )
+    weight_transfer_backend: Literal["none", "nccl"] = Field(
+        "none",
+        description="vLLM's native weight transfer, for a trainer-led broadcast (SkyRL's /init_weight_transfer_engine"
+        "): nccl, on CUDA (none: WeightSender and checkpoints need none)",
+    )
 
     @property
     def capacity(self) -> int:
@@ -93,6 +99,8 @@ class EngineSettings(BaseModel):
         }
         if self.enable_sleep_mode is not None:
             kwargs["enable_sleep_mode"] = self.enable_sleep_mode
+        if self.weight_transfer_backend != "none":
+            kwargs["weight_transfer_config"] = {"backend": self.weight_transfer_backend}
         return kwargs
 
     def to_args(self) -> list[str]:

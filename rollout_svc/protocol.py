@@ -48,6 +48,7 @@ ErrorCode = Literal[
 ]
 TokenId = Annotated[int, Field(ge=0)]
 TopLogprob = tuple[int, str, float]  # (token id, its text, logprob)
+PromptLogprob = tuple[int, str, float, int]  # (token id, its text, logprob, rank: 1 is the most likely)
 
 
 class _Message(BaseModel):
@@ -108,6 +109,9 @@ class SamplingParams(_Message):
     include_stop_str_in_output: bool = False
     logprobs: int | None = Field(
         None, ge=0, le=20, description="top logprobs per token (vLLM's meaning; the sampled token's is always given)"
+    )
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20, description="logprobs of each prompt token, with the top k at its position (vLLM's meaning)"
     )
     structured_outputs: StructuredOutputs | None = None
 
@@ -247,9 +251,11 @@ class Trajectory(_Message):
     it received the trajectory minus the version of its first token (None until then).
 
     Asked for (`sampling_params.logprobs = k`): `top_logprobs[i]` lists up to k `(token_id, token, logprob)` of the
-    most likely tokens at position i, best first, and `tokens[i]` is the text of `completion_token_ids[i]`. Asked to
-    parse tool calls: `tool_calls` holds OpenAI-shaped calls (`{"id", "type": "function", "function": {"name",
-    "arguments"}}`, arguments as JSON text) and `content` the text around them.
+    most likely tokens at position i, best first, and `tokens[i]` is the text of `completion_token_ids[i]`. Asked for
+    (`sampling_params.prompt_logprobs = k`): `prompt_logprobs[i]` lists `(token_id, token, logprob, rank)` at prompt
+    position i, the prompt token's first, then the top k (vLLM's entries, in its order; position 0 has none: nothing
+    comes before it). Asked to parse tool calls: `tool_calls` holds OpenAI-shaped calls (`{"id", "type": "function",
+    "function": {"name", "arguments"}}`, arguments as JSON text) and `content` the text around them.
     """
 
     request_id: str
@@ -274,6 +280,7 @@ class Trajectory(_Message):
     tokens: list[str] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     content: str | None = None
+    prompt_logprobs: list[list[PromptLogprob]] | None = None
 
 
 class TrajectoryChunk(_Message):
@@ -364,17 +371,35 @@ class TransferGroup(_Message):
     ranks: dict[str, int] = Field(default_factory=dict)
 
 
+EngineWeightOpName = Literal["init", "start", "update", "finish", "shutdown"]
+
+
+class EngineWeightOp(_Message):
+    """One call of vLLM's native weight transfer API (vLLM 0.32 `AsyncLLM`: `init_weight_transfer_engine`,
+    `start_weight_update`, `update_weights`, `finish_weight_update`, `shutdown_weight_transfer_engine`), the
+    trainer-led NCCL broadcast SkyRL's trainers drive. `info` is vLLM's `init_info` or `update_info` as the trainer
+    sent it; for `init`, each worker's `rank_offset` (its first rank in the trainer's group) is
+    `rank_offsets[worker_id]`."""
+
+    op: EngineWeightOpName
+    info: dict[str, Any] = Field(default_factory=dict)
+    rank_offsets: dict[str, int] = Field(default_factory=dict)
+
+
 class WeightSyncOrder(_Message):
     """One weight sync, as the trainer publishes it (`Keys.weight_sync`). `transport` broadcast: the members of
     `group` receive the announced tensors from rank 0; checkpoint: every member loads `path` (a directory holding
-    `model.safetensors`, under its checkpoint root). `members`: the workers expected at the barriers."""
+    `model.safetensors`, under its checkpoint root); engine: every member makes the call `engine_op` on vLLM's own
+    weight transfer engine (the trainer sends through vLLM's NCCL group, not ours). `members`: the workers expected
+    at the barriers."""
 
     sync_id: str
     version: int
-    transport: Literal["broadcast", "checkpoint"]
+    transport: Literal["broadcast", "checkpoint", "engine"]
     members: list[str]
     group: TransferGroup | None = None
     path: str | None = None
+    engine_op: EngineWeightOp | None = None
     issued_at: float = Field(default_factory=time.time)
 
 

@@ -65,13 +65,15 @@ def rds(redis_url: str) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture
-def settings(redis_url: str, rds: redis.Redis) -> Settings:
-    """Fast heartbeats so death is noticed within ~2 s; short blocks so tests stay quick."""
+def settings(request: pytest.FixtureRequest, redis_url: str, rds: redis.Redis) -> Settings:
+    """Fast heartbeats so death is noticed within ~2 s; short blocks so tests stay quick. A test marked
+    `heartbeat_ttl(s)` gets that TTL instead: one that stops a worker for longer than 2 s and still needs it live."""
+    ttl = request.node.get_closest_marker("heartbeat_ttl")
     return Settings(
         redis_url=redis_url,
         key_prefix="test",
         heartbeat_interval_s=0.2,
-        heartbeat_ttl_s=2.0,
+        heartbeat_ttl_s=ttl.args[0] if ttl else 2.0,
         read_block_ms=50,
         request_timeout_s=60,
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_svc.errors import InvalidRequestError
-from rollout_svc.protocol import PauseMode, SamplingParams, TransferGroup, WeightManifest
+from rollout_svc.protocol import PauseMode, PromptLogprob, SamplingParams, TransferGroup, WeightManifest
 from workers.engine import Completion, OnDelta
 
 
@@ -116,7 +116,17 @@ class EchoEngine:
             finish_reason = "length" if len(tail) > params.max_tokens else "stop"
         text = _bytes_text(completion)
         prompt = [*prompt_token_ids, *prior] if prior else prompt_token_ids
-        return Completion(prompt, completion, [0.0] * len(completion), finish_reason, text, *_tops(completion, params))
+        tops, texts = _tops(completion, params)
+        return Completion(
+            prompt,
+            completion,
+            [0.0] * len(completion),
+            finish_reason,
+            text,
+            tops,
+            texts,
+            _prompt_logprobs(prompt, params),
+        )
 
     async def _produce(self, run: _EchoRun, count: int, produced_one: Any = None) -> int:
         """Generate `count` tokens, one per `token_delay_s`, frozen while paused; returns how many were made."""
@@ -241,9 +251,22 @@ class EchoEngine:
         self.weights_digest = hashlib.sha256(data).hexdigest()
         return {"load_s": time.perf_counter() - started}
 
+    async def engine_weight_op(self, op: str, info: dict[str, Any]) -> None:
+        raise InvalidRequestError(
+            "the echo engine has no vLLM weight transfer engine (a trainer-led NCCL broadcast needs a vLLM worker "
+            "started with --weight-transfer-backend nccl, on CUDA): sync it with WeightSender or /fetch_weights"
+        )
+
     def output_tokens(self, request_id: str) -> int | None:
         run = self._runs.get(request_id)
         return None if run is None else run.produced
+
+
+def _prompt_logprobs(prompt: list[int], params: SamplingParams) -> list[list[PromptLogprob]] | None:
+    """Prompt logprobs where asked for: the echo is certain of each prompt token (logprob 0, rank 1); none at 0."""
+    if params.prompt_logprobs is None:
+        return None
+    return [[]] + [[(t, _bytes_text([t]), 0.0, 1)] for t in prompt[1:]]
 
 
 def _tops(token_ids: list[int], params: SamplingParams) -> tuple[list[list[tuple[int, str, float]]] | None, Any]:

@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rollout_svc.errors import EngineDeadError, InvalidRequestError
-from rollout_svc.protocol import PauseMode, SamplingParams, TransferGroup, WeightManifest
+from rollout_svc.protocol import (
+    EngineWeightOpName,
+    PauseMode,
+    PromptLogprob,
+    SamplingParams,
+    TransferGroup,
+    WeightManifest,
+)
 from workers.dtype import engine_dtype
 from workers.weight_extension import WORKER_EXTENSION
 
@@ -28,7 +35,9 @@ class Completion:
 
     Where the sampling params ask for `logprobs = k`: `top_logprobs[i]` holds up to k `(token id, text, logprob)`
     best first, and `tokens[i]` the text of `completion_token_ids[i]`. A streaming delta (see `Engine.generate`) is
-    a Completion of the new tokens only, with `text` the text they add and `finish_reason` "".
+    a Completion of the new tokens only, with `text` the text they add and `finish_reason` "". Where they ask
+    for `prompt_logprobs`, `prompt_logprobs[i]` holds position i's `(token id, text, logprob, rank)`, the prompt
+    token's first (see `Trajectory.prompt_logprobs`); a streaming request's first delta carries them.
     """
 
     prompt_token_ids: list[int]
@@ -38,6 +47,7 @@ class Completion:
     text: str
     top_logprobs: list[list[tuple[int, str, float]]] | None = None
     tokens: list[str] | None = None
+    prompt_logprobs: list[list[PromptLogprob]] | None = None  # asked for: per position of `prompt_token_ids`
 
 
 OnDelta = Callable[[Completion], Awaitable[None]]
@@ -120,6 +130,11 @@ class Engine(Protocol):
         """Load the safetensors of checkpoint directory `path` (the caller checked it is allowed)."""
         ...
 
+    async def engine_weight_op(self, op: EngineWeightOpName, info: dict[str, Any]) -> None:
+        """One call of vLLM's native weight transfer (`EngineWeightOp`): the trainer-led broadcast SkyRL drives.
+        Raises `InvalidRequestError` where the engine has none (say what to use instead), and what vLLM raises."""
+        ...
+
     def output_tokens(self, request_id: str) -> int | None:
         """Tokens generated so far by a request the engine holds (None: it holds no such request)."""
         ...
@@ -199,6 +214,21 @@ def sampled_logprobs(output: Any) -> list[float]:
     return list(flat.logprobs)
 
 
+def prompt_logprobs_of(final: Any) -> list[list[PromptLogprob]]:
+    """Per prompt position of a `vllm.RequestOutput` asked for `prompt_logprobs`: `(token id, text, logprob, rank)`
+    of each entry vLLM gives (the prompt token's first, then the top k); none at position 0. Raises `RuntimeError`
+    if vLLM returned none."""
+    raw = final.prompt_logprobs
+    if raw is None:
+        raise RuntimeError("vLLM returned no prompt logprobs; ask for prompt_logprobs")
+    return [
+        [(int(t), lp.decoded_token or "", float(lp.logprob), int(lp.rank or 0)) for t, lp in position.items()]
+        if position
+        else []
+        for position in raw
+    ]
+
+
 def top_logprobs(output: Any, k: int) -> tuple[list[float], list[list[tuple[int, str, float]]], list[str]]:
     """Per position of a `vllm.CompletionOutput` asked for `logprobs=k, flat_logprobs=True`: the sampled token's
     logprob, the top k `(token id, text, logprob)` by vLLM's rank (best first), and the sampled token's text.
@@ -249,6 +279,8 @@ class VLLMEngine:
         self.weight_ranks = int(engine_settings.get("tensor_parallel_size", 1)) * int(
             engine_settings.get("pipeline_parallel_size", 1)
         )
+        # vLLM's native weight transfer (`engine_weight_op`): `weight_transfer_config={"backend": "nccl"}`, or none
+        self.weight_transfer_backend = str((engine_settings.get("weight_transfer_config") or {}).get("backend", ""))
         self._engine_kwargs: dict[str, Any] = {"max_num_seqs": max_num_seqs, **engine_settings}
         self._model = model
         self._llm: AsyncLLM | None = None
@@ -307,7 +339,7 @@ class VLLMEngine:
             async for output in llm.generate(tokens_input(prompt), sampling, request_id):
                 final = output
                 if on_delta is not None:
-                    delta = _completion(prompt, output, params.logprobs, delta=True)
+                    delta = _completion(prompt, output, params.logprobs, delta=True, prompt_k=params.prompt_logprobs)
                     parts.append(delta)
                     if delta.completion_token_ids or delta.text:
                         await on_delta(delta)
@@ -325,7 +357,7 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM ended request {request_id} without a final output")
         if on_delta is not None:
             return joined(parts, prompt, _finish_reason(final))
-        return _completion(prompt, final, params.logprobs)
+        return _completion(prompt, final, params.logprobs, prompt_k=params.prompt_logprobs)
 
     async def abort(self, request_id: str) -> None:
         """Abort a running request; its `generate` returns with finish reason `abort`. Unknown ids are ignored."""
@@ -407,6 +439,29 @@ class VLLMEngine:
         results = await self._running().collective_rpc("rollout_load_checkpoint", args=(path,))
         return dict(results[0])
 
+    async def engine_weight_op(self, op: EngineWeightOpName, info: dict[str, Any]) -> None:
+        """`AsyncLLM`'s native weight transfer call for `op` (vLLM 0.32: `init_weight_transfer_engine`,
+        `start_weight_update`, `update_weights`, `finish_weight_update`, `shutdown_weight_transfer_engine`). Needs
+        the engine started with a weight transfer backend (`EngineSettings.weight_transfer_backend`, nccl: CUDA)."""
+        if not self.weight_transfer_backend:
+            raise InvalidRequestError(
+                "this worker's vLLM engine has no weight transfer engine: start it with --weight-transfer-backend "
+                "nccl (on CUDA) for a trainer-led broadcast, or sync with WeightSender or /fetch_weights"
+            )
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+        llm = self._running()
+        if op == "init":
+            await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+        elif op == "start":
+            await llm.start_weight_update()
+        elif op == "update":
+            await llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+        elif op == "finish":
+            await llm.finish_weight_update()
+        else:
+            await llm.shutdown_weight_transfer_engine()
+
     def output_tokens(self, request_id: str) -> int | None:
         """Output tokens vLLM's output processor has seen for `request_id` (in this process: exact once a pause
         returned, since the engine core sends every step's output before the pause's reply)."""
@@ -471,16 +526,20 @@ def _finish_reason(final: RequestOutput) -> str:
     return finish_reason
 
 
-def _completion(prompt_token_ids: list[int], final: RequestOutput, k: int | None, delta: bool = False) -> Completion:
-    """Our Completion of vLLM's final `RequestOutput` (n=1), or of one delta output (finish reason "")."""
+def _completion(
+    prompt_token_ids: list[int], final: RequestOutput, k: int | None, delta: bool = False, prompt_k: int | None = None
+) -> Completion:
+    """Our Completion of vLLM's final `RequestOutput` (n=1), or of one delta output (finish reason "": vLLM gives the
+    prompt logprobs with the first)."""
     output = final.outputs[0]
     finish_reason = "" if delta else _finish_reason(final)
     ids = list(output.token_ids)
+    prompt = prompt_logprobs_of(final) if prompt_k is not None and final.prompt_logprobs is not None else None
     if k is None:
         logprobs = sampled_logprobs(output) if ids else []
-        return Completion(prompt_token_ids, ids, logprobs, finish_reason, output.text)
+        return Completion(prompt_token_ids, ids, logprobs, finish_reason, output.text, prompt_logprobs=prompt)
     logprobs, tops, texts = top_logprobs(output, k) if ids else ([], [], [])
-    return Completion(prompt_token_ids, ids, logprobs, finish_reason, output.text, tops, texts)
+    return Completion(prompt_token_ids, ids, logprobs, finish_reason, output.text, tops, texts, prompt)
 
 
 def joined(parts: list[Completion], prompt_token_ids: list[int] | None = None, finish_reason: str = "") -> Completion:
@@ -496,4 +555,5 @@ def joined(parts: list[Completion], prompt_token_ids: list[int] | None = None, f
         "".join(p.text for p in parts),
         tops,
         texts,
+        next((p.prompt_logprobs for p in parts if p.prompt_logprobs is not None), None),
     )

@@ -233,6 +233,8 @@ class RequestServer:
             tokens=texts,
             tool_calls=tool_calls,
             content=content,
+            # a retry's engine prompt goes on with the earlier attempt's tokens: the request's prompt is the part
+            prompt_logprobs=None if completion.prompt_logprobs is None else completion.prompt_logprobs[: len(prompt)],
         )
 
     async def _prompt(self, request: RolloutRequest) -> list[int]:

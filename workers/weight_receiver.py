@@ -72,6 +72,9 @@ class WeightReceiver:
             outcome = await self._load_checkpoint(order.path or "", order.version)
             await self.plane.arrive(order.sync_id, LOADED, worker_id, outcome)
             return
+        if order.transport == "engine":
+            await self.plane.arrive(order.sync_id, LOADED, worker_id, await self._engine_op(order))
+            return
         group = order.group
         if group is None or worker_id not in group.ranks:
             await self.plane.arrive(order.sync_id, JOINED, worker_id, "the order assigns this worker no rank")
@@ -105,6 +108,30 @@ class WeightReceiver:
             await self.plane.arrive(order.sync_id, LOADED, worker_id, f"receiving or loading failed: {exc}")
             return
         await self.plane.arrive(order.sync_id, LOADED, worker_id, await self._loaded(order.version))
+
+    async def _engine_op(self, order: WeightSyncOrder) -> str:
+        """Run the order's `EngineWeightOp` on the engine (for `init`, with this worker's rank offset; `finish` then
+        switches to the order's version as a load does): "ok", or why not. Bounded by the sync timeout: an `init`
+        waits for the trainer to join its group."""
+        op = order.engine_op
+        if op is None:
+            return "the order names no engine call"
+        info = dict(op.info)
+        if op.op == "init":
+            if self.state.worker_id not in op.rank_offsets:
+                return "the order assigns this worker no rank"
+            info["rank_offset"] = op.rank_offsets[self.state.worker_id]
+        try:
+            timeout_s = self.settings.weight_sync.weight_sync_timeout_s + JOIN_GRACE_S
+            await asyncio.wait_for(self.engine.engine_weight_op(op.op, info), timeout_s)
+        except EngineDeadError:
+            raise
+        except InvalidRequestError as exc:
+            return str(exc)
+        except Exception as exc:
+            log.warning("vLLM's weight transfer call %s failed: %s", op.op, exc)
+            return f"vLLM's {op.op} failed: {type(exc).__name__}: {exc}"
+        return await self._loaded(order.version) if op.op == "finish" else OK
 
     async def _load_checkpoint(self, path: str, version: int) -> str:
         """Load a checkpoint under the checkpoint root as `version`: "ok", or why not."""

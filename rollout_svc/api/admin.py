@@ -11,7 +11,7 @@ one a worker's engine refused 409.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter
 
@@ -27,6 +27,10 @@ from rollout_svc.api.schemas import (
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.errors import WeightSyncError
 from rollout_svc.openai.errors import APIError
+from rollout_svc.protocol import PauseMode
+
+if TYPE_CHECKING:
+    from rollout_svc.client.weight_sender import SyncReport
 
 
 def admin_router(client: RolloutClient) -> APIRouter:
@@ -101,13 +105,18 @@ def admin_router(client: RolloutClient) -> APIRouter:
         """A weight sync from a checkpoint (`WeightSender.update_from_checkpoint`): pause, every worker loads it,
         commit `version`, resume. Returns the `SyncReport` (loaded, stale, dead, seconds). 400: the version is not above
         the committed one; 409: no worker loaded it (the old version stays committed), naming why."""
-        from rollout_svc.client.weight_sender import WeightSender  # imports torch: only when a sync is asked for
-
-        async with WeightSender(settings=client.settings) as sender:
-            try:
-                report = await sender.update_from_checkpoint(body.path, body.version, body.pause_mode)
-            except WeightSyncError as exc:
-                raise APIError(409, str(exc), code="weight_sync_failed") from exc
-        return dataclasses.asdict(report)
+        return dataclasses.asdict(await sync_from_checkpoint(client, body.path, body.version, body.pause_mode))
 
     return router
+
+
+async def sync_from_checkpoint(client: RolloutClient, path: str, version: int, pause_mode: PauseMode) -> SyncReport:
+    """`WeightSender.update_from_checkpoint` for an HTTP route: a `WeightSyncError` (no worker loaded it) becomes
+    `APIError` 409 naming why; `InvalidRequestError` (a version not above the committed one) is the app's 400."""
+    from rollout_svc.client.weight_sender import WeightSender  # imports torch: only when a sync is asked for
+
+    async with WeightSender(settings=client.settings) as sender:
+        try:
+            return await sender.update_from_checkpoint(path, version, pause_mode)
+        except WeightSyncError as exc:
+            raise APIError(409, str(exc), code="weight_sync_failed") from exc

@@ -28,6 +28,7 @@ from rollout_svc.api.generation import Generation, until_disconnected
 from rollout_svc.api.metrics import install_metrics
 from rollout_svc.api.served import ServedModels, session_header
 from rollout_svc.api.skyrl import InFlight, control_router, data_router
+from rollout_svc.api.skyrl_weights import weights_router
 from rollout_svc.batch.store import BatchStore
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.config import Settings
@@ -144,5 +145,6 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     app.include_router(data_router(client, served, generation, inflight, default_max_tokens), dependencies=data)
     control = [] if settings.api.open_control else [auth.admin_dependency()]  # open: loopback only (`serve`)
     app.include_router(control_router(client, inflight), dependencies=control)
+    app.include_router(weights_router(client), dependencies=control)
     app.include_router(admin_router(client), dependencies=[auth.admin_dependency()])
     return app

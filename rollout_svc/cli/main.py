@@ -522,14 +522,23 @@ def bench(
     api_requests: Annotated[int, typer.Option(min=100, help="Requests per HTTP API / Python client run.")] = 3000,
     api_in_flight: Annotated[int, typer.Option(min=1, help="Requests in flight in the HTTP API part.")] = 32,
     batch_lines: Annotated[int, typer.Option(min=10, help="Lines of the batch-job part.")] = 2000,
+    only: Annotated[
+        str | None,
+        typer.Option(help="Measure one section alone (skyrl: SkyRL's client path) and replace it in --output."),
+    ] = None,
 ) -> None:
     """Measure queue overhead, control latency and the HTTP API beside the Python client (echo engine),
-    generation efficiency (vLLM through the service vs direct) and weight sync (vLLM workers vs a bare gloo
-    broadcast)."""
-    from rollout_svc.tools.bench.run import run_bench
+    generation efficiency (vLLM through the service vs direct), weight sync (vLLM workers vs a bare gloo
+    broadcast), the hop and SkyRL's client path beside vllm-router, and shards."""
+    from rollout_svc.tools.bench.run import SECTIONS, run_bench, run_section
     from rollout_svc.tools.progress import Progress
 
     _logging("WARNING")
+    if only is not None:
+        if only not in SECTIONS:
+            raise typer.BadParameter(f"choose from {', '.join(sorted(SECTIONS))}", param_hint="--only")
+        run_section(redis_url, output, only, " ".join(["rollout-svc", *sys.argv[1:]]))
+        return
     if not skip_vllm and model is None:
         with Progress(None, "preparing the model"):
             model = _prepare_default_model(Settings())

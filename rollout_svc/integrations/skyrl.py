@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from rollout_svc.client.engine_weights import EngineWeightTransfer
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.errors import RolloutError
 from rollout_svc.openai.errors import APIError, from_exception, invalid_body
@@ -75,6 +76,7 @@ class _Engine:
     ) -> None:
         self.client, self._model_name, self.owns_client = client, model_name, owns_client
         self.endpoint_url, self._weight_version = endpoint_url, 0
+        self._engine_weights: EngineWeightTransfer | None = None  # made at the first weight call
 
     @property
     def model_name(self) -> str:
@@ -122,7 +124,10 @@ class _Engine:
             "response_ids": [t.completion_token_ids for t in trajectories],
             "stop_reasons": [t.finish_reason for t in trajectories],
             "response_logprobs": [t.logprobs for t in trajectories] if params.logprobs is not None else None,
-            "prompt_logprobs": None,
+            # per prompt position, the prompt token's logprob (None at position 0, as SkyRL's `sample` gives)
+            "prompt_logprobs": [[row[0][2] if row else None for row in t.prompt_logprobs or []] for t in trajectories]
+            if params.prompt_logprobs is not None
+            else None,
             "rollout_expert_indices": None,
         }
 
@@ -226,16 +231,49 @@ class _Engine:
 
     # --- weights ---------------------------------------------------------------------------------------------
 
-    async def init_weight_update_communicator(self, init_info: Any) -> None:
-        raise NotImplementedError(
-            "SkyRL's own broadcast group is not joined by rollout-svc yet: sync weights with "
-            "rollout_svc.WeightSender (update or update_from_checkpoint) from the trainer's process"
-        )
+    async def init_weight_update_communicator(self, init_info: Any) -> dict[str, int]:
+        """SkyRL's init of the trainer-led broadcast, as its `RemoteInferenceClient` makes it over HTTP: every live
+        worker's vLLM engine joins the trainer's NCCL group (`EngineWeightTransfer.init`). `init_info`: SkyRL's
+        `BroadcastInitInfo` (its `for_servers` and `to_api_payload`; the fleet is one server) or vLLM's init_info
+        dict. Returns each worker's first rank. Raises `WeightSyncError` naming each worker that could not join."""
+        if hasattr(init_info, "to_api_payload"):
+            _, per_server = await self.get_world_size()
+            [init_info] = init_info.for_servers(per_server, 1)
+            init_info = init_info.to_api_payload()
+        if not isinstance(init_info, dict):
+            raise TypeError(f"init_info: SkyRL's BroadcastInitInfo or vLLM's init_info dict, not {type(init_info)}")
+        return await self._transfer().init(init_info)
+
+    async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        """vLLM's `start_weight_update` on every worker of the last init (checkpoint-format weights only)."""
+        if not is_checkpoint_format:
+            raise ValueError("is_checkpoint_format=False (kernel-format weights) is not served: send checkpoint format")
+        await self._transfer().start()
 
     async def update_named_weights(self, request: Any) -> None:
-        await self.init_weight_update_communicator(request)
+        """vLLM's `update_weights` on every worker of the last init: `request` is vLLM's update_info dict (`names`,
+        `dtype_names`, `shapes`, `packed`, ...), received while the trainer broadcasts."""
+        if not isinstance(request, dict):
+            raise TypeError(
+                "update_named_weights takes vLLM's update_info dict (SkyRL's new inference path); CUDA IPC handles "
+                "are pickled and never accepted here: use the NCCL broadcast or rollout_svc.WeightSender"
+            )
+        await self._transfer().update(request)
+
+    update_weights_nccl = update_named_weights
+
+    async def finish_weight_update(self) -> int:
+        """vLLM's `finish_weight_update` on every worker, then the next weight version committed; returns it."""
+        return await self._transfer().finish()
+
+    def _transfer(self) -> EngineWeightTransfer:
+        if self._engine_weights is None:
+            self._engine_weights = EngineWeightTransfer(self.client.settings)
+        return self._engine_weights
 
     async def teardown(self) -> None:
+        if self._engine_weights is not None:
+            await self._engine_weights.close()
         if self.owns_client:
             await self.client.close()
 

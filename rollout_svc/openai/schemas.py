@@ -21,7 +21,7 @@ Count = Annotated[int, Field(ge=0, lt=2**63)]
 TokenId = Annotated[int, Field(ge=0, lt=2**63)]
 
 
-def _check_ints(path: str, value: Any) -> None:
+def check_wire_ints(path: str, value: Any) -> None:
     """Raise ValueError naming the first integer in `value` (nested dicts and lists) that does not fit in 64 bits."""
     stack: list[tuple[str, Any]] = [(path, value)]
     while stack:  # no recursion: a body nested as deep as the JSON parser allows is walked too
@@ -44,7 +44,7 @@ class Body(BaseModel):
     def _ints_fit_the_wire(self) -> Body:
         for path, value in self._free_form():
             if value:
-                _check_ints(path, value)
+                check_wire_ints(path, value)
         return self
 
 

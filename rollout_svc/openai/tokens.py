@@ -10,7 +10,8 @@ Source: vLLM 0.32's `vllm/entrypoints/scale_out/token_in_token_out/protocol.py` 
 Response (`output_mode` "tokens", the only one served)::
 
     {"request_id", "model", "created", "usage": {"prompt_tokens", "completion_tokens", "total_tokens"},
-     "prompt_logprobs": None, "prompt_token_ids": [int] | None,
+     "prompt_logprobs": [None, {"<token id>": {"logprob", "rank", "decoded_token"}}, ...] | None,
+     "prompt_token_ids": [int] | None,
      "choices": [{"index", "finish_reason": "stop" | "length" | "abort", "stop_reason": None, "token_ids": [int],
                   "logprobs": {"content": [{"token_id", "logprob", "top_logprobs": [{"token_id", "logprob"}]}]}
                               | None,
@@ -34,7 +35,7 @@ from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.errors import GenerationError
 from rollout_svc.openai.errors import APIError
 from rollout_svc.openai.plans import chat_plan
-from rollout_svc.openai.schemas import Body, ChatCompletionRequest
+from rollout_svc.openai.schemas import Body, ChatCompletionRequest, TokenId, check_wire_ints
 from rollout_svc.protocol import SamplingParams, Trajectory
 
 # vLLM SamplingParams fields we implement, by our name (the same as vLLM's).
@@ -47,7 +48,6 @@ _DEFAULTS: dict[str, Any] = {
     "n": 1,
     "best_of": None,
     "watermarking": None,
-    "prompt_logprobs": None,
     "prompt_logprob_token_ids": None,
     "prompt_logprob_start": None,
     "logprob_token_ids": None,
@@ -73,7 +73,7 @@ class GenerateBody(Body):
     field is refused by name)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    token_ids: list[int] = Field(min_length=1)
+    token_ids: list[TokenId] = Field(min_length=1)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -100,8 +100,6 @@ def generate_params(body: GenerateBody) -> tuple[SamplingParams, int]:
     ):
         if value not in allowed:
             raise APIError(400, f"{name}={value!r} is not served here (only {allowed[0]!r})", param=name)
-    if any(t < 0 for t in body.token_ids):
-        raise APIError(400, "token_ids must be non-negative", param="token_ids")
     return vllm_sampling_params(body.sampling_params)
 
 
@@ -109,6 +107,10 @@ def vllm_sampling_params(sampling_params: dict[str, Any]) -> tuple[SamplingParam
     """Our `SamplingParams` and `n` of vLLM's sampling params (a dict, as SkyRL sends them). Raises `APIError` 400
     naming what is refused: a field we do not implement set to other than vLLM's default, an unknown field, a bad
     value."""
+    try:
+        check_wire_ints("sampling_params", sampling_params)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="sampling_params") from exc
     fields: dict[str, Any] = {}
     n = 1
     for name, value in sampling_params.items():
@@ -187,11 +189,25 @@ def generate_response(
         "model": model,
         "created": int(time.time()),
         "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
-        "prompt_logprobs": None,
+        "prompt_logprobs": vllm_prompt_logprobs(trajectories[0]) if trajectories else None,
         "prompt_token_ids": list(body.token_ids) if body.return_token_ids else None,
         "choices": [_choice(j, t, logprobs) for j, t in enumerate(trajectories)],
         "weight_version": min((t.weight_version for t in trajectories), default=0),
     }
+
+
+def vllm_prompt_logprobs(t: Trajectory) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` of a response: per prompt position, None at 0, then `{token id (a string):
+    {"logprob", "rank", "decoded_token"}}`, the prompt token's entry first (vLLM's `Logprob` as its server dumps
+    it). None where the request did not ask for them."""
+    if t.prompt_logprobs is None:
+        return None
+    return [
+        {str(tid): {"logprob": logprob, "rank": rank, "decoded_token": text} for tid, text, logprob, rank in row}
+        if i
+        else None
+        for i, row in enumerate(t.prompt_logprobs)
+    ]
 
 
 def _choice(index: int, t: Trajectory, logprobs: bool) -> dict[str, Any]:

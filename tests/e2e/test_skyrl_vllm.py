@@ -1,11 +1,13 @@
 """SkyRL's own `RemoteInferenceClient` (skyrl 0.3.0, unmodified) through `rollout-svc serve` to real vLLM workers on
-the real model (float32): its `generate` equals `RolloutClient.generate` token for token, logprobs within 1e-4; a
+the real model (float32): its `generate` equals `RolloutClient.generate` token for token, logprobs within 1e-4; its
+`sample` scores a prompt (prompt logprobs) with the logprobs the model sampled it with; a
 token-in/token-out multi-turn episode as SkyRL's generators run one (render the conversation, generate from its
 token ids, append, render the next turn) on the real chat template, one session on one worker; and vLLM's chat
-templating fields on that template.
+templating fields on that template; `/fetch_weights` from a checkpoint changes SkyRL's greedy output on every worker
+and the original checkpoint restores it.
 
 Not here (not built yet): a SkyRL generator class itself (`SkyRLGymGenerator` needs skyrl-gym, omegaconf and torch
-pins beyond the client's), and `fetch_weights`. One module fixture: two workers (one CPU core each), one `serve`.
+pins beyond the client's). One module fixture: two workers (one CPU core each), one `serve`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from rollout_svc import RolloutClient
 from rollout_svc.config import EngineSettings, Settings
@@ -34,7 +38,12 @@ MiB = 1024 * 1024
 def fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, str, str]]:
     model_dir = prepare_model(Settings().cache_dir)
     settings = Settings(
-        redis_url=redis_url, key_prefix=f"skyrl-{uuid.uuid4().hex[:6]}", heartbeat_interval_s=0.5, heartbeat_ttl_s=10
+        redis_url=redis_url,
+        key_prefix=f"skyrl-{uuid.uuid4().hex[:6]}",
+        heartbeat_interval_s=0.5,
+        heartbeat_ttl_s=10,
+        checkpoint_root=tmp_path_factory.mktemp("checkpoints"),
+        control_timeout_s=120,
     )
     engine = EngineSettings(model=str(model_dir), dtype="float32", max_num_seqs=16, kv_cache_memory_bytes=256 * MiB)
     logs = tmp_path_factory.mktemp("skyrl-vllm")
@@ -53,6 +62,42 @@ async def _with(client: Any, coro: Any) -> Any:
         return await coro
     finally:
         await client.teardown()
+
+
+def test_skyrls_sample_scores_a_prompt_as_the_model_sampled_it(fleet):
+    """SkyRL's `sample` with prompt logprobs (Tinker's scoring call): sample a completion at temperature 1, then
+    score prompt + completion; the prompt logprobs at the completion's positions are the logprobs it was sampled
+    with (the same float32 model; prefill and decode differ in rounding only), and each position's top-k entries
+    are ranked, best first, with the prompt token's own rank among them where it is in the top k."""
+    settings, base, model = fleet
+    k = 3
+
+    async def main() -> tuple[list[int], dict[str, Any], dict[str, Any]]:
+        async with RolloutClient(settings) as rollout:
+            [prompt] = await rollout.tokenize(["The capital of France is"])
+        client = skyrl(base, model)
+        params = {"temperature": 1.0, "max_tokens": 8, "seed": 11, "logprobs": 0}
+        sampled = await _with(client, client.sample({"json": {
+            "prompt": {"chunks": [{"tokens": prompt}]}, "num_samples": 1, "sampling_params": params,
+        }}))  # fmt: skip
+        scored_prompt = prompt + sampled["sequences"][0]["tokens"]
+        scored = await _with(client, client.sample({"json": {
+            "prompt": {"chunks": [{"tokens": scored_prompt}]}, "num_samples": 1,
+            "sampling_params": {"max_tokens": 1, "temperature": 0.0},
+            "include_prompt_logprobs": True, "topk_prompt_logprobs": k,
+        }}))  # fmt: skip
+        return prompt, sampled, scored
+
+    prompt, sampled, scored = asyncio.run(main())
+    completion = sampled["sequences"][0]
+    assert scored["prompt_logprobs"][0] is None and len(scored["prompt_logprobs"]) == len(prompt) + 8
+    assert all(lp is not None and lp <= 0.0 for lp in scored["prompt_logprobs"][1:])
+    for position, logprob in enumerate(completion["logprobs"]):
+        assert math.isclose(scored["prompt_logprobs"][len(prompt) + position], logprob, abs_tol=1e-3), position
+    for position, top in enumerate(scored["topk_prompt_logprobs"][1:], start=1):
+        assert len(top) == k and [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True), position
+        own = scored["prompt_logprobs"][position]
+        assert top[0][1] >= own - 1e-6  # nothing in the prompt beats the model's best guess
 
 
 def test_skyrls_generate_equals_rollout_client_token_for_token(fleet):
@@ -127,3 +172,47 @@ def test_chat_templating_fields_on_the_real_template(fleet):
     continued = render(add_generation_prompt=False, continue_final_message=True)
     assert len(continued) < len(closed) < len(opened)  # each leaves out more of the template's tail
     assert opened[: len(continued)] == continued, "continuing leaves the final message open, as it was written"
+
+
+def test_fetch_weights_from_a_checkpoint_changes_the_output_and_restores_it(fleet):
+    settings, base, model = fleet
+    root = settings.weight_sync.checkpoint_root
+    assert root is not None
+    original = load_file(str(prepare_model(Settings().cache_dir) / "model.safetensors"))
+    noise = torch.Generator().manual_seed(0)
+    for name, tensors in {
+        "original": original,
+        "perturbed": {n: t + 0.1 * t.std() * torch.randn(t.shape, generator=noise) for n, t in original.items()},
+    }.items():
+        (root / name).mkdir()
+        save_file(tensors, str(root / name / "model.safetensors"))
+    params = {"temperature": 0.0, "max_tokens": 12, "stop": None}
+    sessions = [f"fetch-{i}" for i in range(4)]  # spread over both workers (checked below)
+
+    def greedy() -> list[list[int]]:
+        async def main() -> dict[str, Any]:
+            client = skyrl(base, model)
+            prompt = list(range(1000, 1010))
+            body = {"prompt_token_ids": [prompt] * 4, "sampling_params": params, "session_ids": sessions}
+            return await _with(client, client.generate(body))
+
+        return asyncio.run(main())["response_ids"]
+
+    def fetch(name: str) -> dict[str, Any]:
+        response = httpx.post(f"{base}/fetch_weights", json={"path": str(root / name)}, timeout=300)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    async def workers_of_sessions() -> set[str]:
+        async with RolloutClient(settings) as rollout:
+            return {w for s in sessions if (w := await rollout.session_worker(s)) is not None}
+
+    base_ids = greedy()
+    assert len(asyncio.run(workers_of_sessions())) == 2, "the sessions did not reach both workers"
+    version = httpx.get(f"{base}/weight_info").json()["weight_version"]
+    perturbed = fetch("perturbed")
+    assert sorted(perturbed["loaded"]) == ["vllm-0", "vllm-1"] and perturbed["weight_version"] == int(version) + 1
+    changed = greedy()
+    assert all(c != b for c, b in zip(changed, base_ids, strict=True)), "the perturbed checkpoint did not change both"
+    fetch("original")
+    assert greedy() == base_ids, "the original checkpoint did not restore the output"

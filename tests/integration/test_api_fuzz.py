@@ -79,10 +79,8 @@ def cases(admin: bool) -> list[Any]:
         if (path in ADMIN_PATHS) != admin:
             continue
         modes = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE] if takes_input else [GenerationMode.POSITIVE]
-        if (
-            path == "/admin/weights/checkpoint"
-        ):  # a valid body is a real weight sync: tests/integration/test_weight_sync
-            modes = [GenerationMode.NEGATIVE]
+        if path in ("/admin/weights/checkpoint", "/fetch_weights"):
+            modes = [GenerationMode.NEGATIVE]  # a valid body is a real weight sync: tests/integration/test_weight_sync
         params += [pytest.param(method, path, mode, id=f"{method} {path} {mode.value}") for mode in modes]
     return params
 

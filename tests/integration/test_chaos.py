@@ -22,7 +22,8 @@ def test_a_short_chaos_run_injects_every_kind_of_fault_and_leaves_a_clean_ledger
     story = run.stdout[-6000:] + run.stderr[-2000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert {"requests", "faults", "violations"} <= summary.keys()
-    assert summary["violations"] == [], story
+    # The violations first: a long story is cut where CI prints it.
+    assert summary["violations"] == [], (summary["violations"][:5], summary.get("worker_error_samples"), story[-4000:])
     assert run.returncode == 0, story
     assert summary["requests"] >= 100, story
     assert summary["answered"] == summary["requests"]

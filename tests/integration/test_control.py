@@ -331,6 +331,11 @@ async def test_the_control_state_survives_a_redis_that_forgets_it(settings, echo
         assert await client.resume() == epoch + 1
 
 
+# A stopped worker must stay live through the CLI's start (seconds of imports on a busy machine), not die at 2 s
+# and leave every *live* worker acknowledging. Ten CLI processes, each a second or more of imports when the other
+# xdist worker runs vLLM: 30 s is too tight.
+@pytest.mark.heartbeat_ttl(30.0)
+@pytest.mark.timeout(120)
 def test_cli_control_commands_and_status(settings, echo_workers, workers):
     echo_workers(2)
     paused = cli(settings, "pause", "--mode", "wait", "--timeout-s", "10")

@@ -14,6 +14,7 @@ import pytest
 
 from rollout_svc import RolloutClient
 from rollout_svc.config import Settings
+from rollout_svc.errors import InvalidRequestError, WeightSyncError
 from rollout_svc.integrations.skyrl import BASE, skyrl_module
 from tests.integration.test_skyrl_client import PROMPT, SKYRL_PARAMS
 from tests.support import ROOT, async_wait_until
@@ -75,8 +76,14 @@ async def test_it_is_skyrls_interface_and_serves_every_call_in_process(engine, s
         epoch = max(w.applied_epoch for w in await rollout.workers())
         await engine.reset_prefix_cache()
         assert all(w.applied_epoch > epoch for w in await rollout.workers())
-    with pytest.raises(NotImplementedError, match="WeightSender"):
-        await engine.init_weight_update_communicator(None)
+    # vLLM's native weight transfer: both echo workers are asked and refuse by name (they have no vLLM engine)
+    info = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 3}
+    with pytest.raises(WeightSyncError, match=r"echo-0.*no vLLM weight transfer engine.*echo-1"):
+        await engine.init_weight_update_communicator(info)
+    with pytest.raises(InvalidRequestError, match="before init_weight_transfer_engine"):
+        await engine.start_weight_update()
+    with pytest.raises(TypeError, match="pickled"):
+        await engine.update_named_weights(None)
 
 
 async def test_sessions_stay_on_one_worker(engine, settings):

@@ -82,6 +82,14 @@ def test_every_call_skyrl_makes_gets_a_vllm_shaped_answer(fleet, settings):
     )
     assert [s["tokens"] for s in sampled["sequences"]] == [PROMPT[:5]] * 3
     assert all(s["logprobs"] == [0.0] * 5 and s["stop_reason"] == "length" for s in sampled["sequences"])
+    assert sampled["prompt_logprobs"] is None  # not asked for
+    # SkyRL's prompt logprobs (Tinker's): vLLM's top-level prompt_logprobs, read by SkyRL's own parsing. The echo is
+    # certain of each prompt token: logprob 0 at every position but the first, which has nothing before it.
+    asked = {"prompt": {"chunks": [{"tokens": PROMPT[:6]}]}, "num_samples": 2, "sampling_params": {"max_tokens": 3}}
+    scored = call(client, "sample", {"json": {**asked, "include_prompt_logprobs": True, "topk_prompt_logprobs": 2}})
+    assert scored["prompt_logprobs"] == [None] + [0.0] * 5
+    assert scored["topk_prompt_logprobs"] == [None] + [[(t, 0.0)] for t in PROMPT[1:6]]
+    assert [s["tokens"] for s in scored["sequences"]] == [PROMPT[:3]] * 2
 
     chat = call(
         client,
@@ -198,6 +206,8 @@ def test_sampling_params_are_lenient_where_vllm_is_and_refuse_what_is_not_served
         ({"bad_words": ["x"]}, "sampling_params.bad_words"),
         ({"no_such_field": 1}, "sampling_params.no_such_field"),
         ({"max_tokens": 0}, "sampling_params.max_tokens"),
+        ({"prompt_logprobs": 21}, "sampling_params.prompt_logprobs"),
+        ({"seed": 2**64}, "sampling_params"),
     ):
         refused = httpx.post(url, json={"token_ids": PROMPT, "sampling_params": params})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == named, refused.text

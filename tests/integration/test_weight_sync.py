@@ -235,3 +235,34 @@ async def test_the_admin_route_syncs_from_a_checkpoint(ws_settings, procs, tmp_p
         outside = await http.post(route, json={"path": str(tmp_path), "version": 4}, headers=admin)
         assert outside.status_code == 409 and "w0" in outside.json()["error"]["message"]
         assert (await http.get("/admin/weight_version", headers=admin)).json()["weight_version"] == 3
+
+
+@pytest.mark.timeout(60)
+async def test_skyrls_fetch_weights_loads_a_checkpoint_as_the_next_version(ws_settings, procs, tmp_path):
+    import httpx
+
+    from rollout_svc.api import create_app
+
+    start(procs, "w0", "w1")
+    checkpoint = ws_settings.weight_sync.checkpoint_root / "step-1"
+    checkpoint.mkdir()
+    save_file(tensors(1), str(checkpoint / "model.safetensors"))
+    app = create_app(ws_settings.copy_with(open_control=True))  # SkyRL's client sends no admin token
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api", timeout=60) as http,
+        RolloutClient(ws_settings) as client,
+    ):
+        assert (await http.get("/weight_info")).json() == {"weight_version": "0"}
+        fetched = (await http.post("/fetch_weights", json={"path": str(checkpoint)})).json()
+        assert fetched["weight_version"] == 1 and fetched["loaded"] == ["w0", "w1"] and not fetched["stale"]
+        assert (await http.get("/weight_info")).json() == {"weight_version": "1"}
+        [trajectory] = await client.generate([PROMPT], {"max_tokens": 4})
+        assert trajectory.weight_versions == [(1, 0)]
+        again = await http.post("/fetch_weights", json={"path": str(checkpoint), "weight_version": 5})
+        assert again.json()["weight_version"] == 5 and (await http.get("/weight_info")).json()["weight_version"] == "5"
+        outside = await http.post("/fetch_weights", json={"path": str(tmp_path)})
+        assert outside.status_code == 409 and "w0" in outside.json()["error"]["message"]
+        typo = await http.post("/fetch_weights", json={"path": str(checkpoint), "version": 7})
+        assert typo.status_code == 400 and "version" in typo.text  # SkyRL's name is weight_version: unknown is refused
+        assert (await http.get("/weight_info")).json()["weight_version"] == "5"

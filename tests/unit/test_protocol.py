@@ -110,11 +110,12 @@ def test_a_workers_answer_decodes_without_pydantic_to_the_same_model_and_is_stil
         queue_time_s=0.5, generation_time_s=1.5, abort_cause="pause", interruptions=1,
         weight_versions=[(1, 0), (2, 1)], staleness=None, top_logprobs=[[(3, "a", -0.5)], [(4, "b", -0.25)]],
         tokens=["a", "b"], tool_calls=[{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
-        content="",
+        content="", prompt_logprobs=[[], [(2, "b", -1.5, 3), (7, "x", -0.1, 1)]],
     )  # fmt: skip
     decoded = decode(encode(full))
     assert decoded == full and type(decoded) is Trajectory
     assert decoded.weight_versions == [(1, 0), (2, 1)] and decoded.top_logprobs == [[(3, "a", -0.5)], [(4, "b", -0.25)]]
+    assert decoded.prompt_logprobs == [[], [(2, "b", -1.5, 3), (7, "x", -0.1, 1)]]
     assert decoded.model_copy(update={"staleness": 0}).staleness == 0  # a real model: it copies
     minimal = decode(encode(Trajectory(request_id="r", prompt_token_ids=[1], finish_reason="stop")))
     assert minimal.completion_token_ids == [] and minimal.error is None

@@ -17,14 +17,16 @@ def test_none_is_unset_and_vllm_defaults_of_unserved_fields_pass():
     params, n = generate_params(body(stop=None, seed=None, max_tokens=None, temperature=0.5, logit_bias=None, n=None))
     assert (params.stop, params.seed, params.max_tokens, params.temperature, n) == ([], None, 16, 0.5, 1)
     params, n = generate_params(body(stop="x", n=3, output_kind=2, detokenize=False, prompt_logprobs=None))
-    assert params.stop == ["x"] and n == 3
+    assert params.stop == ["x"] and n == 3 and params.prompt_logprobs is None
+    assert generate_params(body(prompt_logprobs=0))[0].prompt_logprobs == 0  # the sampled token's only, as vLLM
 
 
 @pytest.mark.parametrize(
     ("params", "named"),
     [
         ({"logit_bias": {"1": 2.0}}, "sampling_params.logit_bias"),
-        ({"prompt_logprobs": 1}, "sampling_params.prompt_logprobs"),
+        ({"allowed_token_ids": [1]}, "sampling_params.allowed_token_ids"),
+        ({"prompt_logprobs": 21}, "sampling_params.prompt_logprobs"),
         ({"no_such": 1}, "sampling_params.no_such"),
         ({"n": 0}, "sampling_params.n"),
         ({"temperature": -1}, "sampling_params.temperature"),

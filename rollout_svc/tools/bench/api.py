@@ -107,7 +107,7 @@ def api_overhead(
     with (
         Progress(None, "bench (f) HTTP API beside the Python client"),
         cluster.running(ready_timeout_s=60),
-        _serving(settings, max(SERVE_COUNTS), log_dir) as serves,
+        serving(settings, max(SERVE_COUNTS), log_dir) as serves,
     ):
         figures = asyncio.run(_measure(settings, serves, requests, in_flight, rounds))
     console.print(figures, f"ratio {figures.ratio:.3f}, p50 gap at 1 in flight {figures.p50_gap_ms:+.2f} ms")
@@ -118,7 +118,7 @@ def api_overhead(
 
 
 @contextlib.contextmanager
-def _serving(settings: Settings, count: int, log_dir: Path) -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
+def serving(settings: Settings, count: int, log_dir: Path) -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
     """`count` `rollout-svc serve` processes on free loopback ports, each answering /health; stopped on leaving."""
     env = {**os.environ, **settings_env(settings)}  # ROLLOUT_REDIS_URL and the key prefix included
     serves: list[tuple[str, subprocess.Popen[bytes]]] = []

@@ -164,7 +164,7 @@ def run_hop_bench(
     return figures
 
 
-def _redis_cpu(client: redis.Redis) -> CpuMeter:
+def redis_cpu(client: redis.Redis) -> CpuMeter:
     """Redis' own CPU seconds (INFO cpu: user + system, every thread; with a shared Redis, its other users' too)."""
 
     def read() -> float:
@@ -181,7 +181,7 @@ async def _measure_hops(
     the router's points and its 1-in-flight point, our batched call, our points and our 1-in-flight point."""
     params = {"max_tokens": len(HOP_PROMPT)}
     with contextlib.closing(redis_sync(settings.redis_url)) as rds:
-        ours_meters = {"client": time.process_time, "workers": cpu_of(worker_pids), "redis": _redis_cpu(rds)}
+        ours_meters = {"client": time.process_time, "workers": cpu_of(worker_pids), "redis": redis_cpu(rds)}
         async with (
             router_sender(fleet, max(plan.in_flights)) as (router_send, router_meters),
             RolloutClient(settings) as client,

@@ -38,6 +38,11 @@ COMPLETION = {
     ],
     "usage": {"prompt_tokens": 16, "completion_tokens": 16, "total_tokens": 32},
 }
+GENERATE = {  # vLLM's `/inference/v1/generate` answer (SkyRL's `generate`), 16 token ids out
+    "request_id": "gen-hop",
+    "choices": [{"index": 0, "token_ids": HOP_PROMPT, "logprobs": None, "finish_reason": "stop"}],
+}
+DETOKENIZED = {"prompt": "abcdefghijklmnop"}  # vLLM's `/detokenize` answer (SkyRL's `generate` calls it after each)
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 
@@ -142,6 +147,7 @@ class RouterFleet:
     router_pid: int
     backend_pids: list[int]
     command: list[str]  # the router's command line, `vllm-router` first
+    backend_urls: list[str] = field(default_factory=list)
 
     @property
     def command_line(self) -> str:
@@ -193,7 +199,8 @@ def router_fleet(log_dir: Path, backends: int = 2) -> Iterator[RouterFleet]:
         _wait_answering(
             f"{url}/v1/completions", {"model": MODEL, "prompt": HOP_PROMPT, "max_tokens": 16}, router, log_dir
         )
-        yield RouterFleet(url, router.pid, [p.pid for p in processes[:backends]], ["vllm-router", *args])
+        pids = [p.pid for p in processes[:backends]]
+        yield RouterFleet(url, router.pid, pids, ["vllm-router", *args], urls)
     finally:
         stop_groups(processes)
 
@@ -260,15 +267,25 @@ async def router_sender(fleet: RouterFleet, connections: int) -> AsyncIterator[t
 
 
 def serve_backend(port: int) -> None:
-    """A trivial OpenAI-style backend: one fixed completion for every `POST /v1/completions` (the body is read)."""
+    """A trivial vLLM-style backend: one fixed answer (the body is read) for every `POST /v1/completions`, and, for
+    SkyRL's client, every `POST /inference/v1/generate` and `POST /detokenize`."""
     from aiohttp import web
 
     completion = json.dumps(COMPLETION).encode()
+    generated, detokenized = json.dumps(GENERATE).encode(), json.dumps(DETOKENIZED).encode()
     models = {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "rollout-svc"}]}
 
     async def completions(request: web.Request) -> web.Response:
         await request.read()
         return web.Response(body=completion, content_type="application/json")
+
+    async def generate(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=generated, content_type="application/json")
+
+    async def detokenize(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=detokenized, content_type="application/json")
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -278,6 +295,8 @@ def serve_backend(port: int) -> None:
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/inference/v1/generate", generate)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, backlog=8192, shutdown_timeout=1.0)

@@ -33,6 +33,7 @@ from rollout_svc.tools.bench import batch as bench_batch
 from rollout_svc.tools.bench import control as bench_control
 from rollout_svc.tools.bench import hop as bench_hop
 from rollout_svc.tools.bench import shards as bench_shards
+from rollout_svc.tools.bench import skyrl as bench_skyrl
 from rollout_svc.tools.progress import Progress
 from rollout_svc.tools.runs import percentile, private_settings
 
@@ -85,6 +86,7 @@ def run_bench(
     api = bench_api.api_overhead(redis_url, api_requests, api_in_flight, _log_dir(), console)
     batch = bench_batch.batch_overhead(redis_url, batch_lines, _log_dir(), console)
     hop = bench_hop.run_hop_bench(redis_url, console, _log_dir(), command=command)
+    skyrl = bench_skyrl.run_skyrl_bench(redis_url, console, _log_dir(), command=command)
     shards_plan = bench_shards.ShardsPlan(requests=requests)
     shards = bench_shards.run_shards_bench(console, _log_dir(), shards_plan, command=command)
     generation: list[GenerationFigures] = []
@@ -97,8 +99,40 @@ def run_bench(
     text = _report(command, queue, generation, prompts, max_tokens, requests)
     sections = bench_control.report(control, frozen) + weights + bench_api.report(api)
     text += "\n".join(sections + bench_batch.report(batch, command)) + "\n"
-    output.write_text(text + bench_hop.render_hop(hop) + bench_shards.render_shards(shards))
+    rendered = bench_hop.render_hop(hop) + bench_skyrl.render_skyrl(skyrl) + bench_shards.render_shards(shards)
+    output.write_text(text + rendered)
     console.print(f"wrote {output}")
+
+
+SECTIONS = {"skyrl": "## (i) "}  # what `--only` can measure alone: the heading that starts its section
+
+
+def run_section(redis_url: str | None, output: Path, section: str, command: str) -> None:
+    """Measure one section (`SECTIONS`) and put it in `output` in place of the same section (or after the last one),
+    keeping every other section as it was; the section names its own command, and a line under it names the date and
+    commit of this run. Raises `ValueError` for an unknown section."""
+    if section not in SECTIONS:
+        raise ValueError(f"unknown section {section!r}: choose from {', '.join(sorted(SECTIONS))}")
+    console = Console()
+    figures = bench_skyrl.run_skyrl_bench(redis_url, console, _log_dir(), command=command)
+    when = f"Measured alone on {time.strftime('%Y-%m-%d')} at commit `{_commit()}`, {platform.machine()} with"
+    body = bench_skyrl.render_skyrl(figures).replace("\nCommand:", f"\n{when} {os.cpu_count()} CPUs.\nCommand:", 1)
+    output.write_text(replace_section(output.read_text() if output.exists() else "", SECTIONS[section], body))
+    console.print(f"wrote {output} (section {section})")
+
+
+def replace_section(report: str, heading: str, body: str) -> str:
+    """`report` with the section starting at the line `heading...` replaced by `body` (up to the next `## ` heading);
+    if there is none, `body` goes before the first section whose heading sorts after `heading` (`## (s)` after
+    `## (i)`), or at the end."""
+    lines = report.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.startswith(heading)), None)
+    if start is None:
+        start = end = next((i for i, line in enumerate(lines) if line.startswith("## ") and line > heading), len(lines))
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    head = "".join(lines[:start]).rstrip("\n") + "\n"
+    return head + body + ("\n" + "".join(lines[end:]) if end < len(lines) else "")
 
 
 # --- (a) queue overhead --------------------------------------------------------------------------------------
@@ -228,6 +262,11 @@ def _log_dir() -> Path:
 # --- the report ------------------------------------------------------------------------------------------------
 
 
+def _commit() -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return commit or "unknown"
+
+
 def _report(
     command: str,
     queue: list[QueueFigures],
@@ -236,11 +275,11 @@ def _report(
     max_tokens: int,
     requests: int,
 ) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = _commit()
     lines = [
         "# Benchmarks",
         "",
-        f"Produced by `{command}` on {time.strftime('%Y-%m-%d')} at commit `{commit or 'unknown'}`,",
+        f"Produced by `{command}` on {time.strftime('%Y-%m-%d')} at commit `{commit}`,",
         f"on {platform.machine()} with {os.cpu_count()} CPUs, Python {platform.python_version()}. Every figure",
         "below comes from that one run; compare them as ratios within it (the machine is shared and noisy).",
         "",

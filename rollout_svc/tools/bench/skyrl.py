@@ -1,0 +1,236 @@
+"""`rollout-svc bench`, section (i): SkyRL's own client path, `serve` vs vllm-router, the load SkyRL's generators make.
+
+SkyRL's `RemoteInferenceClient.generate` (skyrl 0.3.0, unmodified, its own aiohttp session and concurrency cap)
+sends one `POST /inference/v1/generate` per prompt, then one `POST /detokenize` for its text. Both sides are driven
+the same way from this process, K lanes each calling `generate` with one prompt (16 token ids in, 16 out) as its
+last call returns (closed loop, K = 1, 64, 1,000), measured in turn at each load (the router first), both up at once:
+
+- vllm-router 0.1.17 over two trivial aiohttp backends that answer both routes with fixed bodies
+  (`rollout_svc.tools.bench.router`); SkyRL's client as SkyRL runs it behind a router: `proxy_url` the router,
+  `server_urls` the two backends;
+- one `rollout-svc serve` over 2 echo workers and a private redis-server; SkyRL's client as docs/skyrl.md says:
+  `proxy_url` and `server_urls=[serve]`.
+
+SkyRL caps a client's generates in flight at 512 per entry of `server_urls` (`SKYRL_GENERATE_CONCURRENCY_PER_ENGINE`):
+512 for `serve`, 1,024 for the router; the report says so beside the 1,000 point. CPU per request of every process on
+each side (this process is the load generator on both).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from rollout_svc.config import EngineSettings
+from rollout_svc.connections.urls import redis_sync
+from rollout_svc.deploy.local import LocalCluster
+from rollout_svc.tools.bench.api import serving
+from rollout_svc.tools.bench.hop import redis_cpu
+from rollout_svc.tools.bench.router import (
+    HOP_PROMPT,
+    MODEL,
+    CpuMeter,
+    Point,
+    closed_loop,
+    cpu_of,
+    router_fleet,
+)
+from rollout_svc.tools.progress import Progress
+from rollout_svc.tools.runs import private_settings
+
+CLIENT_MODULE = "skyrl.backends.skyrl_train.inference_servers.remote_inference_client"
+SKYRL_WORKERS = 2
+WORKER_CAPACITY = 4096  # echo max_num_seqs per worker: every request in flight is admitted
+PARAMS = {"max_tokens": len(HOP_PROMPT), "temperature": 0.0, "stop": None}  # None: as SkyRL's defaults send it
+
+
+@dataclass(frozen=True)
+class SkyRLPlan:
+    in_flights: tuple[int, ...] = (1, 64, 1000)
+    duration_s: float = 5.0  # per closed-loop point
+
+
+@dataclass
+class SkyRLFigures:
+    plan: SkyRLPlan
+    command: str
+    router_command: str
+    router: list[Point]  # one per plan.in_flights
+    ours: list[Point]
+
+    def ratios(self) -> list[tuple[str, float, str, bool | None]]:
+        """(what, value, goal, met) for the issue's goals at 64 in flight and at 1."""
+        at = {p.in_flight: i for i, p in enumerate(self.router)}
+        rows: list[tuple[str, float, str]] = []
+        if 64 in at:
+            i = at[64]
+            rows.append(("req/s at 64 in flight: serve / vllm-router", _rate(self.ours[i], self.router[i]), ">= 0.8"))
+        if 1 in at:
+            i = at[1]
+            p50 = self.ours[i].p50_ms / self.router[i].p50_ms
+            rows.append(("p50 at 1 in flight: serve / vllm-router", p50, "<= 1.5"))
+        for point, theirs in zip(self.ours, self.router, strict=True):
+            if point.in_flight not in (1, 64):
+                rows.append((f"req/s at {point.in_flight:,} in flight: serve / vllm-router", _rate(point, theirs), "-"))
+        return [(what, value, goal, _met(value, goal)) for what, value, goal in rows]
+
+
+def _rate(ours: Point, theirs: Point) -> float:
+    return ours.requests_per_s / theirs.requests_per_s
+
+
+def _met(value: float, goal: str) -> bool | None:
+    if goal == "-":
+        return None
+    op, bound = goal.split()
+    return value >= float(bound) if op == ">=" else value <= float(bound)
+
+
+def run_skyrl_bench(
+    redis_url: str | None,
+    console: Console,
+    log_dir: Path | None = None,
+    plan: SkyRLPlan | None = None,
+    command: str = "rollout-svc bench",
+) -> SkyRLFigures:
+    """Measure section (i). `redis_url`: ours runs on a private redis-server when None, else on this one under a key
+    prefix of its own. Every process it started is stopped on return. Raises `RuntimeError` naming `make install` if
+    SkyRL's client is not installed."""
+    from rollout_svc.integrations.skyrl import skyrl_module
+
+    try:
+        skyrl_module(CLIENT_MODULE)
+    except ImportError as exc:
+        raise RuntimeError(f"SkyRL's client is not installed ({exc}): run `make install` (skyrl==0.3.0)") from exc
+    plan = plan or SkyRLPlan()
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="rollout-bench-skyrl-"))
+    settings = private_settings(redis_url, "bench-skyrl").copy_with(redis_data_dir=log_dir / "redis")
+    engine = EngineSettings(engine="echo", max_num_seqs=WORKER_CAPACITY)
+    cluster = LocalCluster(settings, SKYRL_WORKERS, engine, log_dir=log_dir)
+    with (
+        Progress(None, "bench (i) SkyRL's client: vllm-router and its 2 backends, serve and its 2 echo workers"),
+        router_fleet(log_dir) as fleet,
+        cluster.running(ready_timeout_s=60),
+        serving(settings, 1, log_dir) as serves,
+        contextlib.closing(redis_sync(settings.redis_url)) as rds,
+    ):
+        [(serve_url, serve_process)] = serves
+        router_side = (
+            fleet.url,
+            fleet.backend_urls,
+            {"client": time.process_time, "router": cpu_of([fleet.router_pid]), "backends": cpu_of(fleet.backend_pids)},
+        )
+        ours_side = (
+            serve_url,
+            [serve_url],
+            {
+                "client": time.process_time,
+                "serve": cpu_of([serve_process.pid]),
+                "workers": cpu_of([p.pid for p in cluster.processes]),
+                "redis": redis_cpu(rds),
+            },
+        )
+        router, ours = asyncio.run(_measure(router_side, ours_side, plan))
+    figures = SkyRLFigures(plan, command, fleet.command_line, router, ours)
+    console.print(figures)
+    return figures
+
+
+Side = tuple[str, list[str], dict[str, CpuMeter]]  # proxy_url, server_urls, CPU meters
+
+
+async def _measure(router_side: Side, ours_side: Side, plan: SkyRLPlan) -> tuple[list[Point], list[Point]]:
+    from rollout_svc.integrations.skyrl import skyrl_module
+
+    client_class = skyrl_module(CLIENT_MODULE).RemoteInferenceClient
+    clients = [
+        client_class(proxy_url=proxy, server_urls=servers, data_parallel_size=1, model_name=MODEL)
+        for proxy, servers, _ in (router_side, ours_side)
+    ]
+    try:
+        sends = [_sender(client) for client in clients]
+        points: tuple[list[Point], list[Point]] = ([], [])
+        for in_flight in plan.in_flights:
+            for send, (_, _, meters), out in zip(sends, (router_side, ours_side), points, strict=True):
+                await closed_loop(send, in_flight, {}, requests=in_flight)  # warm-up: connections opened
+                out.append(await closed_loop(send, in_flight, meters, duration_s=plan.duration_s))
+        return points
+    finally:
+        for client in clients:
+            await client.teardown()
+
+
+def _sender(client: Any) -> Any:
+    batch = {"prompt_token_ids": [HOP_PROMPT], "sampling_params": PARAMS}
+
+    async def send() -> None:
+        out = await client.generate(batch)
+        assert out["stop_reasons"] == ["stop"] and len(out["response_ids"][0]) == len(HOP_PROMPT), out
+
+    return send
+
+
+# --- the report ----------------------------------------------------------------------------------------------------
+
+
+def render_skyrl(f: SkyRLFigures) -> str:
+    """The report's section (i) (markdown): the command, the setup, the figures beside vllm-router's, CPU."""
+    lines = [
+        "",
+        "## (i) SkyRL's client path: RemoteInferenceClient through serve vs through vllm-router",
+        "",
+        f"Command: `{f.command}`.",
+        "SkyRL's own `RemoteInferenceClient` (skyrl 0.3.0, unmodified: its aiohttp session, its concurrency cap),"
+        " one instance per side",
+        "in this process. Each of K lanes calls `generate` with one prompt (16 token ids in, 16 out, greedy) as its"
+        " last call returns,",
+        "as SkyRL's generators do; each call is one `POST /inference/v1/generate` and one `POST /detokenize`."
+        f" Closed loop for {f.plan.duration_s:g} s",
+        "after a warm-up round of K; both sides up at once, measured in turn at each load (the router first).",
+        "vllm-router 0.1.17 over two trivial aiohttp backends answering both routes with fixed bodies (`proxy_url`"
+        " the router,",
+        f"`server_urls` the backends); it ran as `{f.router_command}`.",
+        f"rollout-svc: one `rollout-svc serve` over {SKYRL_WORKERS} echo workers and a private redis-server"
+        " (`proxy_url` and `server_urls`",
+        "both serve, as docs/skyrl.md says). SkyRL caps a client's generates in flight at 512 per server URL: 512"
+        " through serve, 1,024",
+        "through the router.",
+        "",
+        "| in flight | vllm-router req/s | p50 (ms) | p99 (ms) | serve req/s | p50 (ms) | p99 (ms) | serve / router |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for router, ours in zip(f.router, f.ours, strict=True):
+        lines.append(
+            f"| {router.in_flight:,} | {router.requests_per_s:,.0f} | {router.p50_ms:.2f} | {router.p99_ms:.2f} |"
+            f" {ours.requests_per_s:,.0f} | {ours.p50_ms:.2f} | {ours.p99_ms:.2f} | {_rate(ours, router):.2f} |"
+        )
+    met_text = {True: "yes", False: "no", None: "-"}
+    lines += ["", "The issue's goals, beside the figures (not asserted):", "", "| ratio | value | goal | met |"]
+    lines += ["|---|---:|---|---|"]
+    lines += [f"| {what} | {value:.2f} | {goal} | {met_text[met]} |" for what, value, goal, met in f.ratios()]
+    lines += [
+        "",
+        "CPU microseconds per request, by process (user + system over the measured window; the client is this"
+        " process, the load generator):",
+        "",
+        "| side, in flight | client | vllm-router / serve | backends / workers | Redis | all |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, points in (("vllm-router", f.router), ("serve", f.ours)):
+        for p in points:
+            cpu = p.cpu_us
+            middle = cpu.get("router", cpu.get("serve", 0.0))
+            backends = cpu.get("backends", cpu.get("workers", 0.0))
+            redis = f"{cpu['redis']:,.0f}" if "redis" in cpu else "-"
+            lines.append(
+                f"| {name}, {p.in_flight:,} | {cpu['client']:,.0f} | {middle:,.0f} | {backends:,.0f} | {redis} |"
+                f" {sum(cpu.values()):,.0f} |"
+            )
+    return "\n".join(lines) + "\n"
