@@ -259,7 +259,9 @@ async def test_a_session_queued_in_the_shared_stream_runs_on_one_worker(settings
             client.generate([[1, 2, 3, 4]] * len(sessions), {"max_tokens": 4}, session_ids=sessions)
         )
         await async_wait_until(lambda: rds.xlen(settings.keys.requests) == 16, 5, "the requests in the shared stream")
-        for worker_id, delay in (("echo-0", "0.08"), ("echo-1", "0.01")):  # the fast one takes the other's halves
+        # The fast one takes the other's halves; the slow one is slow enough (4 tokens at 0.25 s, 2 at a time) to hold
+        # work still queued while the fast one starts, however long a busy machine takes to start it.
+        for worker_id, delay in (("echo-0", "0.25"), ("echo-1", "0.01")):
             workers.start(worker_id, "--engine", "echo", "--max-num-seqs", "2", "--echo-token-delay-s", delay)
             workers.wait_live(worker_id)  # the slow one first: it holds sessions whose halves still wait
         trajectories = await task
