@@ -159,7 +159,10 @@ class RolloutRequest(_Message):
     time with NTP). `reply_to` is the results stream of the producer. `continuation` is set on a retry.
     `tools` (OpenAI's function tools) and `chat_template_kwargs` go into the chat template; with `parse_tool_calls`
     the worker runs its tool-call parser (vLLM's, `--tool-call-parser`) on the output. `stream`: the worker also
-    sends `TrajectoryChunk`s (new tokens, a few at a time) before the final trajectory.
+    sends `TrajectoryChunk`s (new tokens, a few at a time) before the final trajectory. `text_as_detokenized`: the
+    trajectory's `text` is its completion token ids decoded whole as a `DetokenizeRequest` decodes them
+    (`skip_special_tokens=True`), not the engine's incremental text: for a caller that asks for just that next
+    (SkyRL's `generate` calls `/detokenize` after each, which `serve` then answers without a worker).
     """
 
     request_id: str = Field(min_length=1)
@@ -177,6 +180,7 @@ class RolloutRequest(_Message):
     chat_template_kwargs: dict[str, Any] | None = None
     parse_tool_calls: bool = False
     stream: bool = False
+    text_as_detokenized: bool = False
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RolloutRequest:

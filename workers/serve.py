@@ -204,6 +204,8 @@ class RequestServer:
             if tops is not None:  # an earlier attempt's top logprobs, where it had them
                 tops = (prior.top_logprobs or [[] for _ in prior.token_ids]) + tops
                 texts = (prior.tokens or [""] * len(prior.token_ids)) + (texts or [])
+        if request.text_as_detokenized and tokens and completion.finish_reason != "abort":
+            text = await self.engine.detokenize(tokens, True)  # as a DetokenizeRequest's default decodes them
         content, tool_calls = None, None
         if request.parse_tool_calls and request.tools and completion.finish_reason != "abort":
             content, calls = self.engine.parse_tool_calls(text, request.tools)

@@ -27,7 +27,7 @@ from rollout_svc.api.errors import install_error_handlers
 from rollout_svc.api.generation import Generation, until_disconnected
 from rollout_svc.api.metrics import install_metrics
 from rollout_svc.api.served import ServedModels, session_header
-from rollout_svc.api.skyrl import InFlight, control_router, data_router
+from rollout_svc.api.skyrl import DetokenizedTexts, InFlight, control_router, data_router
 from rollout_svc.api.skyrl_weights import weights_router
 from rollout_svc.batch.store import BatchStore
 from rollout_svc.client.rollout_client import RolloutClient
@@ -66,6 +66,7 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     metrics = install_metrics(app, client)
     generation = Generation(client, metrics, settings.client.request_timeout_s)
     data = [auth.data_dependency()]
+    detokenized = DetokenizedTexts()
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -121,12 +122,15 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
 
     @app.post("/detokenize", dependencies=data)
     async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
-        """vLLM's detokenize: `{"prompt"}`, the text of `tokens`."""
-        await served.check(body.model)
-        try:
-            [text] = await until_disconnected(request, client.detokenize([body.tokens]))
-        except GenerationError as exc:
-            raise APIError(400, str(exc)) from exc
+        """vLLM's detokenize: `{"prompt"}`, the text of `tokens`: of a completion `/inference/v1/generate` just
+        returned, known here; else from a worker's tokenizer."""
+        model = await served.check(body.model)
+        text = detokenized.take(model, body.tokens)
+        if text is None:
+            try:
+                [text] = await until_disconnected(request, client.detokenize([body.tokens]))
+            except GenerationError as exc:
+                raise APIError(400, str(exc)) from exc
         return {"prompt": text}
 
     @app.post("/v1/sessions/{session_id}/finish", dependencies=data)
@@ -142,7 +146,9 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     app.include_router(batch_router(batches), dependencies=data)
     inflight = InFlight()
     default_max_tokens = settings.api.api_default_max_tokens
-    app.include_router(data_router(client, served, generation, inflight, default_max_tokens), dependencies=data)
+    app.include_router(
+        data_router(client, served, generation, inflight, default_max_tokens, detokenized), dependencies=data
+    )
     control = [] if settings.api.open_control else [auth.admin_dependency()]  # open: loopback only (`serve`)
     app.include_router(control_router(client, inflight), dependencies=control)
     app.include_router(weights_router(client), dependencies=control)

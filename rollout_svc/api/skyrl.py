@@ -20,8 +20,12 @@ the trainer's `WeightSender` or an operator stays).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -51,11 +55,54 @@ class InFlight:
         return [ours for e in external for ours in self.ids.get(e, [])]
 
 
+class DetokenizedTexts:
+    """The text of each completion `/inference/v1/generate` returned lately, as a worker's `/detokenize` gives it (the
+    workers decode it so: `RolloutRequest.text_as_detokenized`), so the `/detokenize` SkyRL's `generate` sends after
+    each is answered here, without a worker round trip. Keyed by model and a BLAKE2b digest of the token ids, with a
+    count (equal completions, as greedy samples often are, are each asked for once); each is taken once; at most
+    `capacity` keys, the oldest dropped first (a caller that never asks leaves nothing behind). A miss goes to a
+    worker as before."""
+
+    def __init__(self, capacity: int = 16384) -> None:
+        self.capacity = capacity
+        self.texts: OrderedDict[tuple[str, bytes], tuple[str, int]] = OrderedDict()
+
+    @staticmethod
+    def _key(model: str, token_ids: Sequence[int]) -> tuple[str, bytes]:
+        return model, hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).digest()
+
+    def put(self, model: str, trajectories: Sequence[Trajectory]) -> None:
+        for t in trajectories:
+            if t.completion_token_ids and t.finish_reason != "abort":
+                key = self._key(model, t.completion_token_ids)
+                _, count = self.texts.pop(key, ("", 0))
+                self.texts[key] = (t.text, count + 1)
+        while len(self.texts) > self.capacity:
+            self.texts.popitem(last=False)
+
+    def take(self, model: str, token_ids: Sequence[int]) -> str | None:
+        key = self._key(model, token_ids)
+        text, count = self.texts.get(key, ("", 0))
+        if count == 0:
+            return None
+        if count == 1:
+            del self.texts[key]
+        else:
+            self.texts[key] = (text, count - 1)
+        return text
+
+
 def data_router(
-    client: RolloutClient, served: ServedModels, generation: Generation, inflight: InFlight, default_max_tokens: int
+    client: RolloutClient,
+    served: ServedModels,
+    generation: Generation,
+    inflight: InFlight,
+    default_max_tokens: int,
+    detokenized: DetokenizedTexts,
 ) -> APIRouter:
     """`served`: the app's `ServedModels`; `generation`: its `Generation` (for the timeout and token counts);
-    `default_max_tokens`: a chat request's when it sets none."""
+    `default_max_tokens`: a chat request's when it sets none; `detokenized`: where each completion's text goes for
+    the app's `/detokenize`."""
     router = APIRouter(tags=["skyrl"])
 
     @router.post("/v1/chat/completions/render")
@@ -83,6 +130,7 @@ def data_router(
             request_ids=ours,
             group_ids=[ours[0]] * n if n > 1 else None,
             timeout_s=generation.timeout_s,
+            text_as_detokenized=True,
         )
         inflight.ids.setdefault(external, []).extend(ours)
         try:
@@ -95,6 +143,7 @@ def data_router(
                 inflight.ids.pop(external, None)
         for t in trajectories:
             raise_for(t)
+        detokenized.put(model, trajectories)
         if generation.metrics is not None:
             generation.metrics.count_tokens(len(body.token_ids), sum(len(t.completion_token_ids) for t in trajectories))
         return JSONResponse(generate_response(body, model, trajectories, external), headers=worker_header(trajectories))

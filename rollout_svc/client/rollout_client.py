@@ -339,10 +339,12 @@ class RolloutClient:
         parse_tool_calls: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         timeout_s: float | None = None,
+        text_as_detokenized: bool = False,
     ) -> list[RolloutRequest]:
         """The validated rollout requests of `stream`'s arguments, not sent: for `run`. `request_ids`: B ids of your
         own (unique across the fleet; a batch job uses `batch:{id}:{custom_id}`), default fresh ones. Their
-        deadline runs from now. Raises `InvalidRequestError`."""
+        deadline runs from now. `text_as_detokenized`: each trajectory's text as `detokenize` would give it (see
+        `RolloutRequest`). Raises `InvalidRequestError`."""
         return await self._prompt_requests(
             prompts,
             sampling_params,
@@ -353,6 +355,7 @@ class RolloutClient:
             tools=tools,
             parse_tool_calls=parse_tool_calls,
             chat_template_kwargs=chat_template_kwargs,
+            text_as_detokenized=text_as_detokenized,
         )
 
     async def _prompt_requests(

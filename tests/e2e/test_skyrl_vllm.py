@@ -104,19 +104,21 @@ def test_skyrls_generate_equals_rollout_client_token_for_token(fleet):
     settings, base, model = fleet
     params = {"temperature": 0.0, "max_tokens": 16, "logprobs": 0, "stop": None, "top_k": -1}
 
-    async def main() -> tuple[dict[str, Any], list[Any]]:
+    async def main() -> tuple[dict[str, Any], list[Any], list[str]]:
         async with RolloutClient(settings) as rollout:
             prompts = await rollout.tokenize(["The capital of France is", "Water boils at", "Once upon a time"])
             want = await rollout.generate(prompts, {"temperature": 0.0, "max_tokens": 16, "logprobs": 0})
+            decoded = await rollout.detokenize([t.completion_token_ids for t in want])  # a worker's tokenizer
         client = skyrl(base, model)
         got = await _with(client, client.generate({"prompt_token_ids": prompts, "sampling_params": params}))
-        return got, want
+        return got, want, decoded
 
-    got, want = asyncio.run(main())
+    got, want, decoded = asyncio.run(main())
     assert got["response_ids"] == [t.completion_token_ids for t in want]
     for mine, theirs in zip(got["response_logprobs"], [t.logprobs for t in want], strict=True):
         assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(mine, theirs, strict=True))
-    assert got["responses"] == [t.text for t in want]
+    # SkyRL's /detokenize, answered by serve from what the worker decoded, is what a worker's detokenize gives
+    assert got["responses"] == decoded == [t.text for t in want]
 
 
 def test_a_token_in_token_out_episode_keeps_one_session_on_one_worker(fleet):

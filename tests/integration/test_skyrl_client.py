@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from rollout_svc import RolloutClient
 from rollout_svc.config import Settings
@@ -67,12 +68,22 @@ def call(client: Any, method: str, *args: Any, **kwargs: Any) -> Any:
     return run(_teardown(client, getattr(client, method)(*args, **kwargs)))
 
 
-def test_every_call_skyrl_makes_gets_a_vllm_shaped_answer(fleet, settings):
+def token_requests_sent(rds: Any, settings: Settings) -> int:
+    """Tokenize / detokenize requests ever sent to the workers (the token requests stream's `entries-added`)."""
+    try:
+        return int(rds.xinfo_stream(settings.keys.token_requests)["entries-added"])
+    except redis.ResponseError:  # no such stream yet
+        return 0
+
+
+def test_every_call_skyrl_makes_gets_a_vllm_shaped_answer(fleet, settings, rds):
     base, client = fleet
+    sent = token_requests_sent(rds, settings)
     out = call(client, "generate", {"prompt_token_ids": [PROMPT, PROMPT[:10]], "sampling_params": SKYRL_PARAMS})
     assert out["response_ids"] == [PROMPT[:24], PROMPT[:10]]
     assert out["stop_reasons"] == ["length", "stop"]
     assert out["responses"] == [bytes(PROMPT[:24]).decode(), bytes(PROMPT[:10]).decode()]  # through /detokenize
+    assert token_requests_sent(rds, settings) == sent  # ... which serve answered: the workers decoded them already
     assert out["response_logprobs"] == [[0.0] * 24, [0.0] * 10]
 
     sampled = call(

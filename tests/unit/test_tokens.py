@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from rollout_svc.api.skyrl import DetokenizedTexts
 from rollout_svc.openai.errors import APIError
 from rollout_svc.openai.tokens import GenerateBody, generate_params, generate_response, group_params
 from rollout_svc.protocol import Trajectory
@@ -72,3 +73,20 @@ def test_the_response_has_vllms_shape_and_weight_spans():
     assert [c["logprob"] for c in choice["logprobs"]["content"]] == [-0.5, -1.0, -0.25]
     assert choice["weight_versions"] == [{"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 2, "end": 3}]
     assert generate_response(body(), "m", [t])["choices"][0]["logprobs"] is None
+
+
+def trajectory(ids: list[int], text: str, finish_reason: str = "stop") -> Trajectory:
+    return Trajectory(
+        request_id="r", prompt_token_ids=[1], completion_token_ids=ids, logprobs=[0.0] * len(ids), text=text,
+        finish_reason=finish_reason, weight_version=0, worker_id="w0",
+    )  # fmt: skip
+
+
+def test_a_completions_text_is_taken_once_per_completion_by_model():
+    texts = DetokenizedTexts(capacity=2)
+    texts.put("m", [trajectory([5, 6], "ab"), trajectory([5, 6], "ab"), trajectory([7], "c", "abort")])
+    assert texts.take("other", [5, 6]) is None  # another model's tokenizer may differ
+    assert [texts.take("m", [5, 6]) for _ in range(3)] == ["ab", "ab", None]  # two equal completions, asked twice
+    assert texts.take("m", [7]) is None  # an aborted one is not kept: it is retried or was cut
+    texts.put("m", [trajectory([1], "x"), trajectory([2], "y"), trajectory([3], "z")])
+    assert texts.take("m", [1]) is None and texts.take("m", [3]) == "z"  # the oldest went first
