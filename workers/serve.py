@@ -195,22 +195,26 @@ class RequestServer:
         finally:
             record.in_engine = False
         self.served += 1
+        aborted = completion.finish_reason == "abort"
         tokens, logprobs, text = completion.completion_token_ids, completion.logprobs, completion.text
         tops, texts = completion.top_logprobs, completion.tokens
-        if prior is not None:  # the whole completion, detokenized whole: UTF-8 can split at the cut
+        resumed = False  # a retry that generated more: its whole completion is detokenized below
+        if prior is not None:
             tokens, logprobs = prior.token_ids + tokens, prior.logprobs + logprobs
-            new = bool(completion.completion_token_ids)
-            text = await self.engine.detokenize(tokens, params.skip_special_tokens) if new else prior.text
+            resumed = bool(completion.completion_token_ids)
+            if not resumed:
+                text = prior.text
             if tops is not None:  # an earlier attempt's top logprobs, where it had them
                 tops = (prior.top_logprobs or [[] for _ in prior.token_ids]) + tops
                 texts = (prior.tokens or [""] * len(prior.token_ids)) + (texts or [])
-        if request.text_as_detokenized and tokens and completion.finish_reason != "abort":
-            text = await self.engine.detokenize(tokens, True)  # as a DetokenizeRequest's default decodes them
+        if request.text_as_detokenized and tokens and not aborted:  # as a DetokenizeRequest's default decodes them
+            text = await self.engine.detokenize(tokens, True)
+        elif resumed:  # the whole completion, detokenized whole: UTF-8 can split at the cut
+            text = await self.engine.detokenize(tokens, params.skip_special_tokens)
         content, tool_calls = None, None
-        if request.parse_tool_calls and request.tools and completion.finish_reason != "abort":
+        if request.parse_tool_calls and request.tools and not aborted:
             content, calls = self.engine.parse_tool_calls(text, request.tools)
             tool_calls = calls or None
-        aborted = completion.finish_reason == "abort"
         spans = weight_spans(prior.weight_versions if prior else [], record, len(tokens))
         # Built from this engine's own output, not validated again: the producer validates what it decodes.
         return construct(
