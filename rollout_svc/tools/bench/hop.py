@@ -122,10 +122,10 @@ class HopFigures:
                 "-",
             ),
         ]
-        return [(what, value, goal, _met(value, goal)) for what, value, goal in rows]
+        return [(what, value, goal, goal_met(value, goal)) for what, value, goal in rows]
 
 
-def _met(value: float, goal: str) -> bool | None:
+def goal_met(value: float, goal: str) -> bool | None:
     """Whether `value` meets a goal written `>= x` or `<= x`; None for `-` (no goal)."""
     if goal == "-":
         return None

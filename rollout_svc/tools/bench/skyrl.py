@@ -32,7 +32,7 @@ from rollout_svc.config import EngineSettings
 from rollout_svc.connections.urls import redis_sync
 from rollout_svc.deploy.local import LocalCluster
 from rollout_svc.tools.bench.api import serving
-from rollout_svc.tools.bench.hop import redis_cpu
+from rollout_svc.tools.bench.hop import goal_met, redis_cpu
 from rollout_svc.tools.bench.router import (
     HOP_PROMPT,
     MODEL,
@@ -79,18 +79,11 @@ class SkyRLFigures:
         for point, theirs in zip(self.ours, self.router, strict=True):
             if point.in_flight not in (1, 64):
                 rows.append((f"req/s at {point.in_flight:,} in flight: serve / vllm-router", _rate(point, theirs), "-"))
-        return [(what, value, goal, _met(value, goal)) for what, value, goal in rows]
+        return [(what, value, goal, goal_met(value, goal)) for what, value, goal in rows]
 
 
 def _rate(ours: Point, theirs: Point) -> float:
     return ours.requests_per_s / theirs.requests_per_s
-
-
-def _met(value: float, goal: str) -> bool | None:
-    if goal == "-":
-        return None
-    op, bound = goal.split()
-    return value >= float(bound) if op == ">=" else value <= float(bound)
 
 
 def run_skyrl_bench(
