@@ -31,6 +31,7 @@ from rollout_svc.connections.urls import redis_async
 from rollout_svc.control.plane import DEFAULT_HOLDER, ControlPlane, FleetState, PauseMode
 from rollout_svc.dataplane.registry import Registry
 from rollout_svc.dataplane.streams import RequestStreams
+from rollout_svc.errors import InvalidRequestError
 from rollout_svc.keys import Keys
 from rollout_svc.protocol import WeightManifest, WeightSyncOrder, WorkerStatus
 from rollout_svc.weightsync.plane import BarrierOutcome, WeightSyncPlane
@@ -269,6 +270,16 @@ class FleetControl:
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, *, timeout_s: float | None = None) -> int:
         return await self._all(lambda c: c.reset_prefix_cache(reset_running_requests, timeout_s=timeout_s))
+
+    async def next_weight_version(self, version: int | None = None) -> int:
+        """The version a weight sync commits: `version`, or the committed one plus one. Raises
+        `InvalidRequestError` for a version not above the committed one (tokens' versions only ever grow)."""
+        committed = (await self.state()).weight_version
+        if version is None:
+            return committed + 1
+        if version <= committed:
+            raise InvalidRequestError(f"weight version {version} is not above the committed version {committed}")
+        return version
 
     async def commit_weights(self, version: int, checkpoint: str = "") -> None:
         await self.fleet.refresh()

@@ -112,10 +112,7 @@ class EngineWeightTransfer:
         committed one plus one. Returns the committed version."""
         async with self._lock:
             control, _ = await self._connect()
-            committed = (await control.state()).weight_version
-            version = committed + 1 if version is None else version
-            if version <= committed:
-                raise InvalidRequestError(f"weight version {version} is not above the committed version {committed}")
+            version = await control.next_weight_version(version)
             await self._call(EngineWeightOp(op="finish"), version)
             await control.commit_weights(version, "")
             return version

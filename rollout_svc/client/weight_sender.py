@@ -176,9 +176,7 @@ class WeightSender:
         assert self._lock is not None
         async with self._lock:
             started = time.monotonic()
-            committed = await self.committed_version()
-            if version <= committed:
-                raise InvalidRequestError(f"weight version {version} is not above the committed version {committed}")
+            version = await self.control.next_weight_version(version)
             await self.control.pause(pause_mode, holder=SYNC_HOLDER, timeout_s=self.timeout_s)
             pause_s = time.monotonic() - started
             try:
