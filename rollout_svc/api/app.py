@@ -25,6 +25,7 @@ from rollout_svc.api.auth import Auth
 from rollout_svc.api.batches import batch_router
 from rollout_svc.api.errors import install_error_handlers
 from rollout_svc.api.generation import Generation, until_disconnected
+from rollout_svc.api.hot import HotLane
 from rollout_svc.api.metrics import install_metrics
 from rollout_svc.api.served import ServedModels, session_header
 from rollout_svc.api.skyrl import DetokenizedTexts, InFlight, control_router, data_router
@@ -63,6 +64,8 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
         description="OpenAI-compatible API in front of a rollout-svc fleet (Redis Streams + vLLM workers).",
     )
     install_error_handlers(app)
+    lane = HotLane(auth.data)  # SkyRL's two calls per completion, past Starlette's router (rollout_svc.api.hot)
+    app.add_middleware(lane.middleware)  # added before the metrics middleware: inside it, so its requests count
     metrics = install_metrics(app, client)
     generation = Generation(client, metrics, settings.client.request_timeout_s)
     data = [auth.data_dependency()]
@@ -120,8 +123,8 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
             raise APIError(400, str(exc)) from exc
         return {"tokens": ids, "count": len(ids), "max_model_len": None}
 
-    @app.post("/detokenize", dependencies=data)
-    async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
+    @lane.post(app, "/detokenize", DetokenizeBody, data)
+    async def detokenize(body: DetokenizeBody, request: Request) -> Response:
         """vLLM's detokenize: `{"prompt"}`, the text of `tokens`: of a completion `/inference/v1/generate` just
         returned, known here; else from a worker's tokenizer."""
         model = await served.check(body.model)
@@ -131,7 +134,7 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
                 [text] = await until_disconnected(request, client.detokenize([body.tokens]))
             except GenerationError as exc:
                 raise APIError(400, str(exc)) from exc
-        return {"prompt": text}
+        return JSONResponse({"prompt": text})
 
     @app.post("/v1/sessions/{session_id}/finish", dependencies=data)
     async def finish_session(session_id: str) -> dict[str, Any]:
@@ -147,7 +150,7 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     inflight = InFlight()
     default_max_tokens = settings.api.api_default_max_tokens
     app.include_router(
-        data_router(client, served, generation, inflight, default_max_tokens, detokenized), dependencies=data
+        data_router(client, served, generation, inflight, default_max_tokens, detokenized, lane), dependencies=data
     )
     control = [] if settings.api.open_control else [auth.admin_dependency()]  # open: loopback only (`serve`)
     app.include_router(control_router(client, inflight), dependencies=control)

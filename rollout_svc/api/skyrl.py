@@ -32,6 +32,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from rollout_svc.api.generation import Generation, until_disconnected, worker_header
+from rollout_svc.api.hot import HotLane
 from rollout_svc.api.served import ServedModels, session_header
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.openai.errors import APIError
@@ -99,10 +100,11 @@ def data_router(
     inflight: InFlight,
     default_max_tokens: int,
     detokenized: DetokenizedTexts,
+    lane: HotLane,
 ) -> APIRouter:
     """`served`: the app's `ServedModels`; `generation`: its `Generation` (for the timeout and token counts);
     `default_max_tokens`: a chat request's when it sets none; `detokenized`: where each completion's text goes for
-    the app's `/detokenize`."""
+    the app's `/detokenize`; `lane`: the app's hot lane, which answers `/inference/v1/generate`."""
     router = APIRouter(tags=["skyrl"])
 
     @router.post("/v1/chat/completions/render")
@@ -114,7 +116,7 @@ def data_router(
         session = session_header(request, body.session_id)
         return await until_disconnected(request, render_chat(client, body, model, session, default_max_tokens))
 
-    @router.post("/inference/v1/generate")
+    @lane.post(router, "/inference/v1/generate", GenerateBody)
     async def generate(body: GenerateBody, request: Request) -> JSONResponse:
         """vLLM's token-in, token-out generate (SkyRL's `generate` and `sample`): `n` samples of `token_ids` as one
         group; `X-Session-ID` (or `session_id`) pins the session to one worker."""

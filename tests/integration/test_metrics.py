@@ -64,13 +64,29 @@ async def test_api_metrics_count_requests_by_route_and_read_the_fleet(settings, 
         before = await scrape(http)
         for path in ["/v1/models", "/v1/models", "/health", "/no/such/path", "/no/such/other/path"]:
             await http.get(path)
+        # SkyRL's two calls per completion, answered by the hot lane (rollout_svc.api.hot), count as any route's.
+        generated = await http.post("/inference/v1/generate", json={"token_ids": [5, 6], "sampling_params": {}})
+        assert generated.status_code == 200, generated.text
+        tokens = generated.json()["choices"][0]["token_ids"]
+        assert (await http.post("/detokenize", json={"tokens": tokens})).status_code == 200
+        assert (await http.post("/inference/v1/generate", json={"token_ids": []})).status_code == 400
         after = await scrape(http)
+        routes = [("/v1/models", "200"), ("/health", "200"), ("other", "404"), ("/metrics", "200")]
+        routes += [("/inference/v1/generate", "200"), ("/inference/v1/generate", "400"), ("/detokenize", "200")]
         moved = {
             (route, status): value(after, "rollout_api_requests_total", route=route, status=status)
             - value(before, "rollout_api_requests_total", route=route, status=status)
-            for route, status in [("/v1/models", "200"), ("/health", "200"), ("other", "404"), ("/metrics", "200")]
+            for route, status in routes
         }
-        assert moved == {("/v1/models", "200"): 2, ("/health", "200"): 1, ("other", "404"): 2, ("/metrics", "200"): 1}
+        assert moved == {
+            ("/v1/models", "200"): 2,
+            ("/health", "200"): 1,
+            ("other", "404"): 2,
+            ("/metrics", "200"): 1,
+            ("/inference/v1/generate", "200"): 1,
+            ("/inference/v1/generate", "400"): 1,
+            ("/detokenize", "200"): 1,
+        }
         assert value(after, "rollout_api_request_duration_seconds_count", route="/v1/models") == 2
         assert not any("no/such" in dict(labels).get("route", "") for _, labels in after)
 
