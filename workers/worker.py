@@ -38,6 +38,12 @@ log = logging.getLogger("rollout_svc.worker")
 SWEEP_INTERVAL_S = 0.1  # deadlines and missed aborts are checked this often (not a timer per request)
 TOKEN_CONCURRENCY = 256  # tokenize requests served at once
 FENCED_DRAIN_S = 30.0  # how long a fenced worker waits for its aborted requests before coming back
+# A read takes at most TAKE_START entries (half from each stream) after one that found the queue drained, and twice
+# its last limit after one that found more waiting, up to the free capacity. Taking everything at once made a
+# closed loop of requests move as one convoy (producer, Redis, one worker, Redis, producer: one stage busy at a
+# time, ~1.1 of 2 cores busy, BENCHMARKS.md (h)); small takes split a burst over idle workers and overlap the
+# stages, and the doubling keeps a backlog read in few round trips.
+TAKE_START = 32
 
 
 def default_worker_id() -> str:
@@ -88,6 +94,7 @@ class Worker:
         self._started_at = time.time()
         self._loops: dict[str, asyncio.Task[None]] = {}
         self._reading = False  # the take loop is in a (blocking) XREADGROUP
+        self._take_limit = TAKE_START  # the most the next read takes (TAKE_START)
         self._read_returned = asyncio.Event()
         self._take_client_id: int | None = None  # its connection's id, for CLIENT UNBLOCK
         self._read_failures: dict[str, int] = {}  # loop name -> reads failed in a row
@@ -323,10 +330,13 @@ class Worker:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            entries = await self._read("take", self._take(free))
+            limit = min(free, self._take_limit)
+            entries = await self._read("take", self._take(limit))
             if entries is None:
                 self._take_client_id = None  # after a failure the connection may be a new one, with a new id
                 continue
+            full = len(entries) >= max(1, limit // 2)  # a stream gave all it was asked for: more may be waiting
+            self._take_limit = min(2 * self._take_limit, self.engine.capacity) if full else TAKE_START
             self._start(entries, generation=True)
             if entries:
                 await asyncio.sleep(0)  # start the new requests before sending the next read
