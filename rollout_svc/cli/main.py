@@ -321,8 +321,10 @@ def serve(
             err=True,
         )
         raise typer.Exit(2)
+    from rollout_svc.api.http import http_protocol
+
     app = create_app(settings, served_model_name)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, http=http_protocol())
 
 
 @app.command()
@@ -524,7 +526,10 @@ def bench(
     batch_lines: Annotated[int, typer.Option(min=10, help="Lines of the batch-job part.")] = 2000,
     only: Annotated[
         str | None,
-        typer.Option(help="Measure one section alone (skyrl: SkyRL's client path) and replace it in --output."),
+        typer.Option(
+            help="Measure one section alone (hop: beside vllm-router; skyrl: SkyRL's client path) and replace it in "
+            "--output."
+        ),
     ] = None,
 ) -> None:
     """Measure queue overhead, control latency and the HTTP API beside the Python client (echo engine),
