@@ -467,7 +467,11 @@ class RolloutClient:
                 connection.attach(call)
             else:
                 await connection.submit(call)
-            await asyncio.wait([call.done], timeout=timeout_s)
+            deadline = connection.loop.call_later(timeout_s, _resolve, call.done)  # wakes this caller in time
+            try:
+                await call.done  # not asyncio.wait: one loop iteration less between the last result and the caller
+            finally:
+                deadline.cancel()
             if call.remaining:
                 call.expire()
             if call.remaining:
@@ -672,3 +676,9 @@ def error_trajectory(request: RolloutRequest, error: ErrorResult) -> Trajectory:
         error=error.message,
         error_code=error.code,
     )
+
+
+def _resolve(done: asyncio.Future[None]) -> None:
+    """A call's deadline: wake its caller, which then expires what did not finish."""
+    if not done.done():
+        done.set_result(None)
