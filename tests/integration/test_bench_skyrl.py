@@ -24,7 +24,7 @@ def test_skyrl_bench_tiny(tmp_path: Path) -> None:
     pytest.importorskip("vllm_router")
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     figures = run_skyrl_bench(
-        None, Console(quiet=True), tmp_path, SkyRLPlan(in_flights=(1, 8), duration_s=0.5), "pytest"
+        None, Console(quiet=True), tmp_path, SkyRLPlan(in_flights=(1, 8), duration_s=0.5, rounds=2), "pytest"
     )
 
     for point in [*figures.router, *figures.ours]:
@@ -33,6 +33,8 @@ def test_skyrl_bench_tiny(tmp_path: Path) -> None:
     assert {frozenset(p.cpu_us) for p in figures.router} == {frozenset({"client", "router", "backends"})}
     assert {frozenset(p.cpu_us) for p in figures.ours} == {frozenset({"client", "serve", "workers", "redis"})}
     assert [p.in_flight for p in figures.router] == [p.in_flight for p in figures.ours] == [1, 8]
+    assert [len(r) for r in figures.router_rounds] == [len(r) for r in figures.ours_rounds] == [2, 2]
+    assert all(len(figures.rate_ratios(i)) == 2 for i in range(2))
     assert all(value > 0 for _, value, _, _ in figures.ratios())
 
     text = render_skyrl(figures)

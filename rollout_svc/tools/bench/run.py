@@ -104,7 +104,7 @@ def run_bench(
     console.print(f"wrote {output}")
 
 
-SECTIONS = {"skyrl": "## (i) "}  # what `--only` can measure alone: the heading that starts its section
+SECTIONS = {"hop": "## (h) ", "skyrl": "## (i) "}  # what `--only` can measure alone: the heading starting its section
 
 
 def run_section(redis_url: str | None, output: Path, section: str, command: str) -> None:
@@ -114,9 +114,12 @@ def run_section(redis_url: str | None, output: Path, section: str, command: str)
     if section not in SECTIONS:
         raise ValueError(f"unknown section {section!r}: choose from {', '.join(sorted(SECTIONS))}")
     console = Console()
-    figures = bench_skyrl.run_skyrl_bench(redis_url, console, _log_dir(), command=command)
+    if section == "hop":
+        body = bench_hop.render_hop(bench_hop.run_hop_bench(redis_url, console, _log_dir(), command=command))
+    else:
+        body = bench_skyrl.render_skyrl(bench_skyrl.run_skyrl_bench(redis_url, console, _log_dir(), command=command))
     when = f"Measured alone on {time.strftime('%Y-%m-%d')} at commit `{_commit()}`, {platform.machine()} with"
-    body = bench_skyrl.render_skyrl(figures).replace("\nCommand:", f"\n{when} {os.cpu_count()} CPUs.\nCommand:", 1)
+    body = body.replace("\nCommand:", f"\n{when} {os.cpu_count()} CPUs.\nCommand:", 1)
     output.write_text(replace_section(output.read_text() if output.exists() else "", SECTIONS[section], body))
     console.print(f"wrote {output} (section {section})")
 

@@ -3,7 +3,9 @@
 SkyRL's `RemoteInferenceClient.generate` (skyrl 0.3.0, unmodified, its own aiohttp session and concurrency cap)
 sends one `POST /inference/v1/generate` per prompt, then one `POST /detokenize` for its text. Both sides are driven
 the same way from this process, K lanes each calling `generate` with one prompt (16 token ids in, 16 out) as its
-last call returns (closed loop, K = 1, 64, 1,000), measured in turn at each load (the router first), both up at once:
+last call returns (closed loop, K = 1, 64, 1,000), both up at once, measured in turn at each load, `rounds` times
+(the router first in odd rounds, serve first in even ones); each ratio is the median of the rounds' ratios (this
+machine is shared and noisy: one round's ratio moved by +-0.15 between runs), each side's figures its median round:
 
 - vllm-router 0.1.17 over two trivial aiohttp backends that answer both routes with fixed bodies
   (`rollout_svc.tools.bench.router`); SkyRL's client as SkyRL runs it behind a router: `proxy_url` the router,
@@ -24,6 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from rich.console import Console
@@ -55,6 +58,7 @@ PARAMS = {"max_tokens": len(HOP_PROMPT), "temperature": 0.0, "stop": None}  # No
 class SkyRLPlan:
     in_flights: tuple[int, ...] = (1, 64, 1000)
     duration_s: float = 5.0  # per closed-loop point
+    rounds: int = 3  # each load measured this many times on each side, alternating which side goes first
 
 
 @dataclass
@@ -62,28 +66,43 @@ class SkyRLFigures:
     plan: SkyRLPlan
     command: str
     router_command: str
-    router: list[Point]  # one per plan.in_flights
-    ours: list[Point]
+    router_rounds: list[list[Point]]  # per plan.in_flights, one point per round
+    ours_rounds: list[list[Point]]
+
+    @property
+    def router(self) -> list[Point]:
+        """The router's median round (by requests/s) at each load."""
+        return [_median_point(points) for points in self.router_rounds]
+
+    @property
+    def ours(self) -> list[Point]:
+        return [_median_point(points) for points in self.ours_rounds]
+
+    def rate_ratios(self, i: int) -> list[float]:
+        """serve / router requests/s at load i, one per round."""
+        pairs = zip(self.ours_rounds[i], self.router_rounds[i], strict=True)
+        return [o.requests_per_s / r.requests_per_s for o, r in pairs]
+
+    def p50_ratios(self, i: int) -> list[float]:
+        return [o.p50_ms / r.p50_ms for o, r in zip(self.ours_rounds[i], self.router_rounds[i], strict=True)]
 
     def ratios(self) -> list[tuple[str, float, str, bool | None]]:
-        """(what, value, goal, met) for the issue's goals at 64 in flight and at 1."""
-        at = {p.in_flight: i for i, p in enumerate(self.router)}
+        """(what, value, goal, met) for the issue's goals at 64 in flight and at 1: medians of the rounds' ratios."""
+        at = {points[0].in_flight: i for i, points in enumerate(self.router_rounds)}
         rows: list[tuple[str, float, str]] = []
         if 64 in at:
-            i = at[64]
-            rows.append(("req/s at 64 in flight: serve / vllm-router", _rate(self.ours[i], self.router[i]), ">= 0.8"))
+            rows.append(("req/s at 64 in flight: serve / vllm-router", median(self.rate_ratios(at[64])), ">= 0.8"))
         if 1 in at:
-            i = at[1]
-            p50 = self.ours[i].p50_ms / self.router[i].p50_ms
-            rows.append(("p50 at 1 in flight: serve / vllm-router", p50, "<= 1.5"))
-        for point, theirs in zip(self.ours, self.router, strict=True):
-            if point.in_flight not in (1, 64):
-                rows.append((f"req/s at {point.in_flight:,} in flight: serve / vllm-router", _rate(point, theirs), "-"))
+            rows.append(("p50 at 1 in flight: serve / vllm-router", median(self.p50_ratios(at[1])), "<= 1.5"))
+        for in_flight, i in at.items():
+            if in_flight not in (1, 64):
+                what = f"req/s at {in_flight:,} in flight: serve / vllm-router"
+                rows.append((what, median(self.rate_ratios(i)), "-"))
         return [(what, value, goal, goal_met(value, goal)) for what, value, goal in rows]
 
 
-def _rate(ours: Point, theirs: Point) -> float:
-    return ours.requests_per_s / theirs.requests_per_s
+def _median_point(points: list[Point]) -> Point:
+    return sorted(points, key=lambda p: p.requests_per_s)[(len(points) - 1) // 2]
 
 
 def run_skyrl_bench(
@@ -130,8 +149,8 @@ def run_skyrl_bench(
                 "redis": redis_cpu(rds),
             },
         )
-        router, ours = asyncio.run(_measure(router_side, ours_side, plan))
-    figures = SkyRLFigures(plan, command, fleet.command_line, router, ours)
+        router_rounds, ours_rounds = asyncio.run(_measure(router_side, ours_side, plan))
+    figures = SkyRLFigures(plan, command, fleet.command_line, router_rounds, ours_rounds)
     console.print(figures)
     return figures
 
@@ -139,7 +158,7 @@ def run_skyrl_bench(
 Side = tuple[str, list[str], dict[str, CpuMeter]]  # proxy_url, server_urls, CPU meters
 
 
-async def _measure(router_side: Side, ours_side: Side, plan: SkyRLPlan) -> tuple[list[Point], list[Point]]:
+async def _measure(router_side: Side, ours_side: Side, plan: SkyRLPlan) -> tuple[list[list[Point]], list[list[Point]]]:
     from rollout_svc.integrations.skyrl import skyrl_module
 
     client_class = skyrl_module(CLIENT_MODULE).RemoteInferenceClient
@@ -148,12 +167,19 @@ async def _measure(router_side: Side, ours_side: Side, plan: SkyRLPlan) -> tuple
         for proxy, servers, _ in (router_side, ours_side)
     ]
     try:
-        sends = [_sender(client) for client in clients]
-        points: tuple[list[Point], list[Point]] = ([], [])
+        by_side = [router_side[2], ours_side[2]]
+        sides = [(_sender(client), meters) for client, meters in zip(clients, by_side, strict=True)]
+        points: tuple[list[list[Point]], list[list[Point]]] = ([], [])
         for in_flight in plan.in_flights:
-            for send, (_, _, meters), out in zip(sends, (router_side, ours_side), points, strict=True):
+            for (send, _), out in zip(sides, points, strict=True):
                 await closed_loop(send, in_flight, {}, requests=in_flight)  # warm-up: connections opened
-                out.append(await closed_loop(send, in_flight, meters, duration_s=plan.duration_s))
+                out.append([])
+            for r in range(plan.rounds):
+                order = [0, 1] if r % 2 == 0 else [1, 0]
+                for side in order:
+                    send, side_meters = sides[side]
+                    point = await closed_loop(send, in_flight, side_meters, duration_s=plan.duration_s)
+                    points[side][-1].append(point)
         return points
     finally:
         for client in clients:
@@ -186,7 +212,9 @@ def render_skyrl(f: SkyRLFigures) -> str:
         " last call returns,",
         "as SkyRL's generators do; each call is one `POST /inference/v1/generate` and one `POST /detokenize`."
         f" Closed loop for {f.plan.duration_s:g} s",
-        "after a warm-up round of K; both sides up at once, measured in turn at each load (the router first).",
+        f"after a warm-up round of K; both sides up at once, measured in turn at each load, {f.plan.rounds} rounds (the"
+        " router first in odd rounds, serve first in even ones): each side's figures are its median round by req/s,",
+        "each ratio the median of the rounds' ratios (listed: this machine is shared and noisy).",
         "vllm-router 0.1.17 over two trivial aiohttp backends answering both routes with fixed bodies (`proxy_url`"
         " the router,",
         f"`server_urls` the backends); it ran as `{f.router_command}`.",
@@ -196,13 +224,16 @@ def render_skyrl(f: SkyRLFigures) -> str:
         " through serve, 1,024",
         "through the router.",
         "",
-        "| in flight | vllm-router req/s | p50 (ms) | p99 (ms) | serve req/s | p50 (ms) | p99 (ms) | serve / router |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| in flight | vllm-router req/s | p50 (ms) | p99 (ms) | serve req/s | p50 (ms) | p99 (ms) | serve / router"
+        " req/s (rounds) | p50 serve / router (rounds) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
-    for router, ours in zip(f.router, f.ours, strict=True):
+    for i, (router, ours) in enumerate(zip(f.router, f.ours, strict=True)):
+        rates, p50s = f.rate_ratios(i), f.p50_ratios(i)
         lines.append(
             f"| {router.in_flight:,} | {router.requests_per_s:,.0f} | {router.p50_ms:.2f} | {router.p99_ms:.2f} |"
-            f" {ours.requests_per_s:,.0f} | {ours.p50_ms:.2f} | {ours.p99_ms:.2f} | {_rate(ours, router):.2f} |"
+            f" {ours.requests_per_s:,.0f} | {ours.p50_ms:.2f} | {ours.p99_ms:.2f} | {median(rates):.2f}"
+            f" ({', '.join(f'{x:.2f}' for x in rates)}) | {median(p50s):.2f} ({', '.join(f'{x:.2f}' for x in p50s)}) |"
         )
     met_text = {True: "yes", False: "no", None: "-"}
     lines += ["", "The issue's goals, beside the figures (not asserted):", "", "| ratio | value | goal | met |"]
