@@ -85,12 +85,14 @@ async def test_keep_pause_freezes_in_flight_requests_and_resume_continues_them(s
 
 
 async def test_abort_pause_cuts_in_flight_requests_which_come_back_whole(settings, echo_workers, rds):
-    echo_workers(2, "--max-num-seqs", "16", *DELAY)
+    # 100 ms a token (3 s a generation): on a loaded CI machine the pause must land before the first one finishes.
+    echo_workers(2, "--max-num-seqs", "16", "--echo-token-delay-s", "0.1")
     batch = prompts(20, salt=1)
     async with RolloutClient(settings) as client:
         run = Streaming(client, batch, PARAMS)
         streamed = await run.streamed(2, 5)  # each one generating: the pause cuts it mid-generation
         await client.pause("abort")
+        assert not run.arrived, f"{len(run.arrived)} requests finished before the pause landed: too slow a machine"
         # Acknowledged once every cut request returned its partial output: nothing runs, nothing is taken.
         assert await in_flight(client) == 0
         assert pending(rds, settings.keys.requests) == 0
@@ -131,8 +133,13 @@ async def test_a_worker_started_while_paused_stays_paused(settings, echo_workers
     async with RolloutClient(settings) as client:
         epoch = await client.pause("keep")
         echo_workers(1)  # echo-1 starts into a paused fleet
-        [newcomer] = [w for w in await client.workers() if w.worker_id == "echo-1"]
-        assert newcomer.state == "paused" and newcomer.applied_epoch == epoch
+
+        async def newcomer_paused() -> bool:  # live first ("starting"), then it applies the fleet's state
+            [newcomer] = [w for w in await client.workers() if w.worker_id == "echo-1"]
+            assert newcomer.state in ("starting", "paused"), newcomer  # never serving on the way
+            return newcomer.state == "paused" and newcomer.applied_epoch == epoch
+
+        await async_wait_until(newcomer_paused, 10, "the newcomer paused at the fleet's epoch")
         task = asyncio.create_task(client.generate(prompts(10), {"max_tokens": 4}))
         await async_wait_until(lambda: queued(rds, settings.keys.requests) == 10, 5, "10 requests queued")
         await asyncio.sleep(0.5)  # time passes: a worker taking work while paused would answer them meanwhile
