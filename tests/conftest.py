@@ -88,13 +88,30 @@ def workers(settings: Settings, tmp_path: Path) -> Iterator[WorkerProcs]:
 
 @pytest.fixture
 def echo_workers(workers: WorkerProcs) -> Callable[..., list[str]]:
-    """Start N echo workers with the given worker args and wait until they are live; returns their ids."""
+    """Start N echo workers with the given worker args and wait until they are live and converged on the fleet's
+    control state (out of `starting`); returns their ids."""
 
     def start(count: int, *args: str) -> list[str]:
         ids = [f"echo-{len(workers.procs) + i}" for i in range(count)]
         for worker_id in ids:
             workers.start(worker_id, "--engine", "echo", *args)
         workers.wait_live(*ids)
+        workers.wait_converged(*ids)
+        return ids
+
+    return start
+
+
+@pytest.fixture
+def sim_workers(workers: WorkerProcs) -> Callable[..., list[str]]:
+    """Start N simulated-GPU workers (`--engine sim`, workers/sim) with the given worker args; returns their ids."""
+
+    def start(count: int, *args: str) -> list[str]:
+        ids = [f"sim-{len(workers.procs) + i}" for i in range(count)]
+        for worker_id in ids:
+            workers.start(worker_id, "--engine", "sim", *args)
+        workers.wait_live(*ids)
+        workers.wait_converged(*ids)
         return ids
 
     return start

@@ -220,6 +220,18 @@ class WorkerProcs:
         finally:
             client.close()
 
+    def wait_converged(self, *worker_ids: str, timeout_s: float = 30) -> None:
+        """Until each worker left `starting` (it applied the fleet's control state: serving, paused, ...). A test
+        that submits at once to workers still starting sees one worker take everything while the other starts."""
+        client = redis.Redis.from_url(self.settings.redis_url)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(client.hget(self.settings.keys.worker(w), "state") in (None, b"starting") for w in worker_ids):
+                assert time.monotonic() < deadline, f"workers {worker_ids} still starting after {timeout_s} s"
+                time.sleep(0.02)
+        finally:
+            client.close()
+
     def log(self, worker_id: str) -> str:
         return (self.log_dir / f"{worker_id}.log").read_text(errors="replace")
 

@@ -122,6 +122,7 @@ async def test_kill_9_a_worker_mid_batch_loses_nothing_and_duplicates_nothing(se
     prompts = [[i + 1] * 20 for i in range(200)]  # 20 tokens x 10 ms: 0.2 s each, 32 at a time per worker
     rds = redis.Redis.from_url(settings.redis_url)
     async with RolloutClient(settings) as client:
+        await wait_serving(client, 2)  # else echo-1 may answer two rounds alone while echo-0 starts
         task = asyncio.create_task(client.generate(prompts, {"max_tokens": 20}, timeout_s=60))
         # Both workers have answered a first round of 32 and are busy with a second.
         await async_wait_until(lambda: 0 < rds.xlen(settings.keys.requests) <= 200 - 64, 10, "a first round answered")
