@@ -7,7 +7,7 @@ import gc
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -49,6 +49,8 @@ class EngineSettings(BaseModel):
     `kv_cache_memory_bytes` is explicit because vLLM's default (a fraction of device memory) fails on small
     CPU hosts. `enable_sleep_mode` (vLLM sleep mode, GPU only) defaults to on where the platform supports it.
     `echo_token_delay_s`: the echo engine's seconds per generated token (it stands in for a long generation).
+    `sim_*`: the simulated GPU engine's profile, time scale, step token budget and output lengths (workers/sim;
+    docs/simulator.md); with a fitted profile (a JSON path) its KV cache is `kv_cache_memory_bytes`.
     `echo_preload_weight_transfer`: the echo engine imports torch before the worker registers, as the vLLM one does,
     so its first weight sync does not stall the heartbeat. `weight_transfer_backend` gives vLLM's engine its native
     weight transfer (vLLM 0.32's `weight_transfer_config`), which SkyRL's trainer drives through `serve`.
@@ -56,7 +58,9 @@ class EngineSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    engine: Literal["vllm", "echo"] = Field("vllm", description="echo: deterministic, for queue tests only")
+    engine: Literal["vllm", "echo", "sim"] = Field(
+        "vllm", description="echo: deterministic, for queue tests only; sim: a simulated GPU, for scheduling studies"
+    )
     model: str | None = Field(None, description="Hugging Face model folder (default: the prepared SmolLM2)")
     dtype: str = Field(
         "auto",
@@ -75,6 +79,20 @@ class EngineSettings(BaseModel):
         description="echo engine: import torch and the weight transfer at start, as vLLM does, not at the first "
         "sync (a cold import of torch holds the GIL, and the heartbeat, for seconds)",
     )
+    sim_gpu: str = Field(
+        "h100", description="sim engine: the simulated GPU (h100, h200) or the path of a fitted profile's JSON"
+    )
+    sim_model: Literal["qwen2.5-7b", "qwen2.5-32b", "smollm2-135m"] = Field(
+        "qwen2.5-7b", description="sim engine: the simulated model"
+    )
+    sim_time_scale: float = Field(1.0, gt=0, description="sim engine: simulated seconds per second of wall clock")
+    sim_max_num_batched_tokens: int = Field(
+        8192, ge=1, description="sim engine: the token budget of one step (vLLM 0.32's default on H100 and H200)"
+    )
+    sim_length_median: int = Field(
+        0, ge=0, description="sim engine: median output length before end of sequence (0: run to max_tokens)"
+    )
+    sim_length_p99: int = Field(0, ge=0, description="sim engine: 99th percentile output length (with the median)")
     tool_call_parser: str = Field(
         "hermes", description="vLLM tool-call parser for tool_choice=auto ('' for none): hermes, llama3_json, ..."
     )
@@ -84,9 +102,18 @@ class EngineSettings(BaseModel):
         "): nccl, on CUDA (none: WeightSender and checkpoints need none)",
     )
 
+    @model_validator(mode="after")
+    def _sim_lengths(self) -> EngineSettings:
+        if (self.sim_length_median or self.sim_length_p99) and not 0 < self.sim_length_median < self.sim_length_p99:
+            raise ValueError(
+                "sim_length_median and sim_length_p99 go together, median below p99 (for example 1000 and 16000), "
+                f"or neither: got {self.sim_length_median} and {self.sim_length_p99}"
+            )
+        return self
+
     @property
     def capacity(self) -> int:
-        return self.max_num_seqs or (64 if self.engine == "vllm" else 1024)
+        return self.max_num_seqs or (64 if self.engine == "vllm" else 1024)  # sim: vLLM's max_num_seqs on H100
 
     def vllm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `workers.engine.vllm_engine_args` (all but `model`)."""
@@ -118,11 +145,13 @@ class EngineSettings(BaseModel):
     def add_arguments(cls, parser: argparse.ArgumentParser, *, engine: bool = True) -> None:
         """Add one option per field (`--max-num-seqs`, ...) to an argparse parser; `from_args` reads them back."""
         for name, info in cls.model_fields.items():
-            if (name == "engine" or name.startswith("echo_")) and not engine:
+            if (name == "engine" or name.startswith(("echo_", "sim_"))) and not engine:
                 continue
             flag, help_text = "--" + name.replace("_", "-"), info.description
             if name == "engine":
-                parser.add_argument(flag, choices=["vllm", "echo"], default="vllm", help=help_text)
+                parser.add_argument(flag, choices=["vllm", "echo", "sim"], default="vllm", help=help_text)
+            elif name == "sim_model":
+                parser.add_argument(flag, choices=list(get_args(info.annotation)), default=info.default, help=help_text)
             elif name == "enable_sleep_mode" or isinstance(info.default, bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=info.default, help=help_text)
             else:

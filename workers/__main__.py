@@ -39,11 +39,37 @@ def build_engine(settings: Settings) -> Engine:
             load_delay_s=engine.echo_load_delay_s,
             preload_weight_transfer=engine.echo_preload_weight_transfer,
         )
+    if engine.engine == "sim":
+        return build_sim_engine(engine)
     from rollout_svc.model import prepare_model
     from workers.engine import VLLMEngine
 
     model = engine.model or str(prepare_model(settings.cache_dir))
     return VLLMEngine(model, tool_call_parser=engine.tool_call_parser or None, **engine.vllm_kwargs())
+
+
+def build_sim_engine(engine: EngineSettings) -> Engine:
+    """The simulated GPU engine of `engine`'s `sim_*` settings (workers.sim); ValueError for a profile it lacks."""
+    from workers.sim.engine import SimEngine
+    from workers.sim.lengths import OutputLengths
+    from workers.sim.profiles import GPUS, gpu_profile, model_profile
+
+    lengths = None
+    if engine.sim_length_median or engine.sim_length_p99:
+        lengths = OutputLengths(engine.sim_length_median, engine.sim_length_p99)
+    return SimEngine(
+        gpu_profile(engine.sim_gpu),
+        model_profile(engine.sim_model),
+        capacity=engine.capacity,
+        max_model_len=engine.max_model_len,
+        max_num_batched_tokens=engine.sim_max_num_batched_tokens,
+        chunked_prefill=engine.sim_gpu in GPUS,  # a fitted CPU profile: off, as vLLM on CPU runs here
+        kv_cache_bytes=None if engine.sim_gpu in GPUS else engine.kv_cache_memory_bytes,
+        time_scale=engine.sim_time_scale,
+        lengths=lengths,
+        load_delay_s=engine.echo_load_delay_s,
+        preload_weight_transfer=engine.echo_preload_weight_transfer,
+    )
 
 
 def start_metrics(port: int, host: str) -> WorkerMetrics | None:

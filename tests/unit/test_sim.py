@@ -1,0 +1,219 @@
+"""The simulated GPU engine: its cost model, vLLM v1's scheduling, and the Engine protocol (workers/sim)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from rollout_svc.errors import InvalidRequestError
+from rollout_svc.protocol import SamplingParams
+from workers.sim.blocks import BlockPool
+from workers.sim.cost import StepCost
+from workers.sim.engine import SimEngine
+from workers.sim.lengths import OutputLengths
+from workers.sim.profiles import H100_SXM, H200, QWEN25_7B, QWEN25_32B, SMOLLM2_135M, gpu_profile
+from workers.sim.scheduler import Scheduler, Sequence
+
+FAST = 1e6  # simulated seconds per second: a step of 10 ms passes in 10 ns
+
+
+def seq(request_id: str, prompt: list[int], target: int) -> Sequence:
+    return Sequence(request_id, list(prompt), target, lambda index: 100 + index)
+
+
+def run_to_end(scheduler: Scheduler, limit: int = 10_000) -> list[list[tuple[str, int]]]:
+    """Every step's (request id, new tokens) until nothing is left."""
+    steps = []
+    while (scheduler.running or scheduler.waiting) and len(steps) < limit:
+        step = scheduler.schedule()
+        steps.append([(s.request_id, n) for s, n in step.items])
+        scheduler.commit(step)
+    return steps
+
+
+def test_a_decode_step_reads_the_weights_and_kv_at_the_effective_bandwidth():
+    cost = StepCost(H100_SXM, QWEN25_7B)
+    weights_s = 7.62e9 * 2 / (3.35e12 * 0.8)  # 15.2 GB at 2.68 TB/s: 5.7 ms
+    assert cost.decode_s(1, 0) == pytest.approx(weights_s + 1e-3, rel=1e-3)
+    kv_s = 64 * 1024 * (2 * 28 * 4 * 128 * 2) / (3.35e12 * 0.8)  # 64 sequences of 1k tokens: 3.8 GB of KV
+    assert cost.decode_s(64, 64 * 1024 - 64) == pytest.approx(weights_s + kv_s + 1e-3, rel=1e-3)
+    assert StepCost(H200, QWEN25_7B).decode_s(64, 65472) < cost.decode_s(64, 65472)  # more bandwidth
+
+
+def test_a_long_prefill_is_compute_bound():
+    cost = StepCost(H100_SXM, QWEN25_7B)
+    linear_s = 2 * 7.62e9 * 8192 / (989e12 * 0.6)  # 0.21 s of FLOPs against 5.7 ms of weights
+    assert cost.prefill_s(8192) > linear_s + 1e-3
+    assert cost.prefill_s(8192) < 1.5 * linear_s
+    assert StepCost(H100_SXM, QWEN25_32B).prefill_s(1024) > 4 * cost.prefill_s(1024)  # 4.3x the parameters
+
+
+def test_kv_bytes_per_token_follow_the_model_shapes():
+    assert QWEN25_7B.kv_bytes_per_token == 57_344  # 2 x 28 layers x 4 KV heads x 128 x 2 bytes
+    assert QWEN25_32B.kv_bytes_per_token == 262_144
+    assert SMOLLM2_135M.kv_bytes_per_token == 23_040
+
+
+def test_the_token_budget_and_max_num_seqs_bound_every_step():
+    scheduler = Scheduler(BlockPool(10_000, 16), max_num_seqs=8, max_num_batched_tokens=256, chunked_prefill=True)
+    for i in range(20):
+        scheduler.add(seq(f"r{i}", [i + 1] * 100, 10))
+    steps = run_to_end(scheduler)
+    assert all(sum(n for _, n in step) <= 256 for step in steps)
+    assert all(len(step) <= 8 for step in steps)
+    assert sum(n for step in steps for _, n in step) == 20 * (100 + 9)  # each prompt once, then 9 decodes
+    assert max(len(step) for step in steps) == 8
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_decodes_ride_along():
+    scheduler = Scheduler(BlockPool(10_000, 16), max_num_seqs=8, max_num_batched_tokens=512, chunked_prefill=True)
+    scheduler.add(seq("short", [1] * 10, 50))
+    scheduler.add(seq("long", [2] * 2000, 5))
+    steps = run_to_end(scheduler)
+    long_chunks = [n for step in steps for rid, n in step if rid == "long" and n > 1]
+    # 512 a step: the short prompt's 10 tokens first, then its one decode token a step
+    assert long_chunks == [502, 511, 511, 476]
+    assert all(("short", 1) in step for step in steps[1:5])  # decoding on while the long prompt prefills
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_step_with_room():
+    scheduler = Scheduler(BlockPool(10_000, 16), max_num_seqs=8, max_num_batched_tokens=600, chunked_prefill=False)
+    scheduler.add(seq("a", [1] * 400, 3))
+    scheduler.add(seq("b", [2] * 400, 3))
+    first = scheduler.schedule()
+    assert [(s.request_id, n) for s, n in first.items] == [("a", 400)]  # b's 400 do not fit the 200 left
+
+
+def test_blocks_running_out_preempt_the_latest_admitted_which_recomputes():
+    # 20 blocks of 16 tokens: two sequences of 100-token prompts growing to 200 tokens cannot both stay.
+    scheduler = Scheduler(BlockPool(20, 16), max_num_seqs=8, max_num_batched_tokens=4096, chunked_prefill=True)
+    first, second = seq("first", [1] * 100, 100), seq("second", [2] * 100, 100)
+    scheduler.add(first)
+    scheduler.add(second)
+    steps = run_to_end(scheduler)
+    assert scheduler.preemptions >= 1 and second.preemptions >= 1 and first.preemptions == 0
+    computed = sum(n for step in steps for rid, n in step if rid == "second")
+    assert computed > 100 + 99, "the preempted sequence recomputes what its freed blocks held"
+    assert second.cached_tokens > 0  # those of its blocks not yet reused come back from the prefix cache
+    assert first.output == second.output == [100 + i for i in range(100)]  # both whole, none lost
+
+
+def test_a_shared_prefix_is_served_from_the_cache():
+    scheduler = Scheduler(BlockPool(1_000, 16), max_num_seqs=8, max_num_batched_tokens=4096, chunked_prefill=True)
+    scheduler.add(seq("turn-1", list(range(1, 161)), 4))
+    run_to_end(scheduler)
+    follow_up = seq("turn-2", [*range(1, 161), 100, 101, 102, 103, 7, 8], 4)
+    scheduler.add(follow_up)
+    first_step = scheduler.schedule()
+    assert follow_up.cached_tokens == 160  # 10 full blocks of the first turn's prompt
+    assert [n for _, n in first_step.items] == [6]
+    assert scheduler.pool.reset() is False  # blocks in use: as vLLM, no reset
+
+
+async def test_a_continuation_goes_on_token_for_token():
+    engine = SimEngine(H100_SXM, QWEN25_7B, time_scale=FAST)
+    whole = await engine.generate("whole", [5, 6, 7], SamplingParams(max_tokens=50))
+    assert whole.finish_reason == "length" and len(whole.completion_token_ids) == 50
+    part = await engine.generate(
+        "retry", [5, 6, 7], SamplingParams(max_tokens=30), prior=whole.completion_token_ids[:20]
+    )
+    assert part.prompt_token_ids == [5, 6, 7, *whole.completion_token_ids[:20]]
+    assert part.completion_token_ids == whole.completion_token_ids[20:]
+    assert whole.text and whole.text.isprintable()
+    other = await engine.generate("other", [5, 6, 7], SamplingParams(max_tokens=50))
+    assert other.completion_token_ids != whole.completion_token_ids  # another sample of the same prompt
+
+
+async def test_output_lengths_are_long_tailed_alike_within_a_group_and_end_with_stop():
+    lengths = OutputLengths(median=1000, p99=16000)
+    engine = SimEngine(H100_SXM, QWEN25_7B, time_scale=FAST, lengths=lengths)
+    params = SamplingParams(max_tokens=40000)
+    groups = [
+        await asyncio.gather(*[engine.generate(f"p{p}-{i}", [p + 1] * 64, params) for i in range(8)]) for p in range(24)
+    ]
+    sizes = [[len(c.completion_token_ids) for c in group] for group in groups]
+    flat = sorted(n for group in sizes for n in group)
+    assert 500 < flat[len(flat) // 2] < 2000 and flat[-1] > 4000
+    assert all(c.finish_reason == "stop" for group in groups for c in group)
+    within = sum(max(g) / min(g) for g in sizes) / len(sizes)
+    across = max(max(g) for g in sizes) / min(min(g) for g in sizes)
+    assert within < across / 4  # a group's samples are far more alike than the fleet's
+    capped = await engine.generate("capped", [1] * 64, SamplingParams(max_tokens=40000, ignore_eos=True))
+    assert len(capped.completion_token_ids) == 40000 and capped.finish_reason == "length"
+
+
+async def test_time_passes_as_the_cost_model_says_scaled():
+    engine = SimEngine(H100_SXM, QWEN25_7B, time_scale=10.0)
+    started = time.monotonic()
+    await engine.generate("r", [1] * 16, SamplingParams(max_tokens=200))
+    wall_s = time.monotonic() - started
+    cost = StepCost(H100_SXM, QWEN25_7B)
+    expected_s = sum(cost.decode_s(1, 16 + k) for k in range(199)) + cost.prefill_s(16)
+    assert engine.stats.busy_s == pytest.approx(expected_s, rel=0.02)
+    assert expected_s / 10 * 0.9 < wall_s < expected_s / 10 + 0.5  # about 0.14 s
+
+
+async def test_keep_pause_freezes_abort_pause_cuts_and_resume_continues():
+    engine = SimEngine(H100_SXM, QWEN25_7B, time_scale=100.0)  # ~7 ms a step: 0.07 ms of wall clock
+    task = asyncio.create_task(engine.generate("r", [1] * 16, SamplingParams(max_tokens=100_000)))
+    await asyncio.sleep(0.05)
+    await engine.pause("keep")
+    frozen = engine.output_tokens("r")
+    await asyncio.sleep(0.05)
+    assert frozen and engine.output_tokens("r") == frozen  # nothing generated while paused
+    late = asyncio.create_task(engine.generate("late", [2] * 16, SamplingParams(max_tokens=4)))
+    await asyncio.sleep(0.02)
+    assert not late.done()  # added while paused: waits for resume
+    await engine.resume()
+    assert (await late).finish_reason == "length"
+    await engine.pause("abort")
+    cut = await task
+    assert cut.finish_reason == "abort" and frozen < len(cut.completion_token_ids) < 100_000
+    await engine.resume()
+    assert engine.scheduler.pool.free_blocks == engine.scheduler.pool.num_blocks  # nothing held
+
+
+async def test_wait_pause_lets_running_requests_finish_and_holds_new_ones():
+    engine = SimEngine(H100_SXM, QWEN25_7B, time_scale=100.0)
+    running = asyncio.create_task(engine.generate("r", [1] * 16, SamplingParams(max_tokens=2000)))
+    await asyncio.sleep(0.01)
+    await engine.pause("wait")
+    assert running.done() and (await running).finish_reason == "length"
+    held = asyncio.create_task(engine.generate("held", [1] * 16, SamplingParams(max_tokens=4)))
+    await asyncio.sleep(0.02)
+    assert not held.done()
+    await engine.resume()
+    assert len((await held).completion_token_ids) == 4
+
+
+async def test_an_abort_returns_the_tokens_so_far_and_frees_the_blocks():
+    engine = SimEngine(H100_SXM, QWEN25_7B, time_scale=100.0)
+    task = asyncio.create_task(engine.generate("r", [1] * 16, SamplingParams(max_tokens=100_000)))
+    await asyncio.sleep(0.05)
+    await engine.abort("r")
+    cut = await task
+    assert cut.finish_reason == "abort" and 0 < len(cut.completion_token_ids) < 100_000
+    assert engine.output_tokens("r") is None
+    assert engine.scheduler.pool.free_blocks == engine.scheduler.pool.num_blocks
+
+
+async def test_bad_input_and_bad_profiles_say_what_to_do(tmp_path):
+    engine = SimEngine(H100_SXM, QWEN25_7B, max_model_len=1024, time_scale=FAST)
+    with pytest.raises(InvalidRequestError, match="context is 1024"):
+        await engine.generate("long", [1] * 2000, SamplingParams(max_tokens=4))
+    assert len((await engine.generate("after", [1] * 10, SamplingParams(max_tokens=4))).completion_token_ids) == 4
+    with pytest.raises(ValueError, match="leaves no KV cache"):
+        SimEngine(H100_SXM, QWEN25_32B.__class__(**{**QWEN25_32B.__dict__, "params": 40e9}))
+    with pytest.raises(ValueError, match="choose one of"):
+        gpu_profile("a100")
+    fitted = tmp_path / "cpu.json"
+    fitted.write_text(json.dumps({**H100_SXM.__dict__, "name": "cpu"}))
+    assert gpu_profile(str(fitted)).name == "cpu"
+    fitted.write_text(json.dumps({"name": "cpu"}))
+    with pytest.raises(ValueError, match="not a GPU profile"):
+        gpu_profile(str(fitted))
+    with pytest.raises(ValueError, match="median"):
+        OutputLengths(median=2000, p99=1000)
