@@ -22,6 +22,8 @@ PAYLOAD_FIELD = b"m"  # the msgpack envelope (rollout_svc.protocol)
 SESSION_FIELD = b"s"  # the request's session id, absent without one
 EPOCH_FIELD = b"e"  # the control epoch when the request was first enqueued (abort scope)
 DELIVERIES_FIELD = b"d"  # deliveries before this entry was requeued (a dead worker had it), absent if none
+COST_FIELD = b"c"  # the work the request brings, in tokens (`RolloutRequest.cost_tokens`), absent if unknown
+FREE_SUFFIX = ":free"  # `Keys.loads`: field WORKER_ID + this holds "free-slots at-ms"
 
 
 # Weight-sync barrier phases (`Keys.weight_barrier`) and the value a worker writes there when a phase went well.
@@ -108,6 +110,18 @@ class ScriptReply:
     OK = b"ok"
     STALE = b"stale"  # the set of workers changed since the caller read it: rebuild the call
     FULL = b"full"  # a target stream is over the admission limit: nothing was added
+    LEFT = b"left"  # a take left queued entries to other workers' shares (`dataplane.scripts.TAKE_LUA`)
+
+
+class StreamSyntax:
+    """Redis Streams' own spellings the scripts use: XREADGROUP's "new entries", XRANGE's exclusive start, the
+    first id, and the fields of XINFO GROUPS they read."""
+
+    NEW = ">"
+    EXCLUSIVE = "("
+    FIRST_ID = "0-0"
+    GROUP_NAME = "name"
+    LAST_DELIVERED_ID = "last-delivered-id"
 
 
 class EnqueueKind:
@@ -122,11 +136,15 @@ _MODULE_NAMES = {
     "SESSION_FIELD": SESSION_FIELD,
     "EPOCH_FIELD": EPOCH_FIELD,
     "DELIVERIES_FIELD": DELIVERIES_FIELD,
+    "COST_FIELD": COST_FIELD,
+    "FREE_SUFFIX": FREE_SUFFIX,
     "JOINED": JOINED,
     "LOADED": LOADED,
     "OK": OK,
 }
-_GROUPS = (HeartbeatField, WorkerLabels, StateField, DeadLetterField, BatchField, Nudge, ScriptReply, EnqueueKind)
+_GROUPS = (
+    HeartbeatField, WorkerLabels, StateField, DeadLetterField, BatchField, Nudge, ScriptReply, EnqueueKind, StreamSyntax
+)  # fmt: skip
 # Every name above by what a script calls it (`PAYLOAD_FIELD`, `HeartbeatField.STATE`), as text.
 LUA_NAMES: Mapping[str, str] = MappingProxyType(
     {
@@ -189,6 +207,12 @@ class Keys:
     def pinned_requests(self, worker_id: str) -> str:
         """Stream of rollout requests pinned to one worker (their session lives there)."""
         return f"{self.tagged}:requests:{worker_id}"
+
+    @property
+    def loads(self) -> str:
+        """Hash: worker id -> "tokens free at_ms": the work it holds (tokens to prefill and to generate), its free
+        slots and when it said so (unix ms): what a take's fair share is computed from (`scripts.TAKE_LUA`)."""
+        return f"{self.tagged}:loads"
 
     @property
     def token_requests(self) -> str:

@@ -201,6 +201,18 @@ class RolloutRequest(_Message):
                 raise ValueError("a continuation must leave at least one token to generate")
         return self
 
+    def cost_tokens(self) -> int:
+        """The work this request brings a worker, in tokens: its prompt's (token ids counted; text and messages
+        estimated at 4 characters a token, OpenAI's rule of thumb for English) plus the tokens it may still
+        generate: `max_tokens`. A continuation's earlier tokens move from the second part to the first (prefilled,
+        not generated): the sum stays. What placement shares out (docs/architecture.md)."""
+        if self.prompt_token_ids is not None:
+            prompt = len(self.prompt_token_ids)
+        else:
+            text = self.prompt if self.prompt is not None else "".join(m.content or "" for m in self.messages or ())
+            prompt = len(text) // 4 + 1
+        return prompt + self.sampling_params.max_tokens
+
     @property
     def original_request_id(self) -> str:
         """The id the caller submitted: `request_id`, or for a retry the request it continues."""

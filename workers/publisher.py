@@ -22,9 +22,15 @@ class Publisher:
     is, `released(record)` takes it out of the in-flight index."""
 
     def __init__(
-        self, streams: RequestStreams, state: WorkerState, results_ttl_s: float, released: Callable[[InFlight], None]
+        self,
+        streams: RequestStreams,
+        state: WorkerState,
+        results_ttl_s: float,
+        released: Callable[[InFlight], None],
+        load_after: Callable[[list[InFlight]], tuple[str, int]] | None = None,
     ) -> None:
         self.streams, self.state, self.results_ttl_s, self.released = streams, state, results_ttl_s, released
+        self.load_after = load_after  # (worker id, free slots) once a batch is released
         self._queue: asyncio.Queue[InFlight | None] = asyncio.Queue()  # answered requests; None: stop
 
     def put(self, record: InFlight) -> None:
@@ -55,7 +61,8 @@ class Publisher:
         while True:
             try:
                 items = [(r.entry, None if r.reply_to is None else (r.reply_to, r.payload)) for r in batch]
-                fenced = await self.streams.publish(items, self.results_ttl_s)
+                load = None if self.load_after is None else self.load_after(batch)
+                fenced = await self.streams.publish(items, self.results_ttl_s, load)
                 if fenced:
                     self.state.fenced_results += fenced
                     log.warning(

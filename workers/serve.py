@@ -108,7 +108,7 @@ class RequestServer:
             # one worker at a time (found by the chaos soak: two requests of one turn ran on two workers at once).
             holder = await self.streams.pin_session(request.session_id, self.state.worker_id)
             if holder is not None and holder != self.state.worker_id:
-                forward = Enqueue(entry.payload, entry.session_id, entry.deliveries - 1, entry.epoch)
+                forward = Enqueue(entry.payload, entry.session_id, entry.deliveries - 1, entry.epoch, cost=entry.cost)
                 await self.streams.requeue([forward], [entry])  # placed on the holder; not counted as a delivery
                 return
         try:

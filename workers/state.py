@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from rollout_svc.protocol import PauseMode, WorkerLabel
+from rollout_svc.protocol import PauseMode, WorkerLabel, WorkerStatus
+
+if TYPE_CHECKING:
+    from workers.engine import Engine
 
 
 @dataclass
@@ -42,6 +49,33 @@ class WorkerState:
             self.resumed.set()
         else:
             self.resumed.clear()
+
+    def status(self, engine: Engine, in_flight: int, served: int, started_at: float) -> WorkerStatus:
+        """The heartbeat of a worker in this state, running `engine` (`in_flight` entries taken and not answered,
+        `served` answered so far, up since `started_at`, unix s)."""
+        return WorkerStatus(
+            worker_id=self.worker_id,
+            state=self.label,
+            engine=type(engine).__name__,
+            model=engine.model_name,
+            capacity=engine.capacity,
+            in_flight=in_flight,
+            served=served,
+            weight_version=self.weight_version,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started_at=started_at,
+            heartbeat_at=time.time(),
+            applied_epoch=self.applied_epoch,
+            pause_mode=self.pause_mode or "",
+            sleep_level=self.sleep_level,
+            memory_released=engine.memory_released,
+            fenced_results=self.fenced_results,
+            incarnation=self.incarnation,
+            error_epoch=self.error_epoch,
+            error=self.error,
+            weight_ranks=engine.weight_ranks,
+        )
 
     def fail(self, epoch: int, message: str) -> None:
         self.error_epoch, self.error = epoch, message

@@ -10,7 +10,7 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.exceptions import ResponseError
 
@@ -35,15 +35,11 @@ from workers.state import WorkerState
 from workers.weight_receiver import WeightReceiver
 
 log = logging.getLogger("rollout_svc.worker")
+_T = TypeVar("_T")
 SWEEP_INTERVAL_S = 0.1  # deadlines and missed aborts are checked this often (not a timer per request)
 TOKEN_CONCURRENCY = 256  # tokenize requests served at once
 FENCED_DRAIN_S = 30.0  # how long a fenced worker waits for its aborted requests before coming back
-# A read takes at most TAKE_START entries (half from each stream) after one that found the queue drained, and twice
-# its last limit after one that found more waiting, up to the free capacity. Taking everything at once made a
-# closed loop of requests move as one convoy (producer, Redis, one worker, Redis, producer: one stage busy at a
-# time, ~1.1 of 2 cores busy, BENCHMARKS.md (h)); small takes split a burst over idle workers and overlap the
-# stages, and the doubling keeps a backlog read in few round trips.
-TAKE_START = 32
+SHARE_WAIT_S = 0.02  # a worker that left queued work to others' shares reads again after this (or a slot freed)
 
 
 def default_worker_id() -> str:
@@ -94,8 +90,8 @@ class Worker:
         self._started_at = time.time()
         self._loops: dict[str, asyncio.Task[None]] = {}
         self._reading = False  # the take loop is in a (blocking) XREADGROUP
-        self._take_limit = TAKE_START  # the most the next read takes (TAKE_START)
         self._read_returned = asyncio.Event()
+        self._woken_tokens = 0  # the cost of entries its blocking read took, not yet added to its load
         self._take_client_id: int | None = None  # its connection's id, for CLIENT UNBLOCK
         self._read_failures: dict[str, int] = {}  # loop name -> reads failed in a row
         self._redis_run_id: str | None = None  # the Redis server's run_id when last asked (a new one: it restarted)
@@ -133,7 +129,9 @@ class Worker:
         self.receiver = WeightReceiver(
             self.settings, self.weight_plane, self.control, self.engine, self.state, self.index, self._wake.set
         )
-        self.publisher = Publisher(self.streams, self.state, self.settings.results_ttl_s, self._release)
+        self.publisher = Publisher(
+            self.streams, self.state, self.settings.results_ttl_s, self._release, self._load_after
+        )
         self.server = RequestServer(
             self.settings, self.engine, self.state, self.index, self.rules, self.streams,
             self.publisher.put, self._engine_died, self.metrics,
@@ -266,30 +264,8 @@ class Worker:
             await self._beat(announce=True)
 
     def _status(self) -> WorkerStatus:
-        state = self.state
-        return WorkerStatus(
-            worker_id=state.worker_id,
-            state=state.label,
-            engine=type(self.engine).__name__,
-            model=self.engine.model_name,
-            capacity=self.engine.capacity,
-            in_flight=len(self.index),
-            served=self.server.served,
-            weight_version=state.weight_version,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            started_at=self._started_at,
-            heartbeat_at=time.time(),
-            applied_epoch=state.applied_epoch,
-            pause_mode=state.pause_mode or "",
-            sleep_level=state.sleep_level,
-            memory_released=self.engine.memory_released,
-            fenced_results=state.fenced_results,
-            incarnation=state.incarnation,
-            error_epoch=state.error_epoch,
-            error=state.error,
-            weight_ranks=self.engine.weight_ranks,
-        )
+        engine = self.engine
+        return self.state.status(engine, len(self.index), self.server.served, self._started_at)
 
     async def _beat(self, *, renew: bool = True, announce: bool = False) -> bool:
         """Write the heartbeat (one writer at a time, so a later write never carries an older state).
@@ -297,11 +273,24 @@ class Worker:
         Returns False if a renewal was refused: the heartbeat had expired, this worker was presumed dead.
         """
         async with self._beat_lock:
+            # Its free slots first: once a heartbeat says it serves, other workers' takes count it open.
+            await self._report_load()
             sent_at = time.monotonic()
             accepted = await self.registry.heartbeat(self._status(), renew=renew, announce=announce)
             if accepted:
                 self._beat_sent_at = sent_at
             return accepted
+
+    async def _report_load(self) -> None:
+        """Its free slots, for the takes' fair shares."""
+        await self.streams.report_load(*self._load_after([]))
+
+    def _load_after(self, released: list[InFlight]) -> tuple[str, int]:
+        """(worker id, free slots) once `released` are out of the in-flight index; no slot is free while it
+        takes nothing (paused, sleeping, fenced, draining)."""
+        generation = sum(1 for r in released if r.generation and not r.removed)
+        taking = self.state.resumed.is_set() and not self._fenced and not self._stopping.is_set()
+        return self.worker_id, self.engine.capacity - self.index.generating + generation if taking else 0
 
     def _lease_ok(self) -> bool:
         """Whether the last accepted heartbeat is younger than its TTL: past it, this worker may have been
@@ -330,25 +319,39 @@ class Worker:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            limit = min(free, self._take_limit)
-            entries = await self._read("take", self._take(limit))
-            if entries is None:
+            taken = await self._read("take", self._take(free))
+            if taken is None:
                 self._take_client_id = None  # after a failure the connection may be a new one, with a new id
                 continue
-            full = len(entries) >= max(1, limit // 2)  # a stream gave all it was asked for: more may be waiting
-            self._take_limit = min(2 * self._take_limit, self.engine.capacity) if full else TAKE_START
+            entries, left = taken
+            if left and not entries:  # the queued work is other workers' share: until one of ours ends, or a moment
+                self.index.changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.index.changed.wait(), SHARE_WAIT_S)
+                continue
             self._start(entries, generation=True)
             if entries:
                 await asyncio.sleep(0)  # start the new requests before sending the next read
 
-    async def _take(self, free: int) -> list[Entry]:
-        """One blocking read of rollout requests, on the connection a pause can unblock."""
+    async def _take(self, free: int) -> tuple[list[Entry], bool]:
+        """A take of its fair share (`RequestStreams.take`); with nothing to take, one blocking read of the next
+        entry, on the connection a pause can unblock. Returns the entries and whether queued ones were left to
+        other workers' shares."""
         if self._take_client_id is None:
             self._take_client_id = int(await self._take_redis.client_id())
         # No await between the take loop's `resumed` check and here: a pause sees `_reading` and unblocks the read.
         self._reading = True
         try:
-            return await self._take_streams.read(self.worker_id, free, self.settings.read_block_ms)
+            ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
+            streams, carried = self._take_streams, self._woken_tokens
+            idle = not self.index.generating and not carried
+            entries, left = await streams.take(self.worker_id, free, ttl_ms, carried, idle)
+            self._woken_tokens -= carried
+            if entries or left or free <= 0:
+                return entries, left
+            woken = await streams.wait_for_entries(self.worker_id, self.settings.read_block_ms)
+            self._woken_tokens += sum(entry.cost for entry in woken)  # added to its load by its next take
+            return woken, False
         finally:
             self._reading = False
             self._read_returned.set()
@@ -366,7 +369,7 @@ class Worker:
             if entries is not None:
                 self._start(entries, generation=False)
 
-    async def _read(self, loop: str, read: Awaitable[list[Entry]]) -> list[Entry] | None:
+    async def _read(self, loop: str, read: Awaitable[_T]) -> _T | None:
         """One read of a take loop. None after an error it recovered from: consumer groups recreated (Redis lost
         its data: a restart without persistence), or Redis away (backed off, longer after each failure)."""
         try:
@@ -625,6 +628,7 @@ class Worker:
         try:
             # Deregister before draining the pinned stream: placement then no longer picks this worker.
             await self.registry.deregister(self.worker_id)
+            await self.streams.forget_load(self.worker_id)
             moved = await self.reaper.reclaim(self.worker_id, backlog=True)
             log.info("worker %s stopped; requeued %d requests", self.worker_id, moved)
         except REDIS_ERRORS as exc:

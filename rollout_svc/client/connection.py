@@ -516,5 +516,5 @@ class Connection:
 
 def _enqueue_item(request: Request) -> Enqueue:
     if isinstance(request, RolloutRequest):
-        return Enqueue(encode(request), request.session_id)
+        return Enqueue(encode(request), request.session_id, cost=request.cost_tokens())
     return Enqueue(encode(request), tokens=True)

@@ -52,6 +52,7 @@ _WORKER_COMMANDS = (
     "+xgroup|create", "+xgroup|delconsumer", "+xinfo|groups", "+xreadgroup", "+xpending", "+xrange", "+xlen",
     "+xack", "+xdel", "+xadd", "+del", "+expire", "+pexpire",  # take, publish, requeue, dead letters
     "+get", "+set", "+hset", "+sadd", "+srem",  # heartbeats, reap locks, barriers, session pins
+    "+hincrby", "+hdel",  # the loads placement shares work by (Keys.loads)
     "+zadd", "+zrem", "+zcard", "+zremrangebyscore", "+zrangebyscore",  # session sets, command log, tombstones
     "+multi", "+exec", "+subscribe", "+unsubscribe", "+publish",
 )  # fmt: skip
@@ -118,7 +119,7 @@ def _producer(k: Keys) -> Role:
 def _worker(k: Keys) -> Role:
     streams = (k.requests, k.pinned_requests("*"), k.token_requests, k.results("*"), k.dead)
     barriers = (k.weight_barrier("*", JOINED), k.weight_barrier("*", LOADED))
-    fleet = (k.session("*"), k.worker_sessions("*"), k.workers, k.worker("*"), k.reap_lock("*"), k.shards)
+    fleet = (k.session("*"), k.worker_sessions("*"), k.workers, k.worker("*"), k.reap_lock("*"), k.shards, k.loads)
     read_write = (*streams, *fleet, *barriers)
     read_only = (k.state, k.commands, k.cancelled, k.weight_sync, k.weight_manifest("*"))
     return Role(

@@ -219,7 +219,7 @@ class DeadLetters:
 def _enqueue_item(letter: DeadLetter) -> Enqueue:
     """The payload as it was queued, as a new request: no delivery count, the current epoch, its session placed."""
     if isinstance(letter.request, RolloutRequest):
-        return Enqueue(letter.payload, letter.request.session_id)
+        return Enqueue(letter.payload, letter.request.session_id, cost=letter.request.cost_tokens())
     return Enqueue(letter.payload, tokens=True)
 
 

@@ -108,7 +108,7 @@ class Reaper:
                 )
                 continue
             tokens = entry.stream == self.keys.token_requests
-            items.append(Enqueue(entry.payload, entry.session_id, entry.deliveries, entry.epoch, tokens))
+            items.append(Enqueue(entry.payload, entry.session_id, entry.deliveries, entry.epoch, tokens, entry.cost))
             done.append(entry)
         if items:
             await self.streams.requeue(items, done)

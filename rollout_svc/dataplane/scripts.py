@@ -69,7 +69,8 @@ end
 
 # KEYS: [1] shared requests stream, [2] token requests stream, the fleet from [3], then one session key per
 # session item, then the streams of the entries to ack. ARGV: [1] session ttl ms, [2] limit (-1: none), [3] group,
-# [4] worker count, worker ids, then the item count and 3 per item (kind, session id or '', payload), then the ack
+# [4] worker count, worker ids, then the item count and 4 per item (kind, session id or '', cost in tokens or 0,
+# payload), then the ack
 # count and 2 per ack (key index, entry id). The kind is an `EnqueueKind` ('g' rollout request, 't' tokenize), and for
 # a requeue 'g DELIVERIES EPOCH' (a new request gets the current epoch, as does an empty EPOCH, and no delivery count).
 # Returns (`ScriptReply`) {'stale'}, {'full', stream, length} or {'ok', entry id per item, then the target key index of
@@ -87,7 +88,7 @@ local n = tonumber(ARGV[a])
 local first = a + 1
 local targets, counts, placed = {}, {}, {}
 for i = 1, n do
-  local at = first + 3 * (i - 1)
+  local at = first + 4 * (i - 1)
   local target = shared
   if ARGV[at] == '${EnqueueKind.TOKENS}' then
     target = tokens
@@ -108,30 +109,22 @@ if limit >= 0 then
 end
 local reply = {'${ScriptReply.OK}'}
 for i = 1, n do
-  local at = first + 3 * (i - 1)
+  local at = first + 4 * (i - 1)
   local kind, sid, key = ARGV[at], ARGV[at + 1], KEYS[targets[i]]
   local e, d = epoch, '0'
   if #kind > 1 then
     d, e = string.match(kind, '^%a (%d+) (%d*)$$')
     if e == '' then e = epoch end
   end
-  local id
-  local payload = ARGV[at + 2]
-  if sid == '' and d == '0' then
-    id = redis.call('XADD', key, '*', '${PAYLOAD_FIELD}', payload, '${EPOCH_FIELD}', e)
-  elseif d == '0' then
-    id = redis.call('XADD', key, '*', '${PAYLOAD_FIELD}', payload, '${EPOCH_FIELD}', e, '${SESSION_FIELD}', sid)
-  elseif sid == '' then
-    id = redis.call('XADD', key, '*', '${PAYLOAD_FIELD}', payload, '${EPOCH_FIELD}', e, '${DELIVERIES_FIELD}', d)
-  else
-    id = redis.call(
-      'XADD', key, '*', '${PAYLOAD_FIELD}', payload, '${EPOCH_FIELD}', e, '${SESSION_FIELD}', sid,
-      '${DELIVERIES_FIELD}', d)
-  end
+  local fields = {'${PAYLOAD_FIELD}', ARGV[at + 3], '${EPOCH_FIELD}', e}
+  if sid ~= '' then fields[#fields + 1], fields[#fields + 2] = '${SESSION_FIELD}', sid end
+  if d ~= '0' then fields[#fields + 1], fields[#fields + 2] = '${DELIVERIES_FIELD}', d end
+  if ARGV[at + 2] ~= '0' then fields[#fields + 1], fields[#fields + 2] = '${COST_FIELD}', ARGV[at + 2] end
+  local id = redis.call('XADD', key, '*', unpack(fields))
   reply[i + 1] = id
 end
 for _, target in ipairs(placed) do reply[#reply + 1] = target end
-a = first + 3 * n
+a = first + 4 * n
 for _ = 1, tonumber(ARGV[a]) do
   local key, id = KEYS[tonumber(ARGV[a + 1])], ARGV[a + 2]
   redis.call('XACK', key, group, id)
@@ -164,15 +157,18 @@ if w and f.zs[w] then redis.call('ZREM', f.zs[w], sid) end
 return {'${ScriptReply.OK}', redis.call('DEL', skey)}
 """)
 
-# KEYS: the streams named (results and requests streams), each once. ARGV: [1] results ttl s, [2] group, then 4 per
-# item: results key index (0: no result), payload, requests key index, entry id. An item's result is added only if
-# its XACK returned 1, that is if the entry was still pending here; 0 means it was requeued while this worker was
-# presumed dead, and the worker that takes the requeued copy answers it. Returns how many were fenced.
+# KEYS: [1] the loads hash, then the streams named (results and requests streams), each once. ARGV: [1] results ttl
+# s, [2] group, [3] the worker's id, [4] its free slots after this publish ('' to leave them), then 5 per item:
+# results key index (0: no result), payload, requests key index, entry id, its cost (tokens, taken off the worker's
+# load in `Keys.loads`). An item's result is added only if its XACK returned 1, that is if the entry was still
+# pending here; 0 means it was requeued while this worker was presumed dead, and the worker that takes the requeued
+# copy answers it. Returns how many were fenced.
 PUBLISH_LUA = lua("""
-local results_ttl_s, group = ARGV[1], ARGV[2]
-local fenced, touched = 0, {}
-for a = 3, #ARGV, 4 do
+local results_ttl_s, group, worker, free = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local fenced, touched, done = 0, {}, 0
+for a = 5, #ARGV, 5 do
   local stream, id = KEYS[tonumber(ARGV[a + 2])], ARGV[a + 3]
+  done = done + tonumber(ARGV[a + 4])
   if redis.call('XACK', stream, group, id) == 1 then
     redis.call('XDEL', stream, id)
     local r = tonumber(ARGV[a])
@@ -185,8 +181,15 @@ for a = 3, #ARGV, 4 do
   end
 end
 for key in pairs(touched) do redis.call('EXPIRE', key, results_ttl_s) end
+if free ~= '' then
+  local t = redis.call('TIME')
+  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if done > 0 then redis.call('HINCRBY', KEYS[1], worker, -done) end
+  redis.call('HSET', KEYS[1], worker .. '${FREE_SUFFIX}', string.format('%d %d', free, now_ms))
+end
 return fenced
 """)
+
 
 # KEYS: [1] the entry's stream, [2] the dead-letter stream, [3] the producer's results stream (or [2] again).
 # ARGV: [1] group, [2] entry id, [3] dead-letter maxlen, [4] results ttl s, [5] reply payload or '', then the dead
@@ -261,4 +264,97 @@ RELEASE_LOCK_LUA = lua("""
 local lock, holder = KEYS[1], ARGV[1]
 if redis.call('GET', lock) == holder then return redis.call('DEL', lock) end
 return 0
+""")
+
+# A worker's take of rollout requests, non-blocking, by fair share of the work (`RequestStreams.take`).
+# KEYS: [1] its pinned stream, [2] the shared stream, [3] the loads hash (`Keys.loads`: per worker, field ID holds
+# the tokens it holds, added here and taken off by its publishes, and field ID:free "free-slots at-ms").
+# ARGV: [1] group, [2] worker id, [3] free slots, [4] loads TTL ms, [5] the most queued entries it peeks at, [6] tokens
+# it took outside (its blocking read of the next entry), added to its load, [7] 1 if it holds nothing (its load is
+# then 0: a request that left it other than by a publish, requeued or forwarded, would otherwise count for ever).
+# 1. Its pinned entries (its sessions), up to its free slots. 2. Of the shared queue, the share that brings its load
+# to the level the open workers' loads would reach if the queued work were spread over them (water level: queued
+# tokens plus their loads, over their number); open = said within the TTL that it has a free slot, itself included.
+# At least one entry if it is the least loaded open worker, so nothing waits while it has room. A queue as deep as
+# the open workers' free slots (or the peek limit) is not shared: it takes up to its free slots. 3. Its load.
+# Returns the entries as XREADGROUP does: {stream, {{id, fields}, ...}} per stream with entries, then 'left' if it
+# left queued entries to other workers' shares (the caller then waits for a slot of its own, not for new entries).
+TAKE_LUA = lua("""
+local pinned, shared, loads = KEYS[1], KEYS[2], KEYS[3]
+local group, me, free = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local ttl_ms, peek = tonumber(ARGV[4]), tonumber(ARGV[5])
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local reply, left, spent = {}, false, tonumber(ARGV[6])
+local suffix_free = '${FREE_SUFFIX}'
+local held = math.max(0, tonumber(redis.call('HGET', loads, me) or '0'))
+if ARGV[7] == '1' then
+  held = 0
+  redis.call('HSET', loads, me, 0)
+end
+local function cost_of(fields)
+  for i = 1, #fields, 2 do
+    if fields[i] == '${COST_FIELD}' then return tonumber(fields[i + 1]) end
+  end
+  return 1
+end
+local function take(stream, count)
+  local r = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', count, 'STREAMS', stream, '${StreamSyntax.NEW}')
+  if not r or not r[1] then return end
+  local read = r[1][2] and r[1] or r  -- {{stream, entries}}; fakeredis (the `up` fallback): flat
+  for _, e in ipairs(read[2]) do spent = spent + cost_of(e[2]) end
+  reply[#reply + 1] = {read[1], read[2]}
+  free = free - #read[2]
+end
+-- 1. pinned
+if free > 0 then take(pinned, free) end
+-- 2. shared: the open workers' loads, then the queue ahead of the group
+if free > 0 and redis.call('EXISTS', shared) == 1 then
+  local mine = held + spent
+  local open, level_sum, least = 1, mine, true
+  local h = redis.call('HGETALL', loads)
+  local tokens = {}
+  for i = 1, #h, 2 do tokens[h[i]] = tonumber(h[i + 1]) end
+  for i = 1, #h, 2 do
+    local id = string.sub(h[i], -#suffix_free) == suffix_free and string.sub(h[i], 1, -#suffix_free - 1)
+    if id and id ~= me then
+      local slots, at = string.match(h[i + 1], '^(%d+) (%d+)$$')
+      if slots and tonumber(slots) > 0 and tonumber(at) + ttl_ms >= now_ms then
+        local load = math.max(0, tokens[id] or 0)
+        open, level_sum = open + 1, level_sum + load
+        if load < mine or (load == mine and id < me) then least = false end
+      end
+    end
+  end
+  local last = '${StreamSyntax.FIRST_ID}'
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', shared)) do
+    local info = {}
+    for i = 1, 11, 2 do  -- not #g: a null field (entries-read) may end the table early under fakeredis
+      if g[i] then info[g[i]] = g[i + 1] end
+    end
+    if info['${StreamSyntax.GROUP_NAME}'] == group then last = info['${StreamSyntax.LAST_DELIVERED_ID}'] end
+  end
+  local enough = math.min(free * open, peek)  -- a queue this deep fills every open worker
+  local ahead = redis.call('XRANGE', shared, '${StreamSyntax.EXCLUSIVE}' .. last, '+', 'COUNT', enough)
+  local count = 0
+  if #ahead >= enough then
+    count = free
+  elseif #ahead > 0 then
+    local queued = 0
+    for _, e in ipairs(ahead) do queued = queued + cost_of(e[2]) end
+    local budget = (queued + level_sum) / open - mine
+    for _, e in ipairs(ahead) do
+      local c = cost_of(e[2])
+      if count >= free or (budget < c / 2 and not (count == 0 and least)) then break end
+      count, budget = count + 1, budget - c
+    end
+    left = count < #ahead and count < free
+  end
+  if count > 0 then take(shared, count) end
+end
+-- 3. its load
+if spent > 0 then redis.call('HINCRBY', loads, me, spent) end
+redis.call('HSET', loads, me .. suffix_free, string.format('%d %d', math.max(free, 0), now_ms))
+if left then reply[#reply + 1] = '${ScriptReply.LEFT}' end
+return reply
 """)

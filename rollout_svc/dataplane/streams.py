@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,11 +37,14 @@ from rollout_svc.dataplane.scripts import (
     PIN_LUA,
     PUBLISH_LUA,
     SWEEP_LUA,
+    TAKE_LUA,
 )
 from rollout_svc.errors import ProtocolError, QueueFullError
 from rollout_svc.keys import (
+    COST_FIELD,
     DELIVERIES_FIELD,
     EPOCH_FIELD,
+    FREE_SUFFIX,
     PAYLOAD_FIELD,
     SESSION_FIELD,
     WORKERS_GROUP,
@@ -55,6 +59,7 @@ from rollout_svc.protocol import ErrorCode, ErrorResult, decode, encode, reply_a
 log = logging.getLogger("rollout_svc.dataplane")
 
 ENQUEUE_CHUNK = 1000  # entries per script call: bounds how long one call blocks Redis
+TAKE_PEEK = 4096  # the most queued entries a take looks at to compute its fair share (TAKE_LUA)
 STALE_RETRIES = 5  # rebuilds of a placement call whose worker set changed under it
 
 
@@ -71,13 +76,15 @@ class Entry:
     deliveries: int
     session_id: str | None = None
     epoch: int = 0
+    cost: int = 0  # tokens (`RolloutRequest.cost_tokens`); 0: unknown
 
 
 @dataclass(frozen=True, slots=True)
 class Enqueue:
     """A request to add to the queue: its payload and session; for a requeue, deliveries so far and its epoch.
 
-    `tokens`: a tokenize / detokenize / chat-template request (its own stream; no session).
+    `tokens`: a tokenize / detokenize / chat-template request (its own stream; no session). `cost`: the work a
+    rollout request brings, in tokens (`RolloutRequest.cost_tokens`; 0: unknown), which placement shares out.
     """
 
     payload: bytes
@@ -85,6 +92,7 @@ class Enqueue:
     deliveries: int = 0
     epoch: int | None = None  # None: the current control epoch
     tokens: bool = False
+    cost: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +126,7 @@ class RequestStreams:
                 ("publish", PUBLISH_LUA),
                 ("dead_letter", DEAD_LETTER_LUA),
                 ("sweep", SWEEP_LUA),
+                ("take", TAKE_LUA),
                 ("forget_consumer", FORGET_CONSUMER_LUA),
             )
         }
@@ -279,7 +288,7 @@ class RequestStreams:
             kind = EnqueueKind.TOKENS if item.tokens else EnqueueKind.ROLLOUT
             if item.epoch is not None or item.deliveries:  # a requeue keeps its epoch and counts its deliveries
                 kind = f"{kind} {item.deliveries} {'' if item.epoch is None else item.epoch}"
-            args += [kind, sid, item.payload]
+            args += [kind, sid, item.cost, item.payload]
         index: dict[str, int] = {}
         ack_args: list[str | bytes | int] = []
         for entry in acks:
@@ -339,18 +348,38 @@ class RequestStreams:
         _, reply = await self._placement("pin", build)
         return reply[1].decode() or None
 
-    async def read(self, worker_id: str, free: int, block_ms: int) -> list[Entry]:
-        """Take at most `free` new entries from the worker's pinned stream and the shared stream.
-
-        One XREADGROUP on both, blocking up to `block_ms` when both are empty. COUNT applies per stream,
-        so each gets `free // 2`: pinned requests (sessions) are never starved by a shared backlog.
-        With a single free slot, the pinned stream is tried first, then the shared one.
-        """
+    async def wait_for_entries(self, worker_id: str, block_ms: int) -> list[Entry]:
+        """Block up to `block_ms` on the worker's pinned stream and the shared one, taking the next entry of each
+        (one): what wakes an idle worker, whose next `take` shares out the rest."""
         pinned, shared = self.keys.pinned_requests(worker_id), self.keys.requests
-        if free >= 2:
-            return await self._readgroup(worker_id, {pinned: ">", shared: ">"}, free // 2, block_ms)
-        entries = await self._readgroup(worker_id, {pinned: ">"}, 1, None)
-        return entries or await self._readgroup(worker_id, {shared: ">"}, 1, block_ms)
+        return await self._readgroup(worker_id, {pinned: ">", shared: ">"}, 1, block_ms)
+
+    async def take(
+        self, worker_id: str, free: int, loads_ttl_ms: int, carried_tokens: int = 0, idle: bool = False
+    ) -> tuple[list[Entry], bool]:
+        """One non-blocking take (`TAKE_LUA`): pinned entries, then the share of the shared queue that brings this
+        worker's load (tokens) to the level of the open workers' loads with the queued work spread over them; at
+        least one entry if it is the least loaded. Adds what it took, and `carried_tokens` (the cost of what its
+        `wait_for_entries` took), to its load in `Keys.loads`, after setting it to 0 if `idle` (it holds nothing,
+        every result published); `loads_ttl_ms`: how long a worker's reported free slots count (its heartbeat
+        TTL). Returns the entries and
+        whether queued entries were left to other workers' shares."""
+        keys = [self.keys.pinned_requests(worker_id), self.keys.requests, self.keys.loads]
+        args: list[str | int] = [WORKERS_GROUP, worker_id, free, loads_ttl_ms, TAKE_PEEK, carried_tokens, int(idle)]
+        reply: Any = await self._scripts["take"](keys=keys, args=args)
+        left = bool(reply) and reply[-1] == ScriptReply.LEFT
+        entries = []
+        for stream, records in reply[:-1] if left else reply or []:
+            name = stream.decode() if isinstance(stream, bytes) else stream
+            entries += [_entry(name, entry_id, _fields(fields), delivered=1) for entry_id, fields in records]
+        return entries, left
+
+    async def report_load(self, worker_id: str, free: int) -> None:
+        """Record this worker's free slots (0 while it takes nothing: paused, draining), and when (its heartbeat)."""
+        await self.redis.hset(self.keys.loads, worker_id + FREE_SUFFIX, f"{max(free, 0)} {int(time.time() * 1000)}")
+
+    async def forget_load(self, worker_id: str) -> None:
+        await self.redis.hdel(self.keys.loads, worker_id, worker_id + FREE_SUFFIX)
 
     async def read_tokens(self, worker_id: str, count: int, block_ms: int) -> list[Entry]:
         """Take at most `count` tokenize / detokenize / chat-template requests."""
@@ -364,15 +393,23 @@ class RequestStreams:
             entries += [_entry(name, entry_id, fields, delivered=1) for entry_id, fields in records]
         return entries
 
-    async def publish(self, items: Iterable[tuple[Entry, tuple[str, bytes] | None]], results_ttl_s: float) -> int:
+    async def publish(
+        self,
+        items: Iterable[tuple[Entry, tuple[str, bytes] | None]],
+        results_ttl_s: float,
+        load: tuple[str, int] | None = None,
+    ) -> int:
         """Atomically (one script): for each (entry, (results stream, payload) or None), XACK + XDEL the entry
-        and XADD its result, but only where the XACK returned 1. Returns how many were fenced (not published)."""
-        keys: dict[str, int] = {}  # stream name -> its 1-based index in KEYS
-        args: list[str | bytes | int] = [int(results_ttl_s), WORKERS_GROUP]
+        and XADD its result, but only where the XACK returned 1. Returns how many were fenced (not published).
+        `load`: (worker id, free slots after this publish): the entries' costs are taken off its load in
+        `Keys.loads` in the same call, so a take's fair share never counts work already answered."""
+        keys: dict[str, int] = {self.keys.loads: 1}  # stream name -> its 1-based index in KEYS
+        load_args = ["", ""] if load is None else [load[0], str(max(load[1], 0))]
+        args: list[str | bytes | int] = [int(results_ttl_s), WORKERS_GROUP, *load_args]
         for entry, result in items:
             reply_index = keys.setdefault(result[0], len(keys) + 1) if result else 0
             args += [reply_index, result[1] if result else b"", keys.setdefault(entry.stream, len(keys) + 1)]
-            args.append(entry.entry_id)
+            args += [entry.entry_id, entry.cost]
         return int(await self._scripts["publish"](keys=list(keys), args=args))
 
     async def send_chunk(self, stream: str, payload: bytes, results_ttl_s: float) -> None:
@@ -538,7 +575,13 @@ def _entry(stream: str, entry_id: bytes, fields: dict[bytes, bytes], delivered: 
         int(fields.get(DELIVERIES_FIELD, 0)) + delivered,
         session.decode() if session else None,
         int(fields.get(EPOCH_FIELD, 0)),
+        int(fields.get(COST_FIELD, 0)),
     )
+
+
+def _fields(flat: list[bytes]) -> dict[bytes, bytes]:
+    """A Lua reply's field list (name, value, name, value, ...) as XREADGROUP's dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _id_key(entry_id: bytes) -> tuple[int, int]:

@@ -180,11 +180,11 @@ async def test_a_worker_reaps_reseeds_and_reaches_barriers_but_cannot_issue_comm
             await plane.streams.ensure_group(KEYS.pinned_requests(worker_id))
         await plane.streams.ensure_group(KEYS.requests)
         await plane.streams.enqueue([request("r-1"), request("r-2"), request("r-3")], 100)
-        assert len(await plane.streams.read("w-dead", 4, None)) == 2  # COUNT 2 per stream: pinned, shared
+        assert len((await plane.streams.take("w-dead", 2, 60_000))[0]) == 2  # the take script, as a worker
         admin.delete(KEYS.worker("w-dead"))  # its heartbeat expired
         reaper = Reaper(connection, settings)
         assert await reaper.reap_dead("w-live") == {"w-dead": 2}  # reap lock, requeue script, forget
-        [taken] = await plane.streams.read("w-live", 1, None)
+        [taken], _ = await plane.streams.take("w-live", 1, 60_000)
         assert await plane.streams.dead_letter(
             taken, "max_deliveries", "a test", "w-live", maxlen=100, results_ttl_s=60
         )

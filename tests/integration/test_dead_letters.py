@@ -119,7 +119,7 @@ async def dead_letter_without_workers(settings: Settings, request: RolloutReques
         for stream in (settings.keys.requests, settings.keys.pinned_requests("w-gone")):
             await streams.ensure_group(stream)
         await streams.enqueue([Enqueue(encode(request))], 100)
-        [taken] = await streams.read("w-gone", 1, None)
+        [taken], _ = await streams.take("w-gone", 1, 60_000)
         assert await streams.dead_letter(
             taken,
             "max_deliveries",

@@ -50,7 +50,7 @@ async def test_reaper_requeues_what_a_dead_worker_held_and_re_places_its_session
         keys.requests,
         keys.pinned_requests("w-dead"),
     ]  # tie: lowest id
-    taken = await streams.read("w-dead", 2, None)  # takes r3 (pinned) and r1; r2 stays queued
+    taken, _ = await streams.take("w-dead", 2, 60_000)  # takes r3 (pinned) and r1; r2 stays queued
     assert sorted(decode(e.payload).request_id for e in taken) == ["r1", "r3"]
     assert [e.session_id for e in taken if e.stream != keys.requests] == ["s1"]  # a field: no decoding needed
     await streams.enqueue([request("r4", reply, "s1")], 100)  # queued behind in the dead worker's pinned stream
@@ -131,7 +131,7 @@ async def test_an_entry_over_max_deliveries_becomes_a_dead_letter_and_its_produc
     await register(plane, "w1")
     replies = Results(rds, keys.results("p"))
     await plane.streams.requeue([Enqueue(request("poison", replies.stream).payload, deliveries=2)], [])
-    [entry] = await plane.streams.read("w1", 1, None)
+    [entry], _ = await plane.streams.take("w1", 1, 60_000)
     assert entry.deliveries == settings.worker.max_deliveries
     rds.delete(keys.worker("w1"))
     assert await Reaper(plane.redis, settings).reap_dead("someone") == {"w1": 0}

@@ -1,0 +1,59 @@
+"""Placement by cost: an under-capacity batch spreads over idle workers in proportion to the work (tokens)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from redis.asyncio import Redis
+
+from rollout_svc import RolloutClient
+from rollout_svc.dataplane.streams import Enqueue, RequestStreams
+
+PARAMS = {"max_tokens": 100, "ignore_eos": True, "temperature": 0.0}
+
+
+def prompts(count: int) -> list[list[int]]:
+    return [[7, 8, 9, i % 50 + 10] * 25 for i in range(count)]  # echo: 100 tokens back, 1 s at 10 ms a token
+
+
+async def test_an_under_capacity_batch_spreads_over_four_workers(settings, echo_workers):
+    # Before: the first worker to read took up to half its free capacity: 60 requests went [32, 28, 0, 0].
+    echo_workers(4, "--max-num-seqs", "64", "--echo-token-delay-s", "0.01")
+    async with RolloutClient(settings) as client:
+        for count, bound in ((60, 17), (96, 26), (128, 35)):  # ideal: 15, 24, 32
+            trajectories = await client.generate(prompts(count), PARAMS)
+            per_worker = sorted(Counter(t.worker_id for t in trajectories).values(), reverse=True)
+            assert len(per_worker) == 4 and per_worker[0] <= bound, (count, per_worker)
+            assert all(len(t.completion_token_ids) == 100 for t in trajectories)
+
+
+async def test_a_sampled_group_batch_spreads_over_four_workers(settings, echo_workers):
+    # Before: `sample` of 32 prompts x n=4 went [42, 37, 29, 20].
+    echo_workers(4, "--max-num-seqs", "64", "--echo-token-delay-s", "0.01")
+    async with RolloutClient(settings) as client:
+        groups = await client.sample(prompts(32), 4, PARAMS)
+    per_worker = sorted(Counter(t.worker_id for group in groups for t in group).values(), reverse=True)
+    assert len(per_worker) == 4 and per_worker[0] <= 35, per_worker  # ideal: 32
+    assert all(len(group) == 4 for group in groups)
+
+
+async def test_a_take_shares_tokens_not_requests(settings):
+    # Worker a holds 8 requests of 400 tokens; 40 of 40 tokens wait. Sharing tokens, b takes all 40 (1,600 tokens
+    # against a's 3,200); sharing requests, it would take 24 and leave 16 to a.
+    redis = Redis.from_url(settings.redis_url)
+    streams, keys = RequestStreams(redis, settings.keys, 60), settings.keys
+    try:
+        for stream in (keys.requests, keys.pinned_requests("a"), keys.pinned_requests("b")):
+            await streams.ensure_group(stream)
+        await streams.enqueue([Enqueue(b"long", cost=400) for _ in range(8)], 100)
+        taken_by_a, _ = await streams.take("a", 64, 60_000)  # alone: it takes all 8
+        assert len(taken_by_a) == 8 and int(await redis.hget(keys.loads, "a")) == 3200
+        await streams.report_load("b", 64)  # b is open now: a live worker with free slots
+        await streams.enqueue([Enqueue(b"short", cost=40) for _ in range(40)], 100)
+        taken_by_b, left = await streams.take("b", 64, 60_000)
+        assert len(taken_by_b) == 40 and not left
+        # a publishes its 8: its load drops to 0 in the same script call
+        await streams.publish([(entry, None) for entry in taken_by_a], 60, load=("a", 64))
+        assert int(await redis.hget(keys.loads, "a")) == 0
+    finally:
+        await redis.aclose()
