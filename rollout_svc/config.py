@@ -86,6 +86,9 @@ class EngineSettings(BaseModel):
         "qwen2.5-7b", description="sim engine: the simulated model"
     )
     sim_time_scale: float = Field(1.0, gt=0, description="sim engine: simulated seconds per second of wall clock")
+    sim_engines: int = Field(
+        1, ge=1, le=64, description="sim engine: simulated GPUs this process runs, each a worker (ID, ID.1, ...)"
+    )
     sim_max_num_batched_tokens: int = Field(
         8192, ge=1, description="sim engine: the token budget of one step (vLLM 0.32's default on H100 and H200)"
     )
@@ -205,6 +208,11 @@ class WorkerSettings(_Concern):
         0.05, ge=0, description="a streaming request's chunk is sent at most this often (unless full)"
     )
     stream_chunk_tokens: int = Field(16, ge=1, description="a streaming chunk is sent once it holds this many tokens")
+    placement: Literal["cost", "fifo"] = Field(
+        "cost",
+        description="cost: a take is the worker's fair share of the queued work in tokens; fifo: whatever fits its "
+        "free slots, first come first served (what placement was before, kept for the step-time bench)",
+    )
 
 
 class ApiSettings(_Concern):

@@ -13,7 +13,7 @@ from rollout_svc.errors import EngineDeadError
 from workers.echo import EchoEngine
 from workers.engine import Engine
 from workers.metrics import WorkerMetrics
-from workers.worker import Worker
+from workers.worker import Worker, default_worker_id
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,17 +85,32 @@ async def serve(args: argparse.Namespace) -> None:
     settings = Settings(
         engine=EngineSettings.from_args(args), **({"redis_url": args.redis_url} if args.redis_url else {})
     )
-    worker = Worker(
-        settings,
-        build_engine(settings),
-        args.worker_id,
-        args.drain_timeout_s,
-        start_metrics(args.metrics_port, args.metrics_host),
-    )
+    workers = [
+        Worker(
+            settings,
+            build_engine(settings),
+            worker_id,
+            args.drain_timeout_s,
+            start_metrics(args.metrics_port, args.metrics_host) if i == 0 else None,
+        )
+        for i, worker_id in enumerate(replica_ids(args.worker_id, settings.engine))
+    ]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, worker.stop)
-    await worker.run()
+        loop.add_signal_handler(sig, lambda: [worker.stop() for worker in workers])
+    results = await asyncio.gather(*(worker.run() for worker in workers), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+
+
+def replica_ids(worker_id: str | None, engine: EngineSettings) -> list[str | None]:
+    """The worker ids this process serves: one, or for `--sim-engines N` N simulated GPUs, each a worker of its
+    own: `ID` and `ID.1` .. `ID.{N-1}` (a default id where none is given)."""
+    if engine.engine != "sim" or engine.sim_engines == 1:
+        return [worker_id]
+    base = worker_id or default_worker_id()
+    return [base, *(f"{base}.{i}" for i in range(1, engine.sim_engines))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ def parse_tool_calls(
     request = ChatCompletionRequest(
         model="", messages=[{"role": "user", "content": ""}], tools=tools, tool_choice="auto"
     )  # type: ignore[arg-type]
-    parser = parser_cls(tokenizer, request.tools)
+    parser = parser_cls(tokenizer, request.tools)  # type: ignore[arg-type]  # vLLM widened the type in 0.32
     info = parser.extract_tool_calls(text, request)
     if not info.tools_called:
         return text, []

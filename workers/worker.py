@@ -345,7 +345,8 @@ class Worker:
             ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
             streams, carried = self._take_streams, self._woken_tokens
             idle = not self.index.generating and not carried
-            entries, left = await streams.take(self.worker_id, free, ttl_ms, carried, idle)
+            share = self.settings.worker.placement == "cost"
+            entries, left = await streams.take(self.worker_id, free, ttl_ms, carried, idle, share)
             self._woken_tokens -= carried
             if entries or left or free <= 0:
                 return entries, left

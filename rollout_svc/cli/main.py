@@ -350,12 +350,16 @@ def _print_status(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    columns = ("worker", "state", "epoch", "engine", "model", "in flight", "capacity", "served", "weight version")
+    columns = (
+        "worker", "state", "epoch", "engine", "model", "in flight", "work (tokens)", "capacity", "served",
+        "weight version",
+    )  # fmt: skip
     workers = Table(*columns)
     for w in report["workers"]:
         workers.add_row(
             w["worker_id"], w["state"], str(w["applied_epoch"]), w["engine"], w["model"], str(w["in_flight"]),
-            str(w["capacity"]), str(w["served"]), str(w["weight_version"]),
+            str(report["loads"].get(w["worker_id"], 0)), str(w["capacity"]), str(w["served"]),
+            str(w["weight_version"]),
         )  # fmt: skip
     streams = Table("stream", "length", "queued", "pending")
     for name, depth in report["streams"].items():
@@ -527,8 +531,8 @@ def bench(
     only: Annotated[
         str | None,
         typer.Option(
-            help="Measure one section alone (hop: beside vllm-router; skyrl: SkyRL's client path) and replace it in "
-            "--output."
+            help="Measure one section alone (hop: beside vllm-router; skyrl: SkyRL's client path; step: an RL step on "
+            "a simulated GPU fleet) and replace it in --output."
         ),
     ] = None,
 ) -> None:

@@ -15,7 +15,8 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
 
     Returns `{"paused": bool, "pause_mode": "keep"|"abort"|"wait"|None, "pause_holders": {holder: mode},
     "sleep_level": n, "epoch": n, "weight_version": n (committed), "weight_checkpoint": path or None,
-    "workers": [WorkerStatus dict], "streams": {name: {length, pending, queued}}, "dead_letters": n,
+    "workers": [WorkerStatus dict], "loads": {worker id: tokens of work it holds (what placement shares by)},
+    "streams": {name: {length, pending, queued}}, "dead_letters": n,
     "shards": [name], "unreachable_shards": [name]}`: every reachable shard's workers, streams and dead letters,
     and the control state as the first shard that answers holds it (every command writes it in all). Each worker's
     `state` is starting, serving, paused, sleeping, draining or stale (its weights are not the committed ones), and
@@ -29,6 +30,7 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
         workers = sorted_workers(by_shard)
         depths: dict[str, dict[str, int]] = {}
         dead_letters = 0
+        loads: dict[str, int] = {}
         unreachable = [name for name in fleet.links if name not in by_shard]
         for name, shard_workers in by_shard.items():
             link = fleet.links[name]
@@ -38,6 +40,7 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
                 for stream in [keys.requests, keys.token_requests, *pinned]:
                     depths[stream] = await link.streams.depth(stream)
                 dead_letters += int(await link.redis.xlen(keys.dead))
+                loads |= await link.streams.loads()
             except (RedisError, OSError):  # its primary is down: reported, the other shards still are
                 unreachable.append(link.name)
     finally:
@@ -51,6 +54,7 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
         "weight_version": desired.weight_version,
         "weight_checkpoint": desired.weight_checkpoint or None,
         "workers": [w.model_dump() for w in workers],
+        "loads": {w.worker_id: loads.get(w.worker_id, 0) for w in workers},
         "streams": depths,
         "dead_letters": dead_letters,
         "shards": shards,

@@ -271,7 +271,8 @@ return 0
 # the tokens it holds, added here and taken off by its publishes, and field ID:free "free-slots at-ms").
 # ARGV: [1] group, [2] worker id, [3] free slots, [4] loads TTL ms, [5] the most queued entries it peeks at, [6] tokens
 # it took outside (its blocking read of the next entry), added to its load, [7] 1 if it holds nothing (its load is
-# then 0: a request that left it other than by a publish, requeued or forwarded, would otherwise count for ever).
+# then 0: a request that left it other than by a publish, requeued or forwarded, would otherwise count for ever),
+# [8] 1 to share (placement `cost`), 0 to take whatever fits (`fifo`).
 # 1. Its pinned entries (its sessions), up to its free slots. 2. Of the shared queue, the share that brings its load
 # to the level the open workers' loads would reach if the queued work were spread over them (water level: queued
 # tokens plus their loads, over their number); open = said within the TTL that it has a free slot, itself included.
@@ -337,7 +338,7 @@ if free > 0 and redis.call('EXISTS', shared) == 1 then
   local enough = math.min(free * open, peek)  -- a queue this deep fills every open worker
   local ahead = redis.call('XRANGE', shared, '${StreamSyntax.EXCLUSIVE}' .. last, '+', 'COUNT', enough)
   local count = 0
-  if #ahead >= enough then
+  if #ahead >= enough or ARGV[8] == '0' then
     count = free
   elseif #ahead > 0 then
     local queued = 0

@@ -355,17 +355,24 @@ class RequestStreams:
         return await self._readgroup(worker_id, {pinned: ">", shared: ">"}, 1, block_ms)
 
     async def take(
-        self, worker_id: str, free: int, loads_ttl_ms: int, carried_tokens: int = 0, idle: bool = False
+        self,
+        worker_id: str,
+        free: int,
+        loads_ttl_ms: int,
+        carried_tokens: int = 0,
+        idle: bool = False,
+        share: bool = True,
     ) -> tuple[list[Entry], bool]:
         """One non-blocking take (`TAKE_LUA`): pinned entries, then the share of the shared queue that brings this
         worker's load (tokens) to the level of the open workers' loads with the queued work spread over them; at
         least one entry if it is the least loaded. Adds what it took, and `carried_tokens` (the cost of what its
         `wait_for_entries` took), to its load in `Keys.loads`, after setting it to 0 if `idle` (it holds nothing,
         every result published); `loads_ttl_ms`: how long a worker's reported free slots count (its heartbeat
-        TTL). Returns the entries and
+        TTL). Without `share` (placement `fifo`) it takes whatever fits its free slots. Returns the entries and
         whether queued entries were left to other workers' shares."""
         keys = [self.keys.pinned_requests(worker_id), self.keys.requests, self.keys.loads]
         args: list[str | int] = [WORKERS_GROUP, worker_id, free, loads_ttl_ms, TAKE_PEEK, carried_tokens, int(idle)]
+        args.append(int(share))
         reply: Any = await self._scripts["take"](keys=keys, args=args)
         left = bool(reply) and reply[-1] == ScriptReply.LEFT
         entries = []
@@ -377,6 +384,13 @@ class RequestStreams:
     async def report_load(self, worker_id: str, free: int) -> None:
         """Record this worker's free slots (0 while it takes nothing: paused, draining), and when (its heartbeat)."""
         await self.redis.hset(self.keys.loads, worker_id + FREE_SUFFIX, f"{max(free, 0)} {int(time.time() * 1000)}")
+
+    async def loads(self) -> dict[str, int]:
+        """Each worker's load: the tokens of work it holds (prompt plus `max_tokens` of each request it took and has
+        not answered), as placement counts it."""
+        fields: Any = await self.redis.hgetall(self.keys.loads)
+        suffix = FREE_SUFFIX.encode()
+        return {k.decode(): max(0, int(v)) for k, v in fields.items() if not k.endswith(suffix)}
 
     async def forget_load(self, worker_id: str) -> None:
         await self.redis.hdel(self.keys.loads, worker_id, worker_id + FREE_SUFFIX)

@@ -351,6 +351,7 @@ def test_cli_control_commands_and_status(settings, echo_workers, workers):
     assert report["paused"] is True and report["pause_mode"] == "wait" and report["epoch"] >= 1
     assert {w["state"] for w in report["workers"]} == {"paused"}
     assert all(w["applied_epoch"] == report["epoch"] and w["weight_version"] == 0 for w in report["workers"])
+    assert report["loads"] == {"echo-0": 0, "echo-1": 0}  # the tokens of work each holds (placement's load)
     workers.kill("echo-1", signal.SIGSTOP)
     try:
         stalled = cli(settings, "resume", "--timeout-s", "0.5")

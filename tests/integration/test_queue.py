@@ -31,8 +31,9 @@ async def wait_serving(client: RolloutClient, count: int) -> None:
 
 
 async def test_batch_comes_back_in_input_order_across_two_workers(settings, echo_workers):
-    # Small capacity and a per-token delay, so neither worker can swallow the whole batch.
-    echo_workers(2, "--max-num-seqs", "16", "--echo-token-delay-s", "0.002")
+    # Small capacity and a per-token delay, so neither worker can swallow the whole batch: ~0.5 s of work, so a
+    # worker descheduled for a moment on a loaded CI machine (once: 0.1 s of work, all of it on echo-1) still serves.
+    echo_workers(2, "--max-num-seqs", "16", "--echo-token-delay-s", "0.01")
     prompts = [[i + 1, (i * 7) % 250 + 1, 3] for i in range(200)]
     async with RolloutClient(settings) as client:
         # on a loaded CI machine echo-0 once served all 200 before echo-1 took any

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections import Counter
 
 from rollout_svc import RolloutClient
@@ -42,3 +43,16 @@ async def test_an_abort_pause_on_sim_workers_returns_the_same_tokens_as_an_uncut
         cut = [await run.task for run in runs]
     assert [t[0].completion_token_ids for t in cut] == [t[0].completion_token_ids for t in uncut]
     assert [t[0].interruptions for t in cut] == [1] * len(batch)  # each cut once, continued on resume
+
+
+async def test_one_process_serves_several_simulated_gpus_each_a_worker(settings, sim_workers, workers):
+    sim_workers(1, *SIM, "--sim-engines", "4")
+    ids = ["sim-0", "sim-0.1", "sim-0.2", "sim-0.3"]
+    workers.wait_live(*ids)
+    workers.wait_converged(*ids)
+    async with RolloutClient(settings) as client:
+        trajectories = await client.generate(prompts(40), {"max_tokens": 64, "ignore_eos": True})
+    assert set(Counter(t.worker_id for t in trajectories)) == set(ids)  # placement spreads them over all four
+    workers.kill("sim-0", signal.SIGTERM)  # one process: SIGTERM stops every one of them
+    workers.procs["sim-0"].wait(30)
+    assert workers.procs["sim-0"].returncode == 0

@@ -33,6 +33,7 @@ from rollout_svc.tools.bench import batch as bench_batch
 from rollout_svc.tools.bench import control as bench_control
 from rollout_svc.tools.bench import hop as bench_hop
 from rollout_svc.tools.bench import shards as bench_shards
+from rollout_svc.tools.bench import simstep as bench_step
 from rollout_svc.tools.bench import skyrl as bench_skyrl
 from rollout_svc.tools.progress import Progress
 from rollout_svc.tools.runs import percentile, private_settings
@@ -89,6 +90,7 @@ def run_bench(
     skyrl = bench_skyrl.run_skyrl_bench(redis_url, console, _log_dir(), command=command)
     shards_plan = bench_shards.ShardsPlan(requests=requests)
     shards = bench_shards.run_shards_bench(console, _log_dir(), shards_plan, command=command)
+    step = bench_step.run_step_bench(redis_url, console, _log_dir(), command=command)
     generation: list[GenerationFigures] = []
     weights: list[str] = []
     if model is not None:
@@ -100,11 +102,13 @@ def run_bench(
     sections = bench_control.report(control, frozen) + weights + bench_api.report(api)
     text += "\n".join(sections + bench_batch.report(batch, command)) + "\n"
     rendered = bench_hop.render_hop(hop) + bench_skyrl.render_skyrl(skyrl) + bench_shards.render_shards(shards)
+    rendered += bench_step.render_step(step)
     output.write_text(text + rendered)
     console.print(f"wrote {output}")
 
 
-SECTIONS = {"hop": "## (h) ", "skyrl": "## (i) "}  # what `--only` can measure alone: the heading starting its section
+# what `--only` can measure alone: the heading starting its section
+SECTIONS = {"hop": "## (h) ", "skyrl": "## (i) ", "step": "## (j) "}
 
 
 def run_section(redis_url: str | None, output: Path, section: str, command: str) -> None:
@@ -116,6 +120,8 @@ def run_section(redis_url: str | None, output: Path, section: str, command: str)
     console = Console()
     if section == "hop":
         body = bench_hop.render_hop(bench_hop.run_hop_bench(redis_url, console, _log_dir(), command=command))
+    elif section == "step":
+        body = bench_step.render_step(bench_step.run_step_bench(redis_url, console, _log_dir(), command=command))
     else:
         body = bench_skyrl.render_skyrl(bench_skyrl.run_skyrl_bench(redis_url, console, _log_dir(), command=command))
     when = f"Measured alone on {time.strftime('%Y-%m-%d')} at commit `{_commit()}`, {platform.machine()} with"

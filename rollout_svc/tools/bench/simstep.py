@@ -1,0 +1,217 @@
+"""`rollout-svc bench`, section (j): one GRPO-shaped RL step on a simulated GPU fleet (`--engine sim`, workers/sim),
+first-come-first-served placement beside placement by cost, against the oracle lower bound.
+
+The step: `prompts` prompts x `samples` samples (`RolloutClient.sample`, seeded, so every row serves the same
+workload), prompt lengths from ShareGPT's first turns (4 characters a token), output lengths from the sim's log-normal
+model (median 1k, p99 16k tokens, 70% of the log-variance shared by a prompt's samples; `workers/sim/lengths.py`),
+capped at `max_tokens`. Each row starts a fresh fleet of `gpus` simulated H100s serving the 7B profile,
+`engines_per_process` to a worker process, and times the call; a simulated second lasts 1 / `time_scale` s.
+
+Per row: the makespan (simulated s), each worker's busy time (some request of its running: from the trajectories'
+queue and generation times), the fleet's idle fraction (1 - busy / (gpus x makespan)) and output tokens per
+GPU-second. The oracle lower bound is the longer of the longest request run alone and the step's total work at the
+fleet's peak throughput (prefill at the profile's 8,192-token step rate; decode at the batch size that maximises
+tokens per second with the step's mean context, within the KV cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+
+from rollout_svc.client.rollout_client import RolloutClient
+from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.deploy.local import LocalCluster
+from rollout_svc.protocol import Trajectory
+from rollout_svc.tools import dataset
+from rollout_svc.tools.progress import Progress
+from rollout_svc.tools.runs import private_settings
+from workers.sim.cost import StepCost
+from workers.sim.engine import ACTIVATION_RESERVE_BYTES
+from workers.sim.profiles import gpu_profile, model_profile
+
+HEADING = "## (j) RL step on a simulated fleet"
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    prompts: int = 256
+    samples: int = 8
+    gpus: tuple[int, ...] = (16, 64)
+    engines_per_process: int = 16
+    gpu: str = "h100"
+    model: str = "qwen2.5-7b"
+    length_median: int = 1000
+    length_p99: int = 16000
+    max_tokens: int = 32768
+    max_prompt_tokens: int = 2048
+    time_scale: float = 10.0
+    placements: tuple[str, ...] = ("fifo", "cost")
+
+
+@dataclass
+class StepRow:
+    gpus: int
+    placement: str
+    makespan_s: float  # simulated
+    busy_s: dict[str, float]  # simulated, per worker
+    output_tokens: int
+
+    @property
+    def idle_fraction(self) -> float:
+        return 1 - sum(self.busy_s.values()) / (self.gpus * self.makespan_s)
+
+    @property
+    def tokens_per_gpu_s(self) -> float:
+        return self.output_tokens / (self.gpus * self.makespan_s)
+
+
+@dataclass
+class StepFigures:
+    plan: StepPlan
+    rows: list[StepRow] = field(default_factory=list)
+    oracle_s: dict[int, float] = field(default_factory=dict)  # gpus -> the lower bound (simulated s)
+    longest_alone_s: float = 0.0
+    command: str = ""
+
+
+def step_prompts(plan: StepPlan, seed: int = 0) -> list[list[int]]:
+    """`plan.prompts` prompts of ShareGPT first-turn lengths (4 characters a token), of printable byte ids."""
+    rng = random.Random(seed)
+    turns = dataset.first_turns(plan.prompts, max_chars=4 * plan.max_prompt_tokens)
+    lengths = [max(16, len(turn[0]["content"]) // 4) for turn in turns]
+    return [[rng.randrange(32, 127) for _ in range(n)] for n in lengths]
+
+
+def run_step_bench(
+    redis_url: str | None, console: Console, log_dir: Path, plan: StepPlan | None = None, command: str = ""
+) -> StepFigures:
+    plan = plan or StepPlan()
+    figures = StepFigures(plan, command=command)
+    prompts = step_prompts(plan)
+    for gpus in plan.gpus:
+        for placement in plan.placements:
+            with Progress(None, f"bench (j) RL step, {gpus} simulated GPUs, placement {placement}"):
+                row, trajectories = _one_step(redis_url, plan, prompts, gpus, placement, log_dir)
+            figures.rows.append(row)
+            console.print(row)
+        figures.longest_alone_s, figures.oracle_s[gpus] = oracle(plan, trajectories, gpus)
+    return figures
+
+
+def _one_step(
+    redis_url: str | None, plan: StepPlan, prompts: list[list[int]], gpus: int, placement: str, log_dir: Path
+) -> tuple[StepRow, list[Trajectory]]:
+    settings = private_settings(redis_url, f"bench-step-{placement}").model_copy(deep=True)
+    settings.worker.placement = placement  # type: ignore[assignment]
+    processes = max(1, gpus // plan.engines_per_process)
+    engine = EngineSettings(
+        engine="sim",
+        sim_gpu=plan.gpu,
+        sim_model=plan.model,  # type: ignore[arg-type]
+        sim_engines=gpus // processes,
+        sim_time_scale=plan.time_scale,
+        sim_length_median=plan.length_median,
+        sim_length_p99=plan.length_p99,
+        max_model_len=plan.max_tokens + plan.max_prompt_tokens + 16,
+    )
+    cluster = LocalCluster(settings, processes, engine, log_dir=log_dir)
+    with cluster.running(ready_timeout_s=120):
+        return asyncio.run(_measure_step(settings, plan, prompts, gpus, placement))
+
+
+async def _measure_step(
+    settings: Settings, plan: StepPlan, prompts: list[list[int]], gpus: int, placement: str
+) -> tuple[StepRow, list[Trajectory]]:
+    async with RolloutClient(settings) as client:
+        await _all_serving(client, gpus)
+        params = {"max_tokens": plan.max_tokens, "temperature": 1.0, "seed": 1}
+        started_wall, started = time.time(), time.monotonic()
+        groups = await client.sample(prompts, plan.samples, params, timeout_s=3600)
+        elapsed = time.monotonic() - started
+    trajectories = [t for group in groups for t in group]
+    scale = plan.time_scale
+    busy = {w: s * scale for w, s in _busy_wall_s(trajectories, started_wall).items()}
+    output_tokens = sum(len(t.completion_token_ids) for t in trajectories)
+    return StepRow(gpus, placement, elapsed * scale, busy, output_tokens), trajectories
+
+
+async def _all_serving(client: RolloutClient, gpus: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sum(w.state == "serving" for w in await client.workers()) < gpus:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fewer than {gpus} simulated GPUs serving after {timeout_s:g} s")
+        await asyncio.sleep(0.2)
+
+
+def _busy_wall_s(trajectories: list[Trajectory], submitted_at: float) -> dict[str, float]:
+    """Per worker, the wall-clock seconds during which it ran at least one request (the union of the requests'
+    [taken, answered] intervals; a retried request counts where its last attempt ran)."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for t in trajectories:
+        start = submitted_at + t.queue_time_s
+        spans.setdefault(t.worker_id or "?", []).append((start, start + t.generation_time_s))
+    busy = {}
+    for worker, intervals in spans.items():
+        total, end = 0.0, float("-inf")
+        for begin, finish in sorted(intervals):
+            if finish > end:
+                total += finish - max(begin, end)
+                end = finish
+        busy[worker] = total
+    return busy
+
+
+def oracle(plan: StepPlan, trajectories: list[Trajectory], gpus: int) -> tuple[float, float]:
+    """(the longest request run alone, the lower bound): simulated seconds, from the cost model of the plan's GPU
+    and model (workers/sim/cost.py) and the step's actual prompt and output lengths."""
+    gpu, model = gpu_profile(plan.gpu), model_profile(plan.model)
+    cost = StepCost(gpu, model)
+    longest = max(trajectories, key=lambda t: len(t.completion_token_ids))
+    prompt, output = len(longest.prompt_token_ids), len(longest.completion_token_ids)
+    alone_s = cost.prefill_s(prompt) + sum(cost.decode_s(1, prompt + k) for k in range(1, output))
+    prompt_tokens = sum(len(t.prompt_token_ids) for t in trajectories)
+    output_tokens = sum(len(t.completion_token_ids) for t in trajectories)
+    mean_context = (prompt_tokens + output_tokens / 2) / len(trajectories)
+    kv_tokens = (gpu.memory_bytes * 0.9 - model.weight_bytes - ACTIVATION_RESERVE_BYTES) / model.kv_bytes_per_token
+    best = max(
+        batch / cost.decode_s(batch, int(batch * mean_context))
+        for batch in range(1, 1025)
+        if batch * mean_context <= kv_tokens
+    )
+    prefill_per_token_s = cost.prefill_s(8192) / 8192
+    work_s = (output_tokens / best + prompt_tokens * prefill_per_token_s) / gpus
+    return alone_s, max(alone_s, work_s)
+
+
+def render_step(f: StepFigures) -> str:
+    p = f.plan
+    lines = [
+        f"{HEADING}\n",
+        f"Command: `{f.command}`.\n" if f.command else "",
+        f"One GRPO-shaped step: {p.prompts} prompts x n={p.samples} (`RolloutClient.sample`, seeded: every row the "
+        f"same workload), ShareGPT first-turn prompt lengths, output lengths log-normal with median {p.length_median} "
+        f"and p99 {p.length_p99} tokens (a prompt's samples alike; capped at {p.max_tokens}), on simulated "
+        f"{p.gpu.upper()}s serving the {p.model} profile (`--engine sim`, workers/sim; a simulated second lasts "
+        f"1/{p.time_scale:g} s here). Each row is a fresh fleet. Busy: some request of the worker's running. The "
+        "oracle is the lower bound: the longer of the longest request run alone and the step's work at the fleet's "
+        "peak throughput.\n",
+        "| GPUs | placement | makespan (sim s) | x oracle | busiest / least busy GPU (sim s) | idle fraction | "
+        "tokens per GPU-s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in f.rows:
+        oracle_s = f.oracle_s[row.gpus]
+        busy = sorted(row.busy_s.values())
+        lines.append(
+            f"| {row.gpus} | {row.placement} | {row.makespan_s:.0f} | {row.makespan_s / oracle_s:.2f} | "
+            f"{busy[-1]:.0f} / {busy[0]:.0f} | {row.idle_fraction:.2f} | {row.tokens_per_gpu_s:.0f} |"
+        )
+    oracle_rows = ", ".join(f"{g} GPUs: {s:.0f} s" for g, s in f.oracle_s.items())
+    lines.append(f"\nOracle lower bound: {oracle_rows} (the longest request alone: {f.longest_alone_s:.0f} s).\n")
+    return "\n".join(lines) + "\n"
