@@ -217,3 +217,27 @@ async def test_bad_input_and_bad_profiles_say_what_to_do(tmp_path):
         gpu_profile(str(fitted))
     with pytest.raises(ValueError, match="median"):
         OutputLengths(median=2000, p99=1000)
+
+
+def test_the_cpu_fit_recovers_a_known_profile_from_its_step_times():
+    from rollout_svc.tools.bench.simfit import FitPoint, _profile, fit_profile
+
+    truth = StepCost(_profile(4e10, 3e11, 0.006), SMOLLM2_135M)
+    points = [
+        FitPoint("decode", batch, context, truth.decode_s(batch, batch * context))
+        for batch in (1, 4, 16, 48)
+        for context in (64, 512, 1536)
+    ] + [FitPoint("prefill", 1, context, truth.prefill_s(context)) for context in (256, 1024, 1900)]
+    profile, error = fit_profile(points)
+    assert error < 0.05  # the grid's resolution
+    fitted = StepCost(profile, SMOLLM2_135M)
+    for p in points:
+        model_s = fitted.decode_s(p.batch, p.batch * p.context) if p.kind == "decode" else fitted.prefill_s(p.context)
+        assert model_s == pytest.approx(p.seconds, rel=0.1)
+
+
+def test_a_profile_may_read_the_kv_cache_slower_than_the_weights():
+    slow_kv = StepCost(H100_SXM.__class__(**{**H100_SXM.__dict__, "kv_bytes_per_s": 1e11}), QWEN25_7B)
+    fast = StepCost(H100_SXM, QWEN25_7B)
+    kv_s = 64 * 1024 * QWEN25_7B.kv_bytes_per_token * (1 / 1e11 - 1 / (3.35e12 * 0.8))
+    assert slow_kv.decode_s(64, 64 * 1024 - 64) - fast.decode_s(64, 64 * 1024 - 64) == pytest.approx(kv_s, rel=1e-3)

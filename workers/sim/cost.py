@@ -14,8 +14,9 @@ class StepCost:
     A step computes `new_tokens` tokens of some sequences (one each for a decode, a chunk for a prefill) whose
     attention reads `context_tokens` KV entries in all (each sequence's tokens computed before this step plus
     the new ones) and scores `attended` (query, key) pairs. Its memory time reads the weights once and the KV
-    entries once, at the GPU's effective bandwidth; its compute time is `ModelProfile.flops` at its effective
-    peak. The step takes the larger (the roofline: Williams et al. 2009, CACM 52(4)) plus `step_overhead_s`.
+    entries once, at the GPU's effective bandwidth (the KV entries at `kv_bytes_per_s` where the profile sets one);
+    its compute time is `ModelProfile.flops` at its effective peak. The step takes the larger (the roofline:
+    Williams et al. 2009, CACM 52(4)) plus `step_overhead_s`.
     """
 
     gpu: GPUProfile
@@ -24,9 +25,9 @@ class StepCost:
     def step_s(self, new_tokens: int, context_tokens: int, attended: float) -> float:
         """Seconds (simulated) of one step; all arguments are token counts summed over the step's sequences."""
         gpu, model = self.gpu, self.model
-        memory_s = (model.weight_bytes + context_tokens * model.kv_bytes_per_token) / (
-            gpu.hbm_bytes_per_s * gpu.bandwidth_efficiency
-        )
+        bandwidth = gpu.hbm_bytes_per_s * gpu.bandwidth_efficiency
+        kv_s = context_tokens * model.kv_bytes_per_token / (gpu.kv_bytes_per_s or bandwidth)
+        memory_s = model.weight_bytes / bandwidth + kv_s
         compute_s = model.flops(new_tokens, attended) / (gpu.peak_flops * gpu.compute_efficiency)
         return max(memory_s, compute_s) + gpu.step_overhead_s
 

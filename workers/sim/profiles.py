@@ -17,6 +17,8 @@ class GPUProfile:
     `compute_efficiency` the fractions a serving step reaches (decode is a GEMV sweep over the weights, prefill a
     GEMM); `step_overhead_s` is the fixed cost of one engine step (scheduling, input preparation, sampling, kernel
     launches under CUDA graphs). `memory_bytes` is what vLLM sizes its KV cache from (`gpu_memory_utilization`).
+    `kv_bytes_per_s`: the rate decode attention reads the KV cache at, where it differs from the weights' (0: the
+    same effective bandwidth; on this machine's CPU, fitted, paged decode attention reads KV far slower).
     """
 
     name: str
@@ -27,6 +29,7 @@ class GPUProfile:
     compute_efficiency: float
     step_overhead_s: float
     source: str
+    kv_bytes_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -51,11 +54,19 @@ class ModelProfile:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
+    def linear_flops(self, new_tokens: float) -> float:
+        """FLOPs of the linear layers for `new_tokens` tokens: 2 per parameter per token (Kaplan et al. 2020,
+        "Scaling Laws for Neural Language Models", sec. 2.1)."""
+        return 2 * self.params * new_tokens
+
+    def attention_flops(self, attended: float) -> float:
+        """FLOPs of attention over `attended` (query, key) pairs: QK^T and AV, 2 matmuls of 2 FLOPs per
+        multiply-add over `heads * head_dim` per pair and layer."""
+        return 4 * self.layers * self.heads * self.head_dim * attended
+
     def flops(self, new_tokens: float, attended: float) -> float:
-        """FLOPs of a step that computes `new_tokens` tokens, `attended` (query, key) pairs among them: 2 per
-        parameter per token (the linear layers, Kaplan et al. 2020, "Scaling Laws", sec. 2.1), plus QK^T and AV,
-        2 matmuls of 2 FLOPs per multiply-add over `heads * head_dim` per attended pair and layer."""
-        return 2 * self.params * new_tokens + 4 * self.layers * self.heads * self.head_dim * attended
+        """FLOPs of a step that computes `new_tokens` tokens, `attended` (query, key) pairs among them."""
+        return self.linear_flops(new_tokens) + self.attention_flops(attended)
 
 
 # The efficiencies and the overhead are assumptions, not measurements: decode as a sweep over the weights at 80% of

@@ -108,7 +108,7 @@ def run_bench(
 
 
 # what `--only` can measure alone: the heading starting its section
-SECTIONS = {"hop": "## (h) ", "skyrl": "## (i) ", "step": "## (j) "}
+SECTIONS = {"hop": "## (h) ", "skyrl": "## (i) ", "step": "## (j) ", "simfit": "## (k) "}
 
 
 def run_section(redis_url: str | None, output: Path, section: str, command: str) -> None:
@@ -122,6 +122,13 @@ def run_section(redis_url: str | None, output: Path, section: str, command: str)
         body = bench_hop.render_hop(bench_hop.run_hop_bench(redis_url, console, _log_dir(), command=command))
     elif section == "step":
         body = bench_step.render_step(bench_step.run_step_bench(redis_url, console, _log_dir(), command=command))
+    elif section == "simfit":
+        from rollout_svc.model import prepare_model
+        from rollout_svc.tools.bench import simfit as bench_simfit
+
+        model = prepare_model(Settings().cache_dir)
+        fit = bench_simfit.run_fit_bench(redis_url, model, console, _log_dir(), command=command)
+        body = bench_simfit.render_fit(fit)
     else:
         body = bench_skyrl.render_skyrl(bench_skyrl.run_skyrl_bench(redis_url, console, _log_dir(), command=command))
     when = f"Measured alone on {time.strftime('%Y-%m-%d')} at commit `{_commit()}`, {platform.machine()} with"
