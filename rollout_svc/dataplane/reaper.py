@@ -64,6 +64,7 @@ class Reaper:
             await self.registry.release_reap_lock(worker_id, reaper_id)
             return None
         moved = await self.reclaim(worker_id, backlog=True)
+        await self.streams.forget_load(worker_id)  # else the loads hash keeps every dead id, read by every take
         await self.registry.forget(worker_id)
         return moved
 

@@ -58,6 +58,7 @@ async def test_reaper_requeues_what_a_dead_worker_held_and_re_places_its_session
 
     assert await Reaper(plane.redis, settings).reap_dead("w-live") == {"w-dead": 3}  # r1, r3 pending; r4 backlog
     assert not rds.sismember(keys.workers, "w-dead") and not rds.exists(keys.pinned_requests("w-dead"))
+    assert not rds.hexists(keys.loads, "w-dead") and not rds.hexists(keys.loads, "w-dead:free")  # its load forgotten
     assert rds.get(keys.session("s1")) == b"w-live"  # re-placed on the live worker
     requeued = {decode(fields[b"m"]).request_id: fields for _, fields in rds.xrange(keys.pinned_requests("w-live"))}
     assert set(requeued) == {"r3", "r4"}
