@@ -92,12 +92,7 @@ def echo_workers(workers: WorkerProcs) -> Callable[..., list[str]]:
     control state (out of `starting`); returns their ids."""
 
     def start(count: int, *args: str) -> list[str]:
-        ids = [f"echo-{len(workers.procs) + i}" for i in range(count)]
-        for worker_id in ids:
-            workers.start(worker_id, "--engine", "echo", *args)
-        workers.wait_live(*ids)
-        workers.wait_converged(*ids)
-        return ids
+        return workers.start_ready([f"echo-{len(workers.procs) + i}" for i in range(count)], "--engine", "echo", *args)
 
     return start
 
@@ -107,11 +102,6 @@ def sim_workers(workers: WorkerProcs) -> Callable[..., list[str]]:
     """Start N simulated-GPU workers (`--engine sim`, workers/sim) with the given worker args; returns their ids."""
 
     def start(count: int, *args: str) -> list[str]:
-        ids = [f"sim-{len(workers.procs) + i}" for i in range(count)]
-        for worker_id in ids:
-            workers.start(worker_id, "--engine", "sim", *args)
-        workers.wait_live(*ids)
-        workers.wait_converged(*ids)
-        return ids
+        return workers.start_ready([f"sim-{len(workers.procs) + i}" for i in range(count)], "--engine", "sim", *args)
 
     return start

@@ -220,6 +220,18 @@ class WorkerProcs:
         finally:
             client.close()
 
+    def start_ready(self, worker_ids: list[str], *args: str, env: dict[str, str] | None = None) -> list[str]:
+        """Start these workers with the same args, then wait until each is live and converged (`wait_ready`)."""
+        for worker_id in worker_ids:
+            self.start(worker_id, *args, env=env)
+        self.wait_ready(*worker_ids)
+        return worker_ids
+
+    def wait_ready(self, *worker_ids: str) -> None:
+        """Until each worker is live and out of `starting`: what a test that submits work at once needs."""
+        self.wait_live(*worker_ids)
+        self.wait_converged(*worker_ids)
+
     def wait_converged(self, *worker_ids: str, timeout_s: float = 30) -> None:
         """Until each worker left `starting` (it applied the fleet's control state: serving, paused, ...). A test
         that submits at once to workers still starting sees one worker take everything while the other starts."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -382,8 +381,10 @@ class RequestStreams:
         return entries, left
 
     async def report_load(self, worker_id: str, free: int) -> None:
-        """Record this worker's free slots (0 while it takes nothing: paused, draining), and when (its heartbeat)."""
-        await self.redis.hset(self.keys.loads, worker_id + FREE_SUFFIX, f"{max(free, 0)} {int(time.time() * 1000)}")
+        """Record this worker's free slots (0 while it takes nothing: paused, draining), and when: a publish of
+        nothing, so the one script that writes the field stamps it with Redis's clock, as the take script reads it
+        (a worker host's clock may be off)."""
+        await self.publish([], 0, load=(worker_id, free))
 
     async def loads(self) -> dict[str, int]:
         """Each worker's load: the tokens of work it holds (prompt plus `max_tokens` of each request it took and has

@@ -62,12 +62,8 @@ async def test_a_take_shares_tokens_not_requests(settings):
 async def test_fifo_placement_takes_whatever_fits(settings, workers):
     # ROLLOUT_PLACEMENT=fifo keeps the rule placement replaced (for the step-time bench): the first worker to read
     # takes what fits its free slots.
-    ids = [f"echo-{i}" for i in range(4)]
-    for worker_id in ids:
-        workers.start(worker_id, "--engine", "echo", "--max-num-seqs", "64", "--echo-token-delay-s", "0.01",
-                      env={"ROLLOUT_PLACEMENT": "fifo"})  # fmt: skip
-    workers.wait_live(*ids)
-    workers.wait_converged(*ids)
+    args = ("--engine", "echo", "--max-num-seqs", "64", "--echo-token-delay-s", "0.01")
+    workers.start_ready([f"echo-{i}" for i in range(4)], *args, env={"ROLLOUT_PLACEMENT": "fifo"})
     async with RolloutClient(settings) as client:
         trajectories = await client.generate(prompts(60), PARAMS)
     per_worker = sorted(Counter(t.worker_id for t in trajectories).values(), reverse=True)

@@ -21,23 +21,12 @@ from rollout_svc.protocol import RolloutRequest, SamplingParams, Trajectory, dec
 from tests.support import Results, Streaming, async_wait_until, pending
 
 
-async def wait_serving(client: RolloutClient, count: int) -> None:
-    """Until `count` live workers serve: live is not yet serving (`starting` until it applied the fleet's state)."""
-
-    async def serving() -> bool:
-        return sorted(w.state for w in await client.workers()) == ["serving"] * count
-
-    await async_wait_until(serving, 10, f"{count} workers serving")
-
-
 async def test_batch_comes_back_in_input_order_across_two_workers(settings, echo_workers):
     # Small capacity and a per-token delay, so neither worker can swallow the whole batch: ~0.5 s of work, so a
     # worker descheduled for a moment on a loaded CI machine (once: 0.1 s of work, all of it on echo-1) still serves.
     echo_workers(2, "--max-num-seqs", "16", "--echo-token-delay-s", "0.01")
     prompts = [[i + 1, (i * 7) % 250 + 1, 3] for i in range(200)]
-    async with RolloutClient(settings) as client:
-        # on a loaded CI machine echo-0 once served all 200 before echo-1 took any
-        await wait_serving(client, 2)
+    async with RolloutClient(settings) as client:  # the fixture returns once both serve (left `starting`)
         trajectories = await client.generate(prompts, {"max_tokens": 8})
     assert [t.prompt_token_ids for t in trajectories] == prompts
     assert [t.completion_token_ids for t in trajectories] == prompts  # echo: the completion is the prompt
@@ -103,7 +92,6 @@ async def test_kill_9_a_worker_mid_batch_loses_nothing_and_duplicates_nothing(se
     prompts = [[i + 1] * 20 for i in range(200)]  # 20 tokens x 10 ms: 0.2 s each, 32 at a time per worker
     rds = redis.Redis.from_url(settings.redis_url)
     async with RolloutClient(settings) as client:
-        await wait_serving(client, 2)  # else echo-1 may answer two rounds alone while echo-0 starts
         task = asyncio.create_task(client.generate(prompts, {"max_tokens": 20}, timeout_s=60))
         # Both workers have answered a first round of 32 and are busy with a second.
         await async_wait_until(lambda: 0 < rds.xlen(settings.keys.requests) <= 200 - 64, 10, "a first round answered")

@@ -48,8 +48,7 @@ async def test_an_abort_pause_on_sim_workers_returns_the_same_tokens_as_an_uncut
 async def test_one_process_serves_several_simulated_gpus_each_a_worker(settings, sim_workers, workers):
     sim_workers(1, *SIM, "--sim-engines", "4")
     ids = ["sim-0", "sim-0.1", "sim-0.2", "sim-0.3"]
-    workers.wait_live(*ids)
-    workers.wait_converged(*ids)
+    workers.wait_ready(*ids)
     async with RolloutClient(settings) as client:
         trajectories = await client.generate(prompts(40), {"max_tokens": 64, "ignore_eos": True})
     assert set(Counter(t.worker_id for t in trajectories)) == set(ids)  # placement spreads them over all four

@@ -232,8 +232,7 @@ def test_the_cpu_fit_recovers_a_known_profile_from_its_step_times():
     assert error < 0.05  # the grid's resolution
     fitted = StepCost(profile, SMOLLM2_135M)
     for p in points:
-        model_s = fitted.decode_s(p.batch, p.batch * p.context) if p.kind == "decode" else fitted.prefill_s(p.context)
-        assert model_s == pytest.approx(p.seconds, rel=0.1)
+        assert p.modelled_s(fitted) == pytest.approx(p.seconds, rel=0.1)
 
 
 def test_a_profile_may_read_the_kv_cache_slower_than_the_weights():

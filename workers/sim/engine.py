@@ -24,14 +24,18 @@ MAX_SLEEP_S = 0.05  # and at most this much wall clock: streams and progress adv
 PRINTABLE = 95  # generated tokens are printable ASCII bytes (32..126): the echo vocabulary has text for them
 
 
+def default_kv_cache_bytes(gpu: GPUProfile, model: ModelProfile, gpu_memory_utilization: float = 0.9) -> float:
+    """The KV cache vLLM sizes on one `gpu`: its memory at `gpu_memory_utilization`, less the weights and the
+    activation reserve (bytes; negative where the model does not fit)."""
+    return gpu.memory_bytes * gpu_memory_utilization - model.weight_bytes - ACTIVATION_RESERVE_BYTES
+
+
 @dataclass
 class SimStats:
-    """What one engine did, in simulated seconds and tokens."""
+    """What one engine did: simulated seconds busy, and steps run."""
 
     busy_s: float = 0.0
     steps: int = 0
-    generated_tokens: int = 0
-    prefill_tokens: int = 0
 
 
 class _Run:
@@ -76,7 +80,7 @@ class SimEngine(EchoEngine):
     ) -> None:
         super().__init__(model.name, capacity, max_model_len, 0.0, load_delay_s, preload_weight_transfer)
         if kv_cache_bytes is None:
-            kv_cache_bytes = gpu.memory_bytes * gpu_memory_utilization - model.weight_bytes - ACTIVATION_RESERVE_BYTES
+            kv_cache_bytes = default_kv_cache_bytes(gpu, model, gpu_memory_utilization)
         if kv_cache_bytes < block_size * model.kv_bytes_per_token:
             raise ValueError(
                 f"{model.name} ({model.weight_bytes / 1e9:.1f} GB of weights) leaves no KV cache on one {gpu.name}: "
@@ -194,10 +198,9 @@ class SimEngine(EchoEngine):
             self._between_steps.clear()
             done = await self._elapse(durations_s)
             # 4. Apply them, then hand out what changed.
-            generated = sum(len(seq.output) for seq, _ in step.items)
             finished = scheduler.commit(step, done)
-            self.stats.generated_tokens += sum(len(seq.output) for seq, _ in step.items) - generated
-            self._account(step, done, durations_s)
+            self.stats.busy_s += sum(durations_s[:done])
+            self.stats.steps += done
             self._between_steps.set()
             for seq, _ in step.items:
                 run = self._live.get(seq.request_id)
@@ -233,11 +236,6 @@ class SimEngine(EchoEngine):
         index = min(bisect.bisect_right(ends, elapsed), len(ends) - 1)  # the step running now completes
         await asyncio.sleep(max(0.0, ends[index] - elapsed))
         return index + 1
-
-    def _account(self, step: Step, done: int, durations_s: list[float]) -> None:
-        self.stats.busy_s += sum(durations_s[:done])
-        self.stats.steps += done
-        self.stats.prefill_tokens += sum(new for seq, new in step.items if len(seq.output) == 0 or new > 1)
 
     def _finish(self, request_id: str) -> None:
         run = self._live.pop(request_id, None)

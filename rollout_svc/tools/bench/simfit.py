@@ -60,6 +60,12 @@ class FitPoint:
     context: int
     seconds: float
 
+    def modelled_s(self, cost: StepCost) -> float:
+        """What `cost` says this point takes."""
+        if self.kind == "decode":
+            return cost.decode_s(self.batch, self.batch * self.context)
+        return cost.prefill_s(self.context)
+
 
 @dataclass
 class FitFigures:
@@ -154,11 +160,7 @@ def fit_profile(points: list[FitPoint]) -> tuple[GPUProfile, float]:
 
     def error(bandwidth: float, flops: float, overhead: float, kv_bandwidth: float) -> float:
         cost = StepCost(_profile(bandwidth, flops, overhead, kv_bandwidth), SMOLLM2_135M)
-        total = 0.0
-        for p in points:
-            model_s = cost.decode_s(p.batch, p.batch * p.context) if p.kind == "decode" else cost.prefill_s(p.context)
-            total += ((model_s - p.seconds) / p.seconds) ** 2
-        return total / len(points)
+        return sum(((p.modelled_s(cost) - p.seconds) / p.seconds) ** 2 for p in points) / len(points)
 
     def grid(lo: float, hi: float, n: int) -> list[float]:
         return [math.exp(math.log(lo) + (math.log(hi) - math.log(lo)) * i / (n - 1)) for i in range(n)]
@@ -238,6 +240,5 @@ def render_fit(f: FitFigures) -> str:
     ]
     cost = StepCost(profile, SMOLLM2_135M)
     for p in f.points:
-        model_s = cost.decode_s(p.batch, p.batch * p.context) if p.kind == "decode" else cost.prefill_s(p.context)
-        lines.append(f"| {p.kind} | {p.batch} | {p.context} | {p.seconds * 1e3:.1f} | {model_s * 1e3:.1f} |")
+        lines.append(f"| {p.kind} | {p.batch} | {p.context} | {p.seconds * 1e3:.1f} | {p.modelled_s(cost) * 1e3:.1f} |")
     return "\n".join(lines) + "\n\n"

@@ -32,7 +32,7 @@ from rollout_svc.tools import dataset
 from rollout_svc.tools.progress import Progress
 from rollout_svc.tools.runs import private_settings
 from workers.sim.cost import StepCost
-from workers.sim.engine import ACTIVATION_RESERVE_BYTES
+from workers.sim.engine import default_kv_cache_bytes
 from workers.sim.profiles import gpu_profile, model_profile
 
 HEADING = "## (j) RL step on a simulated fleet"
@@ -178,7 +178,7 @@ def oracle(plan: StepPlan, trajectories: list[Trajectory], gpus: int) -> tuple[f
     prompt_tokens = sum(len(t.prompt_token_ids) for t in trajectories)
     output_tokens = sum(len(t.completion_token_ids) for t in trajectories)
     mean_context = (prompt_tokens + output_tokens / 2) / len(trajectories)
-    kv_tokens = (gpu.memory_bytes * 0.9 - model.weight_bytes - ACTIVATION_RESERVE_BYTES) / model.kv_bytes_per_token
+    kv_tokens = default_kv_cache_bytes(gpu, model) / model.kv_bytes_per_token
     best = max(
         batch / cost.decode_s(batch, int(batch * mean_context))
         for batch in range(1, 1025)
