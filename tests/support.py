@@ -213,8 +213,8 @@ class WorkerProcs:
         try:
             while not all(client.exists(self.settings.keys.worker(w)) for w in worker_ids):
                 for w in worker_ids:
-                    proc = self.procs[w]
-                    assert proc.poll() is None, f"worker {w} exited: {self.log(w)[-3000:]}"
+                    proc = self.procs.get(w)  # None: a replica of a process started under another id (--sim-engines)
+                    assert proc is None or proc.poll() is None, f"worker {w} exited: {self.log(w)[-3000:]}"
                 assert time.monotonic() < deadline, f"workers {worker_ids} not live after {timeout_s} s"
                 time.sleep(0.05)
         finally:
