@@ -4,8 +4,9 @@ attempts into one trajectory; what a connection has seen (`ClientStats`)."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,34 @@ class ClientStats:
     cancelled: int = 0
     regenerated: int = 0
     staleness: Counter[int] = field(default_factory=Counter)
+
+
+class GroupTarget:
+    """A completion target over a call's requests: met once `fraction` of its groups finished (every request of the
+    group answered, whatever its finish reason). Requests without a `group_id` are groups of one; requests sharing
+    one are a group (`sample`'s n samples of a prompt, or members of a group carried over from an earlier call).
+    The number of groups needed is `ceil(fraction x groups)`, at least 1."""
+
+    def __init__(self, requests: Sequence[Request], fraction: float) -> None:
+        self._group_of: list[str] = []
+        sizes: Counter[str] = Counter()
+        for index, request in enumerate(requests):
+            group = getattr(request, "group_id", None) or f"#{index}"
+            self._group_of.append(group)
+            sizes[group] += 1
+        self._left = dict(sizes)
+        self.needed = max(1, math.ceil(fraction * len(sizes) - 1e-9))
+        self.complete = 0
+
+    @property
+    def reached(self) -> bool:
+        return self.complete >= self.needed
+
+    def finished(self, index: int) -> None:
+        group = self._group_of[index]
+        self._left[group] -= 1
+        if self._left[group] == 0:
+            self.complete += 1
 
 
 class Call:
@@ -53,6 +82,22 @@ class Call:
         self.spent_s: list[tuple[float, float]] = [(0.0, 0.0)] * count  # earlier attempts' (queue, generation) s
         self.regenerations: dict[int, int] = {}  # position -> times dropped as stale and generated again
         self.events: asyncio.Queue[tuple[int, TrajectoryChunk | None]] | None = asyncio.Queue() if chunks else None
+        self.cutting: set[int] = set()  # positions being cut (a completion target): their answer is final
+        self.target: GroupTarget | None = None
+        self.on_target: Callable[[], None] | None = None
+
+    def watch(self, target: GroupTarget, reached: Callable[[], None]) -> None:
+        """Call `reached()` once, when `target` is met (now, if it is already)."""
+        self.target, self.on_target = target, reached
+        for index, result in enumerate(self.results):
+            if result is not None:
+                target.finished(index)
+        self._check_target()
+
+    def _check_target(self) -> None:
+        if self.on_target is not None and self.target is not None and self.target.reached:
+            reached, self.on_target = self.on_target, None
+            reached()
 
     @property
     def completed(self) -> asyncio.Queue[int]:
@@ -77,6 +122,9 @@ class Call:
             self._completed.put_nowait(index)
         if self.events is not None:
             self.events.put_nowait((index, None))
+        if self.target is not None:
+            self.target.finished(index)
+            self._check_target()
         if self.remaining == 0 and not self.done.done():
             self.done.set_result(None)
 

@@ -37,7 +37,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from rollout_svc.client.calls import Call, ClientStats
-from rollout_svc.client.lifecycle import Attempt, final_fields, regeneration_of, retry_of
+from rollout_svc.client.lifecycle import Attempt, cut_fields, final_fields, regeneration_of, retry_of
 from rollout_svc.config import Settings, tune_gc
 from rollout_svc.connections.urls import retry_while_away, server_run_id
 from rollout_svc.dataplane.streams import ENQUEUE_CHUNK, Enqueue, Placed, RequestStreams
@@ -53,6 +53,7 @@ from rollout_svc.protocol import (
     TrajectoryChunk,
     decode,
     encode,
+    unrun_trajectory,
 )
 
 log = logging.getLogger("rollout_svc.client")
@@ -70,6 +71,11 @@ class _EnqueueOp:
 
 @dataclass
 class _CancelOp:
+    request_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _CutOp:
     request_ids: list[str] = field(default_factory=list)
 
 
@@ -104,7 +110,7 @@ class Connection:
         self._closing = False
         self._closed = asyncio.Event()
         self._reread: set[str] = set()  # shards whose reader goes back to the start of its stream (see `attach`)
-        self.outbox: asyncio.Queue[_EnqueueOp | _CancelOp | None] = asyncio.Queue()
+        self.outbox: asyncio.Queue[_EnqueueOp | _CancelOp | _CutOp | None] = asyncio.Queue()
         self.tasks: dict[str, list[asyncio.Task[None]]] = {}  # shard -> its reader and watcher
         self.submitter = asyncio.create_task(self._submit_ops())
         self.shard_watcher: asyncio.Task[None] | None = None
@@ -240,6 +246,19 @@ class Connection:
             self.stats.cancelled += len(ids)
             self.outbox.put_nowait(_CancelOp(ids))
 
+    def cut(self, call: Call) -> None:
+        """End a call's unfinished positions early, as partial rollouts (its completion target was met): each current
+        attempt is cancelled on the workers (in flight: aborted, it answers with its tokens so far; queued: deleted
+        and answered here, unrun; taken later: answered unrun by its worker), and whatever answer comes is final,
+        `abort_cause="partial"` if it was cut (`cut_fields`). The call's `done` resolves once every answer came."""
+        ids = []
+        for index in call.unfinished():
+            if index not in call.cutting:
+                call.cutting.add(index)
+                ids.append(call.attempt_ids[index])
+        if ids:
+            self.outbox.put_nowait(_CutOp(ids))
+
     def forget(self, call: Call) -> None:
         """Stop awaiting a call's requests (those being cancelled stay until their cancel is sent)."""
         for request_id in call.attempt_ids:
@@ -263,6 +282,9 @@ class Connection:
             cancelled = [i for op in ops if isinstance(op, _CancelOp) for i in op.request_ids]
             if cancelled:
                 await self._cancel(cancelled)
+            cut = [i for op in ops if isinstance(op, _CutOp) for i in op.request_ids]
+            if cut:
+                await self._cut(cut)
             if None in ops:
                 return
 
@@ -278,6 +300,30 @@ class Connection:
             await self.fleet.each(lambda link: link.control.cancel(by_shard[link.name]), by_shard)
         except (RedisError, OSError) as exc:  # the workers' deadlines still stop them
             log.warning("cancelling %d requests failed (%s)", len(request_ids), exc)
+
+    async def _cut(self, request_ids: list[str]) -> None:
+        """Cancel the attempts being cut, in their shards (in every shard, for one not yet placed); answer those
+        deleted from a queue here, unrun, with `abort_cause="partial"`. Redis away: the rest answer as they finish."""
+        by_shard: dict[str, list[tuple[str, Placed | None]]] = {}
+        for request_id in request_ids:
+            if (attempt := self.attempts.get(request_id)) is None:
+                continue  # answered meanwhile
+            names = [attempt.shard] if attempt.shard in self.fleet.links else list(self.fleet.links)
+            for name in names:
+                by_shard.setdefault(name, []).append((request_id, attempt.placed))
+        try:
+            swept = await self.fleet.each(lambda link: link.control.cancel(by_shard[link.name]), by_shard)
+        except (RedisError, OSError) as exc:
+            log.warning("cutting %d requests failed (%s); they end as they finish", len(request_ids), exc)
+            return
+        deleted = set().union(*swept.values())
+        for request_id in request_ids:
+            attempt = self.attempts.get(request_id)
+            if attempt is None or attempt.placed is None or not isinstance(attempt.request, RolloutRequest):
+                continue
+            if (attempt.placed.stream, attempt.placed.entry_id) in deleted:
+                del self.attempts[request_id]
+                attempt.call.set(attempt.index, self._answer(attempt, unrun_trajectory(attempt.request, "partial")))
 
     async def _run_enqueues(self, ops: list[_EnqueueOp]) -> None:
         """Enqueue the ops' batches in one round trip per shard, the shards at once. While a shard's Redis is away
@@ -394,6 +440,11 @@ class Connection:
         (cut by a pause or a shutdown) or regenerated (staler than `max_staleness`) instead."""
         call, index, now = attempt.call, attempt.index, time.time()
         request = call.requests[index]
+        if index in call.cutting:  # cut by a completion target: whatever came is final
+            final = call.merged(index, result, **cut_fields(request, result))
+            if final.staleness is not None:
+                self.stats.staleness[final.staleness] += 1
+            return final
         retry = retry_of(request, result, self.settings.client, now, self._new_attempt)
         if retry is not None:
             call.renew(index, retry.request_id, result)

@@ -113,6 +113,18 @@ def final_fields(request: Request, result: Trajectory) -> dict[str, Any]:
     return {"interruptions": result.interruptions + 1}
 
 
+def cut_fields(request: Request, result: Trajectory) -> dict[str, Any]:
+    """The fields the caller's trajectory changes, for the answer of a position cut by its call's completion target:
+    none if it finished first; for one the cut stopped (`finish_reason="abort"`, any cause: the cut's cancel, or a
+    pause or shutdown that came first), `abort_cause="partial"` and one more interruption, or `finish_reason="length"`
+    if it had reached `max_tokens` (nothing left to continue)."""
+    if result.finish_reason != "abort":
+        return {}
+    if isinstance(request, RolloutRequest) and len(result.completion_token_ids) >= request.sampling_params.max_tokens:
+        return {"finish_reason": "length", "abort_cause": None}
+    return {"abort_cause": "partial", "interruptions": result.interruptions + 1}
+
+
 def regeneration_of(
     request: Request,
     result: Trajectory,

@@ -10,17 +10,18 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from rollout_svc.client.calls import Call, ClientStats
+from rollout_svc.client.calls import Call, ClientStats, GroupTarget
 from rollout_svc.client.connection import Connection
+from rollout_svc.client.fleet_calls import FleetCalls
+from rollout_svc.client.partial import check_target, continued_fields
+from rollout_svc.client.steps import StepReport, step_report
 from rollout_svc.config import Settings
 from rollout_svc.connections.urls import warn_if_evicting
-from rollout_svc.control.plane import DEFAULT_HOLDER, FleetState
 from rollout_svc.errors import GenerationError, InvalidRequestError, RequestTimeoutError
 from rollout_svc.protocol import (
     ChatMessage,
     DetokenizeRequest,
     ErrorResult,
-    PauseMode,
     Request,
     RolloutRequest,
     SamplingParams,
@@ -28,7 +29,6 @@ from rollout_svc.protocol import (
     TokenizeResult,
     Trajectory,
     TrajectoryChunk,
-    WorkerStatus,
     as_sampling_params,
 )
 
@@ -37,9 +37,11 @@ _CHECKED_EVICTION: set[str] = set()  # Redis URLs whose maxmemory-policy this pr
 Params = SamplingParams | dict[str, Any] | None
 # A prompt of `stream`: token ids, text (tokenized by the worker, special tokens added), or chat messages.
 Prompt = Sequence[int] | str | Sequence[dict[str, Any] | ChatMessage]
+# A prompt of `generate`: token ids, or a trajectory a completion target cut, to continue.
+IdsPrompt = Sequence[int] | Trajectory
 
 
-class RolloutClient:
+class RolloutClient(FleetCalls):
     """Async client of the rollout service. Holds only its settings, so it pickles (to Ray actors, say).
 
     Example (start a local cluster first: `rollout-svc up --workers 2 --engine vllm`)::
@@ -62,6 +64,12 @@ class RolloutClient:
     `as_completed` early) cancels its requests on the workers, queued and in flight. A request cut by a pause in
     abort mode, or by its worker shutting down, is retried token-exact and returned whole
     (`Trajectory.interruptions` counts the cuts).
+
+    Partial rollouts: `generate`, `sample` and `as_completed` take a completion target (`completion_target`, a
+    fraction of the call's groups; `cut_after_s`, a time): once it is met, what has not finished is cut and comes
+    back with `finish_reason="abort"`, `abort_cause="partial"` and its tokens so far; pass those trajectories as
+    prompts to a later `generate` to continue them token-exact (`rollout_svc/client/partial.py`). `step_report()`
+    says how the last call used the fleet.
     """
 
     def __init__(self, settings: Settings | None = None, *, producer_id: str | None = None, **overrides: Any) -> None:
@@ -71,6 +79,7 @@ class RolloutClient:
         self.producer_id = producer_id
         self._connection: Connection | None = None
         self._starting: asyncio.Future[None] | None = None  # the current connection's start, awaited by every caller
+        self._last_step: tuple[Call, float, float] | None = None  # the last generation call, its start and end (unix s)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"settings": self.settings.model_dump(mode="json"), "producer_id": self.producer_id}
@@ -128,22 +137,31 @@ class RolloutClient:
 
     async def generate(
         self,
-        prompt_token_ids: Sequence[Sequence[int]],
+        prompt_token_ids: Sequence[IdsPrompt],
         sampling_params: Params = None,
         session_ids: Sequence[str | None] | None = None,
         *,
         group_ids: Sequence[str | None] | None = None,
+        completion_target: float | None = None,
+        cut_after_s: float | None = None,
         timeout_s: float | None = None,
         raise_on_error: bool = False,
     ) -> list[Trajectory]:
         """Generate one completion per prompt; returns trajectories in input order.
 
         Args:
-            prompt_token_ids: B prompts, each a non-empty list of token ids.
+            prompt_token_ids: B prompts, each a non-empty list of token ids, or a trajectory an earlier call cut
+                (`abort_cause="partial"`, or another abort) to continue token-exact: the worker generates after its
+                tokens (`max_tokens` counts them) and answers with the whole completion, its weight-version
+                spans kept. Its session and group carry over unless `session_ids` / `group_ids` name others.
             sampling_params: vLLM-named sampling params (a dict or `SamplingParams`), shared by all prompts.
             session_ids: None, or B session ids (None entries allowed): every request of one session
                 is served by one worker (its KV cache stays warm) until `finish_session` or its TTL.
             group_ids: optional B group ids, carried through to the trajectories.
+            completion_target: end the call once this fraction (0, 1] of its groups finished (requests sharing a
+                group id are a group; others, groups of one): the rest are cut and returned with their tokens so
+                far, `finish_reason="abort"`, `abort_cause="partial"` (partial rollouts).
+            cut_after_s: likewise, once this many seconds passed (whichever comes first, with a target).
             timeout_s: per request, from submission, pauses included; past it the request is dropped by the
                 worker (a request being retried after an abort returns its partial tokens with
                 `finish_reason="abort"`, `abort_cause="deadline"`).
@@ -154,21 +172,24 @@ class RolloutClient:
         `seed` or stop strings that span the cut, the continuation may differ from an uninterrupted run.
 
         Raises:
-            InvalidRequestError: bad prompts or sampling params (nothing was sent).
+            InvalidRequestError: bad prompts, sampling params or target (nothing was sent).
             QueueFullError: the requests stream is over its admission limit (nothing was sent).
             RequestTimeoutError: some requests got no result in time (`.completed` holds the rest).
         """
-        prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
-        requests = await self._generation_requests(prompts, sampling_params, session_ids, group_ids, timeout_s)
-        return self._trajectories(requests, await self._run(requests, timeout_s), raise_on_error)
+        check_target(completion_target, cut_after_s)
+        requests = await self._ids_requests(prompt_token_ids, sampling_params, session_ids, group_ids, timeout_s)
+        results = await self._run(requests, timeout_s, target=(completion_target, cut_after_s))
+        return self._trajectories(requests, results, raise_on_error)
 
     async def as_completed(
         self,
-        prompt_token_ids: Sequence[Sequence[int]],
+        prompt_token_ids: Sequence[IdsPrompt],
         sampling_params: Params = None,
         session_ids: Sequence[str | None] | None = None,
         *,
         group_ids: Sequence[str | None] | None = None,
+        completion_target: float | None = None,
+        cut_after_s: float | None = None,
         timeout_s: float | None = None,
         raise_on_error: bool = False,
     ) -> AsyncIterator[tuple[int, Trajectory]]:
@@ -180,10 +201,13 @@ class RolloutClient:
 
             async for index, trajectory in client.as_completed(prompts, {"max_tokens": 256}):
                 buffer.add(index, trajectory)
+
+        With a completion target, the cut ones are yielded last (once their workers answered the cut).
         """
-        prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
-        requests = await self._generation_requests(prompts, sampling_params, session_ids, group_ids, timeout_s)
-        async for index, event in self._events(requests, timeout_s, raise_on_error, chunks=False):
+        check_target(completion_target, cut_after_s)
+        requests = await self._ids_requests(prompt_token_ids, sampling_params, session_ids, group_ids, timeout_s)
+        target = (completion_target, cut_after_s)
+        async for index, event in self._events(requests, timeout_s, raise_on_error, chunks=False, target=target):
             assert isinstance(event, Trajectory)
             yield index, event
 
@@ -232,18 +256,26 @@ class RolloutClient:
             yield event
 
     async def _events(
-        self, requests: list[RolloutRequest], timeout_s: float | None, raise_on_error: bool, chunks: bool
+        self,
+        requests: list[RolloutRequest],
+        timeout_s: float | None,
+        raise_on_error: bool,
+        chunks: bool,
+        target: tuple[float | None, float | None] = (None, None),
     ) -> AsyncIterator[tuple[int, TrajectoryChunk | Trajectory]]:
-        """Submit `requests` and yield `(index, chunk)` (with `chunks`) and `(index, trajectory)` as they arrive."""
+        """Submit `requests` and yield `(index, chunk)` (with `chunks`) and `(index, trajectory)` as they arrive;
+        `target`: (completion target, cut after s), as `generate`'s."""
         connection = await self._connect()
         call = connection.new_call(requests, chunks=chunks)
         timeout_s = self._timeout(timeout_s)
+        started, timer = time.time(), None
         # With chunks every event (chunks, then each position's end) comes through `call.events`, else through
         # `call.completed`: one queue, so nothing is yielded twice.
         queue: asyncio.Queue[Any] = call.events if call.events is not None else call.completed
         finished = 0
         try:
             await connection.submit(call)
+            timer = self._watch(connection, call, target)
             deadline = time.monotonic() + timeout_s
             while finished < len(requests):
                 try:
@@ -264,9 +296,12 @@ class RolloutClient:
                     finished += 1
                     yield index, self._trajectory(requests[index], call.results[index], raise_on_error)
         finally:
+            if timer is not None:
+                timer.cancel()
             if call.remaining:
                 connection.cancel(call)
             connection.forget(call)
+            self._last_step = (call, started, time.time())
 
     async def sample(
         self,
@@ -274,6 +309,8 @@ class RolloutClient:
         n: int,
         sampling_params: Params = None,
         *,
+        completion_target: float | None = None,
+        cut_after_s: float | None = None,
         timeout_s: float | None = None,
         raise_on_error: bool = False,
     ) -> list[list[Trajectory]]:
@@ -281,9 +318,12 @@ class RolloutClient:
 
         The n requests of a group share a `group_id` and spread over workers. With a `seed`, sample j
         uses `seed + j`, so the n samples differ (as vLLM's `n` does) and the call is reproducible.
+        `completion_target`: end once this fraction of the groups finished whole (`generate`'s; continue a cut
+        sample with `generate`, which keeps its group id). Same errors as `generate`.
         """
         if n < 1:
             raise InvalidRequestError(f"n must be >= 1, got {n}")
+        check_target(completion_target, cut_after_s)
         params = as_sampling_params(sampling_params)
         connection = await self._connect()
         requests = []
@@ -293,7 +333,8 @@ class RolloutClient:
                 seeded = params if params.seed is None else params.model_copy(update={"seed": params.seed + j})
                 fields = {"prompt_token_ids": list(prompt), "group_id": group_id, "sampling_params": seeded}
                 requests.append(self._build(RolloutRequest, i, timeout_s, connection, **fields))
-        flat = self._trajectories(requests, await self._run(requests, timeout_s), raise_on_error)
+        results = await self._run(requests, timeout_s, target=(completion_target, cut_after_s))
+        flat = self._trajectories(requests, results, raise_on_error)
         return [flat[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
 
     async def chat(
@@ -395,6 +436,29 @@ class RolloutClient:
         results = await self._run(requests, timeout_s, enqueued=enqueued)
         return self._trajectories(requests, results, raise_on_error)
 
+    async def _ids_requests(
+        self,
+        prompts: Sequence[IdsPrompt],
+        sampling_params: Params,
+        session_ids: Sequence[str | None] | None,
+        group_ids: Sequence[str | None] | None,
+        timeout_s: float | None,
+    ) -> list[RolloutRequest]:
+        """`_generation_requests` of `generate`'s prompts: token ids, or trajectories to continue (their session and
+        group unless the caller names others)."""
+        connection = await self._connect()
+        fields: list[dict[str, Any]] = []
+        sessions = _per_prompt(session_ids, len(prompts), "session_ids")
+        groups = _per_prompt(group_ids, len(prompts), "group_ids")
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, Trajectory):
+                fields.append(continued_fields(i, prompt, connection.new_id()))
+                sessions[i] = sessions[i] or fields[-1].pop("session_id")
+                groups[i] = groups[i] or fields[-1].pop("group_id")
+            else:
+                fields.append({"prompt_token_ids": list(prompt)})
+        return await self._generation_requests(fields, sampling_params, sessions, groups, timeout_s)
+
     async def _generation_requests(
         self,
         prompts: Sequence[dict[str, Any]],
@@ -454,19 +518,22 @@ class RolloutClient:
         requests: Sequence[Request],
         timeout_s: float | None,
         enqueued: bool = False,
+        target: tuple[float | None, float | None] = (None, None),
     ) -> list[Any]:
         """Enqueue a batch (unless `enqueued`: then only await it) and await every result, in order. Cancelled or
-        failed: its requests are cancelled."""
+        failed: its requests are cancelled. `target`: (completion target, cut after s), as `generate`'s."""
         if not requests:
             return []
         connection = await self._connect()
         call = connection.new_call(requests)
         timeout_s = self._timeout(timeout_s)
+        started, timer = time.time(), None
         try:
             if enqueued:
                 connection.attach(call)
             else:
                 await connection.submit(call)
+            timer = self._watch(connection, call, target)
             deadline = connection.loop.call_later(timeout_s, _resolve, call.done)  # wakes this caller in time
             try:
                 await call.done  # not asyncio.wait: one loop iteration less between the last result and the caller
@@ -478,9 +545,34 @@ class RolloutClient:
                 raise self._late(call, timeout_s)
             return call.results
         finally:
+            if timer is not None:
+                timer.cancel()
             if call.remaining:
                 connection.cancel(call)
             connection.forget(call)
+            if isinstance(requests[0], RolloutRequest):
+                self._last_step = (call, started, time.time())
+
+    @staticmethod
+    def _watch(
+        connection: Connection, call: Call, target: tuple[float | None, float | None]
+    ) -> asyncio.TimerHandle | None:
+        """Cut `call` once `target` (completion target, cut after s) is met; returns the timer to cancel, if any."""
+        fraction, after_s = target
+        if fraction is not None:
+            call.watch(GroupTarget(call.requests, fraction), lambda: connection.cut(call))
+        return None if after_s is None else connection.loop.call_later(after_s, connection.cut, call)
+
+    async def step_report(self) -> StepReport:
+        """How this client's last generation call (generate, sample, chat, as_completed, stream, run) used the
+        fleet: makespan, busy time per worker (the live workers that served none count idle), idle fraction,
+        cuts and moves (`StepReport`). Raises `InvalidRequestError` before the first such call."""
+        if self._last_step is None:
+            raise InvalidRequestError("no generation call yet: step_report() describes the last one")
+        call, started, ended = self._last_step
+        trajectories = [r for r in call.results if isinstance(r, Trajectory)]
+        live = [w.worker_id for w in await self.workers()]
+        return step_report(trajectories, started, ended, live)
 
     @staticmethod
     def _late(call: Call, timeout_s: float) -> RequestTimeoutError:
@@ -550,95 +642,6 @@ class RolloutClient:
             if isinstance(result, ErrorResult):
                 raise GenerationError(result.request_id, result.code, result.message, result.recoverable)
         return results
-
-    # --- control ----------------------------------------------------------------------------------------
-
-    async def pause(
-        self, mode: PauseMode = "keep", *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None
-    ) -> int:
-        """Pause the fleet: no worker takes rollout requests (they wait in the queue; deadlines keep running).
-
-        `mode`: `keep` freezes in-flight requests with their KV cache until `resume`; `abort` cuts them (this
-        client's own come back whole, retried token-exact after `resume`); `wait` returns once they finished.
-        `holder` names who pauses (the fleet stays paused while any holder does). Returns the control epoch once
-        every live worker acknowledged. Raises `ControlTimeoutError` naming those that did not within
-        `timeout_s` (default `Settings.client.control_timeout_s`); the pause stays written, so a retry converges.
-        """
-        return await (await self._connect()).control.pause(mode, holder=holder, timeout_s=timeout_s)
-
-    async def resume(self, *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None) -> int:
-        """Release `holder`'s pause; kept requests continue, queued ones start. Returns the epoch once acked."""
-        return await (await self._connect()).control.resume(holder=holder, timeout_s=timeout_s)
-
-    async def pause_generation(self, mode: PauseMode = "keep", *, timeout_s: float | None = None) -> int:
-        """SkyRL's name for `pause` (keep mode by default: in-flight requests freeze and continue on resume)."""
-        return await self.pause(mode, timeout_s=timeout_s)
-
-    async def resume_generation(self, *, timeout_s: float | None = None) -> int:
-        """SkyRL's name for `resume`."""
-        return await self.resume(timeout_s=timeout_s)
-
-    async def is_paused(self, per_worker: bool = False) -> bool | dict[str, bool]:
-        """Whether the fleet is paused (its desired state); `per_worker=True`: {worker id: paused or asleep}."""
-        connection = await self._connect()
-        if per_worker:
-            return {w.worker_id: w.state in ("paused", "sleeping") for w in await connection.registry.live_workers()}
-        return (await connection.control.state()).paused
-
-    async def abort(
-        self,
-        request_ids: Sequence[str] | None = None,
-        *,
-        session_id: str | None = None,
-        all: bool = False,
-        timeout_s: float | None = None,
-    ) -> int:
-        """Abort requests without pausing: exactly one of `request_ids`, `session_id` or `all=True`.
-
-        In-flight ones return partial trajectories and queued ones are answered unrun, all with
-        `finish_reason="abort"`, `abort_cause="user"`; an explicit abort is final (not retried). A session or
-        `all` abort hits requests enqueued before it; later ones run. Returns the epoch once every live worker
-        acknowledged (`ControlTimeoutError` otherwise).
-        """
-        return await (await self._connect()).control.abort(request_ids, session_id, all, timeout_s=timeout_s)
-
-    async def sleep(self, level: int = 1, mode: PauseMode = "abort", *, timeout_s: float | None = None) -> int:
-        """Put every engine to sleep (vLLM sleep mode; on CPU no memory is freed: `WorkerStatus.memory_released`).
-
-        A sleeping worker takes no rollout requests; in-flight ones are first paused as `mode` says.
-        """
-        return await (await self._connect()).control.sleep(level, mode, timeout_s=timeout_s)
-
-    async def wake_up(self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None) -> int:
-        """Wake the engines (all memory, or only the pools `tags` names); the pause state from before returns."""
-        return await (await self._connect()).control.wake_up(tags, timeout_s=timeout_s)
-
-    async def reset_prefix_cache(self, reset_running_requests: bool = False, *, timeout_s: float | None = None) -> int:
-        """Drop every engine's prefix cache (`ControlCommandError` names workers whose engine refused)."""
-        control = (await self._connect()).control
-        return await control.reset_prefix_cache(reset_running_requests, timeout_s=timeout_s)
-
-    async def fleet_state(self) -> FleetState:
-        """The fleet's desired control state: epoch, pause holders and mode, sleep level."""
-        return await (await self._connect()).control.state()
-
-    # --- sessions and fleet -----------------------------------------------------------------------------
-
-    async def finish_session(self, session_id: str) -> bool:
-        """Unpin a session: its next request is placed anew. Returns whether it was pinned."""
-        return await (await self._connect()).session_streams(session_id).finish_session(session_id)
-
-    async def session_worker(self, session_id: str) -> str | None:
-        """The worker a session is pinned to, or None."""
-        return await (await self._connect()).session_streams(session_id).pinned_worker(session_id)
-
-    async def workers(self) -> list[WorkerStatus]:
-        """Live workers (heartbeat not expired), sorted by id, with their control state (`state`, `applied_epoch`)."""
-        return await (await self._connect()).registry.live_workers()
-
-    async def world_size(self) -> int:
-        """Number of live engine replicas."""
-        return len(await self.workers())
 
 
 def _event(event: int | tuple[int, TrajectoryChunk | None]) -> tuple[int, TrajectoryChunk | None]:

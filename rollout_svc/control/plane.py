@@ -336,7 +336,7 @@ class ControlPlane:
                 hits = [e for e in entries if e.epoch < epoch and (session_id is None or e.session_id == session_id)]
                 sweeps = [s for s in map(self._abort_answer, hits) if s is not None]
                 if sweeps:
-                    swept += await self.streams.sweep(stream, sweeps, self.settings.results_ttl_s)
+                    swept += len(await self.streams.sweep(stream, sweeps, self.settings.results_ttl_s))
         return swept
 
     @staticmethod
@@ -351,11 +351,13 @@ class ControlPlane:
 
     # --- cancel (a producer's own requests) ------------------------------------------------------------------
 
-    async def cancel(self, attempts: Sequence[tuple[str, Placed | None]]) -> None:
+    async def cancel(self, attempts: Sequence[tuple[str, Placed | None]]) -> set[tuple[str, bytes]]:
         """Cancel requests a producer no longer wants: tombstone their ids (workers abort them in flight, at the
-        next nudge or heartbeat), and delete those still queued. No acknowledgement: nobody awaits the answers."""
+        next nudge or heartbeat), and delete those still queued. No acknowledgement. Returns the entries deleted unrun,
+        as (stream, entry id) (a cut answers those itself; a worker answers the others: in flight it aborts them, and
+        answers unrun those it takes later)."""
         if not attempts:
-            return
+            return set()
         ttl_ms = int(self.settings.results_ttl_s * 1000)
         ids = [request_id for request_id, _ in attempts]
         await self._cancel(keys=[self.keys.cancelled], args=[ttl_ms, self.keys.cancel_channel, *ids])
@@ -363,8 +365,10 @@ class ControlPlane:
         for _, placed in attempts:
             if placed is not None:
                 by_stream.setdefault(placed.stream, []).append(Sweep(placed.entry_id))
+        swept: set[tuple[str, bytes]] = set()
         for stream, sweeps in by_stream.items():
-            await self.streams.sweep(stream, sweeps, self.settings.results_ttl_s)
+            swept.update((stream, e) for e in await self.streams.sweep(stream, sweeps, self.settings.results_ttl_s))
+        return swept
 
     # --- the worker's side -----------------------------------------------------------------------------------
 

@@ -212,7 +212,7 @@ return 1
 # consumer holds it) and answers it; an entry a worker took meanwhile is that worker's to answer.
 SWEEP_LUA = lua("""
 local stream, group, results_ttl_s = KEYS[1], ARGV[1], ARGV[2]
-local swept = 0
+local swept = {}
 for a = 3, #ARGV, 3 do
   local id = ARGV[a]
   if #redis.call('XRANGE', stream, id, id) == 1 then
@@ -224,7 +224,7 @@ for a = 3, #ARGV, 3 do
         redis.call('XADD', KEYS[r], '*', '${PAYLOAD_FIELD}', ARGV[a + 2])
         redis.call('EXPIRE', KEYS[r], results_ttl_s)
       end
-      swept = swept + 1
+      swept[#swept + 1] = id
     end
   end
 end

@@ -326,14 +326,16 @@ class RequestStreams:
         value: Any = await self.redis.get(self.keys.session(session_id))
         return value.decode() if value else None
 
-    async def sweep(self, stream: str, entries: Sequence[Sweep], results_ttl_s: float) -> int:
-        """Delete the entries still undelivered and send each its answer, atomically. Returns how many went."""
+    async def sweep(self, stream: str, entries: Sequence[Sweep], results_ttl_s: float) -> list[bytes]:
+        """Delete the entries still undelivered and send each its answer, atomically. Returns the ids of those that
+        went (a delivered one is its worker's to answer)."""
         keys: dict[str, int] = {stream: 1}
         args: list[str | bytes | int] = [WORKERS_GROUP, int(results_ttl_s)]
         for item in entries:
             reply_index = keys.setdefault(item.reply[0], len(keys) + 1) if item.reply else 0
             args += [item.entry_id, reply_index, item.reply[1] if item.reply else b""]
-        return int(await self._scripts["sweep"](keys=list(keys), args=args))
+        swept = await self._scripts["sweep"](keys=list(keys), args=args)
+        return [entry_id if isinstance(entry_id, bytes) else str(entry_id).encode() for entry_id in swept]
 
     # --- workers ----------------------------------------------------------------------------------------
 

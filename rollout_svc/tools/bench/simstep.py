@@ -1,5 +1,6 @@
 """`rollout-svc bench`, section (j): one GRPO-shaped RL step on a simulated GPU fleet (`--engine sim`, workers/sim),
-first-come-first-served placement beside placement by cost, against the oracle lower bound.
+first-come-first-served placement beside placement by cost, and placement by cost with partial rollouts (the call
+ends once `partial_target` of its groups finished; the rest are cut), against the oracle lower bound.
 
 The step: `prompts` prompts x `samples` samples (`RolloutClient.sample`, seeded, so every row serves the same
 workload), prompt lengths from ShareGPT's first turns (4 characters a token), output lengths from the sim's log-normal
@@ -7,11 +8,12 @@ model (median 1k, p99 16k tokens, 70% of the log-variance shared by a prompt's s
 capped at `max_tokens`. Each row starts a fresh fleet of `gpus` simulated H100s serving the 7B profile,
 `engines_per_process` to a worker process, and times the call; a simulated second lasts 1 / `time_scale` s.
 
-Per row: the makespan (simulated s), each worker's busy time (some request of its running: from the trajectories'
-queue and generation times), the fleet's idle fraction (1 - busy / (gpus x makespan)) and output tokens per
-GPU-second. The oracle lower bound is the longer of the longest request run alone and the step's total work at the
-fleet's peak throughput (prefill at the profile's 8,192-token step rate; decode at the batch size that maximises
-tokens per second with the step's mean context, within the KV cache).
+Per row, from the call's step report (`RolloutClient.step_report`): the makespan (simulated s), each simulated GPU's
+busy time (some request of its running: from the trajectories' queue and generation times), the fleet's idle fraction
+(1 - busy / (gpus x makespan)), output tokens per GPU-second, and for partial rollouts the requests cut and the tokens
+they carry to the next step. The oracle lower bound is the longer of the longest request run alone and the step's
+total work at the fleet's peak throughput (prefill at the profile's 8,192-token step rate; decode at the batch size
+that maximises tokens per second with the step's mean context, within the KV cache).
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ class StepPlan:
     max_tokens: int = 32768
     max_prompt_tokens: int = 2048
     time_scale: float = 10.0
-    placements: tuple[str, ...] = ("fifo", "cost")
+    placements: tuple[str, ...] = ("fifo", "cost", "cost+partial")
+    partial_target: float = 0.9  # the completion target of the "+partial" rows: a fraction of the groups
 
 
 @dataclass
@@ -61,6 +64,8 @@ class StepRow:
     makespan_s: float  # simulated
     busy_s: dict[str, float]  # simulated, per worker
     output_tokens: int
+    cut: int = 0  # requests cut by the completion target
+    cut_tokens: int = 0  # the tokens they carry
 
     @property
     def idle_fraction(self) -> float:
@@ -95,12 +100,14 @@ def run_step_bench(
     figures = StepFigures(plan, command=command)
     prompts = step_prompts(plan)
     for gpus in plan.gpus:
+        whole: list[Trajectory] = []  # a step run to its end: what the oracle bounds
         for placement in plan.placements:
             with Progress(None, f"bench (j) RL step, {gpus} simulated GPUs, placement {placement}"):
                 row, trajectories = _one_step(redis_url, plan, prompts, gpus, placement, log_dir)
             figures.rows.append(row)
             console.print(row)
-        figures.longest_alone_s, figures.oracle_s[gpus] = oracle(plan, trajectories, gpus)
+            whole = trajectories if not row.cut else whole
+        figures.longest_alone_s, figures.oracle_s[gpus] = oracle(plan, whole or trajectories, gpus)
     return figures
 
 
@@ -108,7 +115,7 @@ def _one_step(
     redis_url: str | None, plan: StepPlan, prompts: list[list[int]], gpus: int, placement: str, log_dir: Path
 ) -> tuple[StepRow, list[Trajectory]]:
     settings = private_settings(redis_url, f"bench-step-{placement}").model_copy(deep=True)
-    settings.worker.placement = placement  # type: ignore[assignment]
+    settings.worker.placement = placement.split("+")[0]  # type: ignore[assignment]
     processes = max(1, gpus // plan.engines_per_process)
     engine = EngineSettings(
         engine="sim",
@@ -131,14 +138,14 @@ async def _measure_step(
     async with RolloutClient(settings) as client:
         await _all_serving(client, gpus)
         params = {"max_tokens": plan.max_tokens, "temperature": 1.0, "seed": 1}
-        started_wall, started = time.time(), time.monotonic()
-        groups = await client.sample(prompts, plan.samples, params, timeout_s=3600)
-        elapsed = time.monotonic() - started
+        target = plan.partial_target if placement.endswith("+partial") else None
+        groups = await client.sample(prompts, plan.samples, params, completion_target=target, timeout_s=3600)
+        report = (await client.step_report()).scaled(plan.time_scale)
     trajectories = [t for group in groups for t in group]
-    scale = plan.time_scale
-    busy = {w: s * scale for w, s in _busy_wall_s(trajectories, started_wall).items()}
-    output_tokens = sum(len(t.completion_token_ids) for t in trajectories)
-    return StepRow(gpus, placement, elapsed * scale, busy, output_tokens), trajectories
+    row = StepRow(
+        gpus, placement, report.makespan_s, report.busy_s, report.output_tokens, report.cut, report.cut_tokens
+    )
+    return row, trajectories
 
 
 async def _all_serving(client: RolloutClient, gpus: int, timeout_s: float = 120) -> None:
@@ -147,24 +154,6 @@ async def _all_serving(client: RolloutClient, gpus: int, timeout_s: float = 120)
         if time.monotonic() > deadline:
             raise RuntimeError(f"fewer than {gpus} simulated GPUs serving after {timeout_s:g} s")
         await asyncio.sleep(0.2)
-
-
-def _busy_wall_s(trajectories: list[Trajectory], submitted_at: float) -> dict[str, float]:
-    """Per worker, the wall-clock seconds during which it ran at least one request (the union of the requests'
-    [taken, answered] intervals; a retried request counts where its last attempt ran)."""
-    spans: dict[str, list[tuple[float, float]]] = {}
-    for t in trajectories:
-        start = submitted_at + t.queue_time_s
-        spans.setdefault(t.worker_id or "?", []).append((start, start + t.generation_time_s))
-    busy = {}
-    for worker, intervals in spans.items():
-        total, end = 0.0, float("-inf")
-        for begin, finish in sorted(intervals):
-            if finish > end:
-                total += finish - max(begin, end)
-                end = finish
-        busy[worker] = total
-    return busy
 
 
 def oracle(plan: StepPlan, trajectories: list[Trajectory], gpus: int) -> tuple[float, float]:
@@ -200,17 +189,20 @@ def render_step(f: StepFigures) -> str:
         f"{p.gpu.upper()}s serving the {p.model} profile (`--engine sim`, workers/sim; a simulated second lasts "
         f"1/{p.time_scale:g} s here). Each row is a fresh fleet. Busy: some request of the worker's running. The "
         "oracle is the lower bound: the longer of the longest request run alone and the step's work at the fleet's "
-        "peak throughput.\n",
+        f"peak throughput. `cost+partial`: placement by cost, and the call ends once {p.partial_target:.0%} of the "
+        "groups finished (`completion_target`): the rest are cut and carried to the next step with their tokens "
+        "(the oracle is the full step's: the cut row did less work).\n",
         "| GPUs | placement | makespan (sim s) | x oracle | busiest / least busy GPU (sim s) | idle fraction | "
-        "tokens per GPU-s |",
-        "|---|---|---|---|---|---|---|",
+        "tokens per GPU-s | cut (tokens carried) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in f.rows:
         oracle_s = f.oracle_s[row.gpus]
         busy = sorted(row.busy_s.values())
         lines.append(
             f"| {row.gpus} | {row.placement} | {row.makespan_s:.0f} | {row.makespan_s / oracle_s:.2f} | "
-            f"{busy[-1]:.0f} / {busy[0]:.0f} | {row.idle_fraction:.2f} | {row.tokens_per_gpu_s:.0f} |"
+            f"{busy[-1]:.0f} / {busy[0]:.0f} | {row.idle_fraction:.2f} | {row.tokens_per_gpu_s:.0f} | "
+            f"{f'{row.cut} ({row.cut_tokens:,})' if row.cut else '-'} |"
         )
     oracle_rows = ", ".join(f"{g} GPUs: {s:.0f} s" for g, s in f.oracle_s.items())
     lines.append(f"\nOracle lower bound: {oracle_rows} (the longest request alone: {f.longest_alone_s:.0f} s).\n")
