@@ -111,6 +111,11 @@ async def test_a_producer_generates_tokenizes_and_cancels_but_cannot_steer_the_f
 
         await async_wait_until(idle, 5, "the cancelled requests to be aborted on the workers")
 
+        # A completion target cuts the rest with the same rights (tombstones, a sweep of the queue): partial rollouts.
+        out = await producer.generate([[5] * 3, [7] * 40, [8] * 40], {"max_tokens": 40}, completion_target=0.3)
+        assert out[0].completion_token_ids == [5] * 3
+        assert [t.abort_cause for t in out[1:]] == ["partial", "partial"]
+
         # Steering is refused with a clear error, and the desired state is unchanged.
         state, commands = admin.hgetall(KEYS.state), admin.zcard(KEYS.commands)
         with pytest.raises(AccessDeniedError, match="`admin` user") as denied:
