@@ -213,6 +213,13 @@ class WorkerSettings(_Concern):
         description="cost: a take is the worker's fair share of the queued work in tokens; fifo: whatever fits its "
         "free slots, first come first served (what placement was before, kept for the step-time bench)",
     )
+    move_stragglers: bool = Field(
+        False,
+        description="move a generation that shares its engine with others to a worker that holds no work (cut here, "
+        "continued token-exact there; workers/moves.py); with placement by cost only",
+    )
+    move_after_s: float = Field(5.0, gt=0, description="a generation is moved only after this long in its engine")
+    move_check_s: float = Field(1.0, gt=0, description="how often a worker looks for stragglers to move")
 
 
 class ApiSettings(_Concern):

@@ -32,10 +32,10 @@ M = TypeVar("M", bound=BaseModel)
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 # Why a request stopped early (finish_reason "abort"): a pause in abort mode, an explicit abort or cancel, its
-# deadline, its worker shutting down, its worker found stale (it missed a weight sync), or its call's completion
-# target (a partial rollout, cut to be continued by a later call). "pause", "shutdown" and "stale" are retried
-# token-exact by RolloutClient.
-AbortCause = Literal["pause", "user", "deadline", "shutdown", "stale", "partial"]
+# deadline, its worker shutting down, its worker found stale (it missed a weight sync), its call's completion
+# target (a partial rollout, cut to be continued by a later call), or a straggler move whose hand-over failed.
+# "pause", "shutdown", "stale" and "migrate" are retried token-exact by RolloutClient.
+AbortCause = Literal["pause", "user", "deadline", "shutdown", "stale", "partial", "migrate"]
 PauseMode = Literal["keep", "abort", "wait"]
 WorkerLabel = Literal["starting", "serving", "paused", "sleeping", "draining", "stale"]
 WeightSpan = tuple[int, int]  # (weight version, index of the first completion token generated under it)

@@ -50,26 +50,9 @@ def build_engine(settings: Settings) -> Engine:
 
 def build_sim_engine(engine: EngineSettings) -> Engine:
     """The simulated GPU engine of `engine`'s `sim_*` settings (workers.sim); ValueError for a profile it lacks."""
-    from workers.sim.engine import SimEngine
-    from workers.sim.lengths import OutputLengths
-    from workers.sim.profiles import GPUS, gpu_profile, model_profile
+    from workers.sim.engine import sim_engine
 
-    lengths = None
-    if engine.sim_length_median or engine.sim_length_p99:
-        lengths = OutputLengths(engine.sim_length_median, engine.sim_length_p99)
-    return SimEngine(
-        gpu_profile(engine.sim_gpu),
-        model_profile(engine.sim_model),
-        capacity=engine.capacity,
-        max_model_len=engine.max_model_len,
-        max_num_batched_tokens=engine.sim_max_num_batched_tokens,
-        chunked_prefill=engine.sim_gpu in GPUS,  # a fitted CPU profile: off, as vLLM on CPU runs here
-        kv_cache_bytes=None if engine.sim_gpu in GPUS else engine.kv_cache_memory_bytes,
-        time_scale=engine.sim_time_scale,
-        lengths=lengths,
-        load_delay_s=engine.echo_load_delay_s,
-        preload_weight_transfer=engine.echo_preload_weight_transfer,
-    )
+    return sim_engine(engine)
 
 
 def start_metrics(port: int, host: str) -> WorkerMetrics | None:

@@ -40,6 +40,8 @@ class InFlight:
     start_version: int = 0  # the weight version when it entered the engine
     removed: bool = False  # no longer in flight (its deadline's heap entry goes lazily)
     version_marks: list[tuple[int, int]] = field(default_factory=list)  # weight syncs while in it: (version, token)
+    entered_at: float = 0.0  # monotonic time it entered the engine
+    move_to: str | None = None  # the idle worker a straggler move hands it to (abort cause "migrate")
 
     @property
     def request_ids(self) -> tuple[str, ...]:

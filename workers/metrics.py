@@ -55,6 +55,7 @@ class WorkerMetrics:
             "rollout_worker_aborts", "Trajectories cut or answered unrun, by cause.", ["cause"], registry=r
         )
         self.errors = Counter("rollout_worker_errors", "Error results, by error code.", ["code"], registry=r)
+        self.moves = Counter("rollout_worker_moves", "Generations moved from here to an idle worker.", registry=r)
         self.engine_s = Histogram(
             "rollout_worker_engine_seconds",
             "Seconds a generation ran on the engine.",

@@ -13,6 +13,7 @@ from rollout_svc.connections.urls import REDIS_AWAY
 from rollout_svc.dataplane.streams import Enqueue, Entry, RequestStreams
 from rollout_svc.errors import EngineDeadError, InvalidRequestError, ProtocolError
 from rollout_svc.protocol import (
+    Continuation,
     DetokenizeRequest,
     ErrorCode,
     ErrorResult,
@@ -116,7 +117,42 @@ class RequestServer:
         except EngineDeadError as exc:
             self._on_engine_dead(exc)
             return  # unanswered, the entry stays pending: requeued when the worker exits
+        if record.move_to is not None and isinstance(result, Trajectory) and await self._hand_over(record, result):
+            return
         self._answer(record, request, result)
+
+    async def _hand_over(self, record: InFlight, result: Trajectory) -> bool:
+        """Complete a straggler move (workers/moves.py): add the continuation of `result` (cut by the move) to the
+        idle worker's pinned stream, then acknowledge the entry here without an answer. False (answer it: the
+        producer retries it) if it was not cut by the move, has no tokens left to make, or Redis refused."""
+        request, target = record.request, record.move_to
+        if not isinstance(request, RolloutRequest) or target is None or result.abort_cause != "migrate":
+            return False
+        if len(result.completion_token_ids) >= request.sampling_params.max_tokens:
+            return False
+        continuation = Continuation(
+            retry_of=request.original_request_id,
+            token_ids=result.completion_token_ids,
+            logprobs=result.logprobs,
+            text=result.text,
+            interruptions=result.interruptions + 1,
+            weight_versions=result.weight_versions,
+            top_logprobs=result.top_logprobs,
+            tokens=result.tokens,
+        )
+        fields = {"prompt_token_ids": result.prompt_token_ids, "messages": None, "prompt": None}
+        moved = request.model_copy(update={**fields, "continuation": continuation})
+        entry = record.entry
+        try:
+            await self.streams.hand_over(target, Enqueue(encode(moved), epoch=entry.epoch, cost=entry.cost))
+        except REDIS_ERRORS as exc:
+            log.warning("moving %s to %s failed (%s): its producer retries it", request.request_id, target, exc)
+            return False
+        if self.metrics is not None:
+            self.metrics.moves.inc()
+        record.reply_to = None  # acknowledged without an answer: the continuation answers
+        self._publish(record)
+        return True
 
     def _answer(self, record: InFlight, request: Request, result: Result) -> None:
         record.reply_to, record.payload = request.reply_to, encode(result)
@@ -189,6 +225,7 @@ class RequestServer:
             )
         started = time.time()
         record.in_engine, record.start_version = True, self.state.weight_version
+        record.entered_at = time.monotonic()
         chunks = ChunkSender(self, request, len(prior_ids)) if request.stream else None
         try:
             completion = await self.engine.generate(request.request_id, prompt, params, prior_ids, chunks)

@@ -29,6 +29,7 @@ from workers.converge import Converger
 from workers.engine import Engine
 from workers.inflight import AbortRules, InFlight, InFlightIndex
 from workers.metrics import WorkerMetrics
+from workers.moves import StragglerMover
 from workers.publisher import Publisher
 from workers.serve import REDIS_ERRORS, RequestServer, backoff_s
 from workers.state import WorkerState
@@ -136,6 +137,7 @@ class Worker:
             self.settings, self.engine, self.state, self.index, self.rules, self.streams,
             self.publisher.put, self._engine_died, self.metrics,
         )  # fmt: skip
+        self.mover = StragglerMover(self.settings, self.worker_id, self.index, self.streams, self.metrics)
         try:
             await self.engine.start()
             await self._prepare_while_redis_is_away()
@@ -599,6 +601,7 @@ class Worker:
         while not self._stopping.is_set():
             await self.index.cancel_all(self.index.expired(time.time()), "deadline")
             await self.index.reabort()
+            await self.mover.check()
             await self._idle(SWEEP_INTERVAL_S)
 
     # --- shutdown -------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from rollout_svc.config import ClientSettings
 from rollout_svc.dataplane.streams import Placed
 from rollout_svc.protocol import Continuation, Request, RolloutRequest, Trajectory
 
-RETRIED_CAUSES = ("pause", "shutdown", "stale")  # the aborts the client hides by retrying
+RETRIED_CAUSES = ("pause", "shutdown", "stale", "migrate")  # the aborts the client hides by retrying
 # The request id and `reply_to` of a request's next attempt: a fresh id, and the results stream of the shard chosen
 # for it. Called only once the attempt is decided.
 NewAttempt = Callable[[RolloutRequest], tuple[str, str]]

@@ -21,7 +21,8 @@ class StepReport:
     - `idle_fraction`: 1 - sum(busy) / (workers x makespan), the share of the fleet's time in the step spent
       without work (the figure partial rollouts and migration cut).
     - `requests`, `finished` (ended by a stop or a length), `cut` (partial rollouts: `abort_cause="partial"`),
-      `moves` (interruptions the requests were continued through: pauses, shutdowns, migrations, cuts),
+      `moves` (interruptions the requests were continued through: straggler moves, pauses, shutdowns; a cut's own
+      not counted),
       `output_tokens` (all, cut ones included) and `cut_tokens` (the tokens the cut ones carry to a later call).
     """
 
@@ -81,7 +82,7 @@ def step_report(
         requests=len(trajectories),
         finished=sum(t.finish_reason in ("stop", "length") for t in trajectories),
         cut=len(cut),
-        moves=sum(t.interruptions for t in trajectories),
+        moves=sum(t.interruptions for t in trajectories) - len(cut),
         output_tokens=sum(len(t.completion_token_ids) for t in trajectories),
         cut_tokens=sum(len(t.completion_token_ids) for t in cut),
     )

@@ -388,6 +388,34 @@ class RequestStreams:
         (a worker host's clock may be off)."""
         await self.publish([], 0, load=(worker_id, free))
 
+    async def idle_workers(self, worker_id: str, ttl_ms: int) -> list[str]:
+        """The other workers that hold no work (load 0 in `Keys.loads`) and said within `ttl_ms` (Redis's clock)
+        that they have a free slot: where a straggler may move. Sorted by id."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.loads)
+        pipe.time()
+        fields, (seconds, micros) = await pipe.execute()
+        now_ms = seconds * 1000 + micros // 1000
+        table = {k.decode(): v.decode() for k, v in fields.items()}
+        idle = []
+        for key, value in table.items():
+            if not key.endswith(FREE_SUFFIX) or (other := key[: -len(FREE_SUFFIX)]) == worker_id:
+                continue
+            slots, _, at_ms = value.partition(" ")
+            if int(slots or 0) > 0 and int(at_ms or 0) + ttl_ms >= now_ms and int(table.get(other, "0")) <= 0:
+                idle.append(other)
+        return sorted(idle)
+
+    async def hand_over(self, worker_id: str, item: Enqueue) -> bytes:
+        """Add `item` (a rollout request) to `worker_id`'s pinned stream, past admission: a straggler moved there
+        (its old entry is acknowledged after, by the worker that moved it: a move is delivered at least once).
+        Returns its entry id."""
+        fields: dict[bytes, bytes | int] = {PAYLOAD_FIELD: item.payload, EPOCH_FIELD: item.epoch or 0}
+        if item.cost:
+            fields[COST_FIELD] = item.cost
+        entry_id = await self.redis.xadd(self.keys.pinned_requests(worker_id), fields)  # type: ignore[arg-type]
+        return entry_id if isinstance(entry_id, bytes) else entry_id.encode()
+
     async def loads(self) -> dict[str, int]:
         """Each worker's load: the tokens of work it holds (prompt plus `max_tokens` of each request it took and has
         not answered), as placement counts it."""

@@ -37,10 +37,13 @@ ACL_NOT_ON_CLUSTER = "--acl creates its users in one Redis, not on every node of
 
 
 def redis_answers(url: str, timeout_s: float = 0.5) -> bool:
+    client = redis_sync(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     try:
-        return bool(redis_sync(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s).ping())
+        return bool(client.ping())
     except (redis.ConnectionError, redis.TimeoutError, OSError):
         return False
+    finally:
+        client.close()
 
 
 class PrivateRedis:

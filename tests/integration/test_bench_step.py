@@ -21,14 +21,21 @@ pytestmark = [
 def test_step_bench_tiny(tmp_path: Path) -> None:
     plan = StepPlan(
         prompts=16, samples=4, gpus=(4,), engines_per_process=4, length_median=200, length_p99=1500,
-        max_tokens=3000, max_prompt_tokens=256, time_scale=25.0,
+        max_tokens=3000, max_prompt_tokens=256, time_scale=25.0, move_after_s=2.0, router_policies=("power_of_two",),
     )  # fmt: skip
     figures = run_step_bench(None, Console(file=io.StringIO()), tmp_path, plan, command="tiny")
-    assert [(r.gpus, r.placement) for r in figures.rows] == [(4, "fifo"), (4, "cost"), (4, "cost+partial")]
+    placements = [
+        (4, "fifo"),
+        (4, "cost"),
+        (4, "cost+moves"),
+        (4, "cost+moves+partial"),
+        (4, "vllm-router power_of_two"),
+    ]
+    assert [(r.gpus, r.placement) for r in figures.rows] == placements
     oracle_s = figures.oracle_s[4]
     assert 0 < figures.longest_alone_s <= oracle_s
-    fifo, cost, partial = figures.rows
-    for row in (fifo, cost):
+    fifo, cost, moves, partial, router = figures.rows
+    for row in (fifo, cost, moves, router):  # vllm-router in front of the same engines over HTTP: the same work
         # The oracle is a lower bound; the wall clock only adds (scheduling, the machine's load).
         assert row.makespan_s >= 0.95 * oracle_s, (row, oracle_s)
         assert row.output_tokens == fifo.output_tokens and row.cut == 0  # seeded: the same workload, run whole
@@ -39,4 +46,4 @@ def test_step_bench_tiny(tmp_path: Path) -> None:
     # Partial rollouts: 90% of the 16 groups (15) finished, the rest cut with the tokens they had
     assert 1 <= partial.cut <= 4 and 0 <= partial.cut_tokens < partial.output_tokens < fifo.output_tokens
     text = render_step(figures)
-    assert "simulated" in text and "oracle" in text and "| 4 | cost |" in text and "| 4 | cost+partial |" in text
+    assert "simulated" in text and "oracle" in text and "| 4 | cost |" in text and "| 4 | cost+moves+partial |" in text

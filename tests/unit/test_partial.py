@@ -50,7 +50,7 @@ def test_the_step_report_unions_each_workers_intervals():
     ts = [
         trajectory("a", 0.0, 4.0, completion_token_ids=[1, 2]),
         trajectory("a", 1.0, 2.0),  # inside the first: adds nothing
-        trajectory("a", 6.0, 2.0),  # [6, 8]
+        trajectory("a", 6.0, 2.0, interruptions=0),  # [6, 8]
         trajectory(
             "b", 0.0, 2.0, finish_reason="abort", abort_cause="partial", completion_token_ids=[5], interruptions=1
         ),
@@ -59,7 +59,7 @@ def test_the_step_report_unions_each_workers_intervals():
     assert report.busy_s == {"a": 6.0, "b": 2.0, "c": 0.0}
     assert report.makespan_s == 10.0
     assert abs(report.idle_fraction - (1 - 8.0 / 30.0)) < 1e-9
-    assert (report.requests, report.finished, report.cut, report.moves) == (4, 3, 1, 1)
+    assert (report.requests, report.finished, report.cut, report.moves) == (4, 3, 1, 0)  # the cut's own: no move
     assert (report.output_tokens, report.cut_tokens) == (3, 1)
     assert report.scaled(10).makespan_s == 100.0 and report.scaled(10).busy_s["a"] == 60.0
     assert "idle fraction 0.73" in report.summary()

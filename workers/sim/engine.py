@@ -8,6 +8,7 @@ import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from rollout_svc.config import EngineSettings
 from rollout_svc.errors import InvalidRequestError
 from rollout_svc.protocol import PauseMode, SamplingParams
 from workers.echo import EchoEngine, _bytes_text, _prompt_logprobs, _tops
@@ -15,7 +16,7 @@ from workers.engine import Completion, OnDelta
 from workers.sim.blocks import BlockPool
 from workers.sim.cost import StepCost
 from workers.sim.lengths import OutputLengths
-from workers.sim.profiles import GPUProfile, ModelProfile
+from workers.sim.profiles import GPUS, GPUProfile, ModelProfile, gpu_profile, model_profile
 from workers.sim.scheduler import Scheduler, Sequence, Step
 
 ACTIVATION_RESERVE_BYTES = 2e9  # what vLLM's memory profiling keeps back for activations (an estimate, 7B class)
@@ -299,3 +300,23 @@ class SimEngine(EchoEngine):
     def output_tokens(self, request_id: str) -> int | None:
         run = self._live.get(request_id)
         return None if run is None else len(run.seq.output)
+
+
+def sim_engine(engine: EngineSettings) -> SimEngine:
+    """The simulated GPU engine of `engine`'s `sim_*` settings; ValueError for a profile it lacks."""
+    lengths = None
+    if engine.sim_length_median or engine.sim_length_p99:
+        lengths = OutputLengths(engine.sim_length_median, engine.sim_length_p99)
+    return SimEngine(
+        gpu_profile(engine.sim_gpu),
+        model_profile(engine.sim_model),
+        capacity=engine.capacity,
+        max_model_len=engine.max_model_len,
+        max_num_batched_tokens=engine.sim_max_num_batched_tokens,
+        chunked_prefill=engine.sim_gpu in GPUS,  # a fitted CPU profile: off, as vLLM on CPU runs here
+        kv_cache_bytes=None if engine.sim_gpu in GPUS else engine.kv_cache_memory_bytes,
+        time_scale=engine.sim_time_scale,
+        lengths=lengths,
+        load_delay_s=engine.echo_load_delay_s,
+        preload_weight_transfer=engine.echo_preload_weight_transfer,
+    )

@@ -162,11 +162,12 @@ def router_binary() -> str:
     return binary
 
 
-def router_args(backends: list[str], port: int, metrics_port: int) -> list[str]:
-    """Its options: round robin over the backends, logging at warning (nothing per request), its own ports."""
+def router_args(backends: list[str], port: int, metrics_port: int, policy: str = "round_robin") -> list[str]:
+    """Its options: `policy` over the backends (round robin by default), logging at warning (nothing per request),
+    its own ports."""
     return [
         *("--worker-urls", *backends),
-        *("--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"),
+        *("--host", "127.0.0.1", "--port", str(port), "--policy", policy),
         *("--prometheus-port", str(metrics_port), "--log-level", "warning", "--worker-startup-check-interval", "1"),
     ]
 

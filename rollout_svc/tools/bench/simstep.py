@@ -1,6 +1,7 @@
 """`rollout-svc bench`, section (j): one GRPO-shaped RL step on a simulated GPU fleet (`--engine sim`, workers/sim),
-first-come-first-served placement beside placement by cost, and placement by cost with partial rollouts (the call
-ends once `partial_target` of its groups finished; the rest are cut), against the oracle lower bound.
+first-come-first-served placement beside placement by cost, with straggler moves (workers/moves.py), and with
+partial rollouts too (the call ends once `partial_target` of its groups finished; the rest are cut), against the
+oracle lower bound.
 
 The step: `prompts` prompts x `samples` samples (`RolloutClient.sample`, seeded, so every row serves the same
 workload), prompt lengths from ShareGPT's first turns (4 characters a token), output lengths from the sim's log-normal
@@ -31,6 +32,7 @@ from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.deploy.local import LocalCluster
 from rollout_svc.protocol import Trajectory
 from rollout_svc.tools import dataset
+from rollout_svc.tools.bench.simrouter import router_step
 from rollout_svc.tools.progress import Progress
 from rollout_svc.tools.runs import private_settings
 from workers.sim.cost import StepCost
@@ -53,8 +55,10 @@ class StepPlan:
     max_tokens: int = 32768
     max_prompt_tokens: int = 2048
     time_scale: float = 10.0
-    placements: tuple[str, ...] = ("fifo", "cost", "cost+partial")
+    placements: tuple[str, ...] = ("fifo", "cost", "cost+moves", "cost+moves+partial")
     partial_target: float = 0.9  # the completion target of the "+partial" rows: a fraction of the groups
+    move_after_s: float = 20.0  # "+moves" rows: a generation may move after this long in its engine (simulated s)
+    router_policies: tuple[str, ...] = ("round_robin", "power_of_two", "cache_aware", "sticky_least_loaded")
 
 
 @dataclass
@@ -65,6 +69,7 @@ class StepRow:
     busy_s: dict[str, float]  # simulated, per worker
     output_tokens: int
     cut: int = 0  # requests cut by the completion target
+    moves: int = 0  # interruptions the trajectories were continued through (straggler moves)
     cut_tokens: int = 0  # the tokens they carry
 
     @property
@@ -107,6 +112,11 @@ def run_step_bench(
             figures.rows.append(row)
             console.print(row)
             whole = trajectories if not row.cut else whole
+        for policy in plan.router_policies:
+            with Progress(None, f"bench (j) RL step, {gpus} simulated GPUs, vllm-router {policy}"):
+                row, _ = _router_row(plan, prompts, gpus, policy, log_dir)
+            figures.rows.append(row)
+            console.print(row)
         figures.longest_alone_s, figures.oracle_s[gpus] = oracle(plan, whole or trajectories, gpus)
     return figures
 
@@ -116,20 +126,42 @@ def _one_step(
 ) -> tuple[StepRow, list[Trajectory]]:
     settings = private_settings(redis_url, f"bench-step-{placement}").model_copy(deep=True)
     settings.worker.placement = placement.split("+")[0]  # type: ignore[assignment]
+    if "+moves" in placement:
+        settings.worker.move_stragglers = True
+        settings.worker.move_after_s = plan.move_after_s / plan.time_scale
+        settings.worker.move_check_s = min(1.0, settings.worker.move_after_s)
     processes = max(1, gpus // plan.engines_per_process)
-    engine = EngineSettings(
+    cluster = LocalCluster(settings, processes, _engine(plan, gpus // processes), log_dir=log_dir)
+    with cluster.running(ready_timeout_s=120):
+        return asyncio.run(_measure_step(settings, plan, prompts, gpus, placement))
+
+
+def _engine(plan: StepPlan, engines: int) -> EngineSettings:
+    """The simulated engines of the plan, `engines` to a process."""
+    return EngineSettings(
         engine="sim",
         sim_gpu=plan.gpu,
         sim_model=plan.model,  # type: ignore[arg-type]
-        sim_engines=gpus // processes,
+        sim_engines=engines,
         sim_time_scale=plan.time_scale,
         sim_length_median=plan.length_median,
         sim_length_p99=plan.length_p99,
         max_model_len=plan.max_tokens + plan.max_prompt_tokens + 16,
     )
-    cluster = LocalCluster(settings, processes, engine, log_dir=log_dir)
-    with cluster.running(ready_timeout_s=120):
-        return asyncio.run(_measure_step(settings, plan, prompts, gpus, placement))
+
+
+def _router_row(
+    plan: StepPlan, prompts: list[list[int]], gpus: int, policy: str, log_dir: Path
+) -> tuple[StepRow, list[Trajectory]]:
+    """The step through vllm-router (`policy`) in front of the same simulated engines served over HTTP: the requests
+    `sample` makes (prompt i, seed 1 + j for sample j), all at once."""
+    requests = [(prompt, 1 + j) for prompt in prompts for j in range(plan.samples)]
+    per_process = min(gpus, plan.engines_per_process)
+    report, trajectories = router_step(
+        _engine(plan, 1), requests, plan.max_tokens, gpus, per_process, policy, log_dir / f"router-{policy}"
+    )
+    report = report.scaled(plan.time_scale)
+    return StepRow(gpus, f"vllm-router {policy}", report.makespan_s, report.busy_s, report.output_tokens), trajectories
 
 
 async def _measure_step(
@@ -138,13 +170,14 @@ async def _measure_step(
     async with RolloutClient(settings) as client:
         await _all_serving(client, gpus)
         params = {"max_tokens": plan.max_tokens, "temperature": 1.0, "seed": 1}
-        target = plan.partial_target if placement.endswith("+partial") else None
+        target = plan.partial_target if "+partial" in placement else None
         groups = await client.sample(prompts, plan.samples, params, completion_target=target, timeout_s=3600)
         report = (await client.step_report()).scaled(plan.time_scale)
     trajectories = [t for group in groups for t in group]
     row = StepRow(
-        gpus, placement, report.makespan_s, report.busy_s, report.output_tokens, report.cut, report.cut_tokens
-    )
+        gpus, placement, report.makespan_s, report.busy_s, report.output_tokens,
+        cut=report.cut, cut_tokens=report.cut_tokens, moves=report.moves,
+    )  # fmt: skip
     return row, trajectories
 
 
@@ -189,19 +222,22 @@ def render_step(f: StepFigures) -> str:
         f"{p.gpu.upper()}s serving the {p.model} profile (`--engine sim`, workers/sim; a simulated second lasts "
         f"1/{p.time_scale:g} s here). Each row is a fresh fleet. Busy: some request of the worker's running. The "
         "oracle is the lower bound: the longer of the longest request run alone and the step's work at the fleet's "
-        f"peak throughput. `cost+partial`: placement by cost, and the call ends once {p.partial_target:.0%} of the "
-        "groups finished (`completion_target`): the rest are cut and carried to the next step with their tokens "
-        "(the oracle is the full step's: the cut row did less work).\n",
+        "peak throughput. `+moves`: a GPU running several generations hands its oldest to a GPU that holds no work "
+        f"(cut, continued token-exact there) once it has run {p.move_after_s:g} simulated s "
+        f"(`ROLLOUT_MOVE_STRAGGLERS`). `+partial`: the call ends once {p.partial_target:.0%} of the groups finished "
+        "(`completion_target`): the rest are cut and carried to the next step with their tokens (the oracle is the "
+        "full step's: the cut row did less work). Moves: the interruptions the step's trajectories were continued "
+        "through.\n",
         "| GPUs | placement | makespan (sim s) | x oracle | busiest / least busy GPU (sim s) | idle fraction | "
-        "tokens per GPU-s | cut (tokens carried) |",
-        "|---|---|---|---|---|---|---|---|",
+        "tokens per GPU-s | moves | cut (tokens carried) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in f.rows:
         oracle_s = f.oracle_s[row.gpus]
         busy = sorted(row.busy_s.values())
         lines.append(
             f"| {row.gpus} | {row.placement} | {row.makespan_s:.0f} | {row.makespan_s / oracle_s:.2f} | "
-            f"{busy[-1]:.0f} / {busy[0]:.0f} | {row.idle_fraction:.2f} | {row.tokens_per_gpu_s:.0f} | "
+            f"{busy[-1]:.0f} / {busy[0]:.0f} | {row.idle_fraction:.2f} | {row.tokens_per_gpu_s:.0f} | {row.moves} | "
             f"{f'{row.cut} ({row.cut_tokens:,})' if row.cut else '-'} |"
         )
     oracle_rows = ", ".join(f"{g} GPUs: {s:.0f} s" for g, s in f.oracle_s.items())
