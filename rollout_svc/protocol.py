@@ -271,7 +271,9 @@ class Trajectory(_Message):
     most likely tokens at position i, best first, and `tokens[i]` is the text of `completion_token_ids[i]`. Asked for
     (`sampling_params.prompt_logprobs = k`): `prompt_logprobs[i]` lists `(token_id, token, logprob, rank)` at prompt
     position i, the prompt token's first, then the top k (vLLM's entries, in its order; position 0 has none: nothing
-    comes before it). Asked to parse tool calls: `tool_calls` holds OpenAI-shaped calls (`{"id", "type": "function",
+    comes before it). `cached_tokens`: prompt tokens the engine found in its prefix cache on the last attempt (vLLM's
+    `num_cached_tokens`, OpenAI's `usage.prompt_tokens_details.cached_tokens`). Asked to parse tool calls: `tool_calls`
+    holds OpenAI-shaped calls (`{"id", "type": "function",
     "function": {"name", "arguments"}}`, arguments as JSON text) and `content` the text around them.
     """
 
@@ -298,6 +300,7 @@ class Trajectory(_Message):
     tool_calls: list[dict[str, Any]] | None = None
     content: str | None = None
     prompt_logprobs: list[list[PromptLogprob]] | None = None
+    cached_tokens: int = 0
 
 
 class TrajectoryChunk(_Message):

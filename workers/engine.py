@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -48,6 +48,7 @@ class Completion:
     top_logprobs: list[list[tuple[int, str, float]]] | None = None
     tokens: list[str] | None = None
     prompt_logprobs: list[list[PromptLogprob]] | None = None  # asked for: per position of `prompt_token_ids`
+    cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache (vLLM's `num_cached_tokens`)
 
 
 OnDelta = Callable[[Completion], Awaitable[None]]
@@ -356,7 +357,7 @@ class VLLMEngine:
         if final is None or not final.finished:
             raise RuntimeError(f"vLLM ended request {request_id} without a final output")
         if on_delta is not None:
-            return joined(parts, prompt, _finish_reason(final))
+            return replace(joined(parts, prompt, _finish_reason(final)), cached_tokens=final.num_cached_tokens or 0)
         return _completion(prompt, final, params.logprobs, prompt_k=params.prompt_logprobs)
 
     async def abort(self, request_id: str) -> None:
@@ -535,11 +536,14 @@ def _completion(
     finish_reason = "" if delta else _finish_reason(final)
     ids = list(output.token_ids)
     prompt = prompt_logprobs_of(final) if prompt_k is not None and final.prompt_logprobs is not None else None
+    cached = final.num_cached_tokens or 0
     if k is None:
         logprobs = sampled_logprobs(output) if ids else []
-        return Completion(prompt_token_ids, ids, logprobs, finish_reason, output.text, prompt_logprobs=prompt)
+        return Completion(
+            prompt_token_ids, ids, logprobs, finish_reason, output.text, prompt_logprobs=prompt, cached_tokens=cached
+        )
     logprobs, tops, texts = top_logprobs(output, k) if ids else ([], [], [])
-    return Completion(prompt_token_ids, ids, logprobs, finish_reason, output.text, tops, texts, prompt)
+    return Completion(prompt_token_ids, ids, logprobs, finish_reason, output.text, tops, texts, prompt, cached)
 
 
 def joined(parts: list[Completion], prompt_token_ids: list[int] | None = None, finish_reason: str = "") -> Completion:

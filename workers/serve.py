@@ -278,6 +278,7 @@ class RequestServer:
             content=content,
             # a retry's engine prompt goes on with the earlier attempt's tokens: the request's prompt is the part
             prompt_logprobs=None if completion.prompt_logprobs is None else completion.prompt_logprobs[: len(prompt)],
+            cached_tokens=completion.cached_tokens,
         )
 
     async def _prompt(self, request: RolloutRequest) -> list[int]:

@@ -532,8 +532,8 @@ def bench(
         str | None,
         typer.Option(
             help="Measure one section alone (hop: beside vllm-router; skyrl: SkyRL's client path; step: an RL step on "
-            "a simulated GPU fleet; simfit: the simulator fitted to and checked against the real engine) and replace "
-            "it in --output."
+            "a simulated GPU fleet; simfit: the simulator fitted to and checked against the real engine; sessions: "
+            "multi-turn agent sessions on a simulated fleet, sticky and not) and replace it in --output."
         ),
     ] = None,
 ) -> None:

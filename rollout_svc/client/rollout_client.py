@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import ValidationError
 
@@ -309,6 +309,7 @@ class RolloutClient(FleetCalls):
         n: int,
         sampling_params: Params = None,
         *,
+        group_placement: Literal["spread", "pack"] = "spread",
         completion_target: float | None = None,
         cut_after_s: float | None = None,
         timeout_s: float | None = None,
@@ -316,24 +317,36 @@ class RolloutClient(FleetCalls):
     ) -> list[list[Trajectory]]:
         """Draw `n` samples of each prompt (a group): returns B lists of n trajectories, in input order.
 
-        The n requests of a group share a `group_id` and spread over workers. With a `seed`, sample j
-        uses `seed + j`, so the n samples differ (as vLLM's `n` does) and the call is reproducible.
-        `completion_target`: end once this fraction of the groups finished whole (`generate`'s; continue a cut
-        sample with `generate`, which keeps its group id). Same errors as `generate`.
+        The n requests of a group share a `group_id`. `group_placement="spread"` (the default) spreads them over
+        the workers like any requests (placement by cost); `"pack"` runs each group on one worker, its prompt
+        prefilled once and shared through the prefix cache: the group is a session named by its group id (its
+        trajectories carry it as `session_id`), new groups going to the worker with the fewest sessions, and
+        finished when the call ends. With a `seed`, sample j uses `seed + j`, so the n samples differ (as vLLM's
+        `n` does) and the call is reproducible. `completion_target`: end once this fraction of the groups finished
+        whole (`generate`'s; continue a cut sample with `generate`, which keeps its group id). Same errors as
+        `generate`.
         """
         if n < 1:
             raise InvalidRequestError(f"n must be >= 1, got {n}")
+        if group_placement not in ("spread", "pack"):
+            raise InvalidRequestError(f"group_placement must be 'spread' or 'pack', got {group_placement!r}")
         check_target(completion_target, cut_after_s)
         params = as_sampling_params(sampling_params)
         connection = await self._connect()
-        requests = []
+        requests, groups = [], []
         for i, prompt in enumerate(prompt_token_ids):
             group_id = connection.new_id()
+            groups.append(group_id)
+            session_id = group_id if group_placement == "pack" else None
             for j in range(n):
                 seeded = params if params.seed is None else params.model_copy(update={"seed": params.seed + j})
                 fields = {"prompt_token_ids": list(prompt), "group_id": group_id, "sampling_params": seeded}
-                requests.append(self._build(RolloutRequest, i, timeout_s, connection, **fields))
-        results = await self._run(requests, timeout_s, target=(completion_target, cut_after_s))
+                requests.append(self._build(RolloutRequest, i, timeout_s, connection, session_id=session_id, **fields))
+        try:
+            results = await self._run(requests, timeout_s, target=(completion_target, cut_after_s))
+        finally:
+            if group_placement == "pack":  # unpin the groups: their pins would count as sessions for an hour
+                await asyncio.gather(*(self.finish_session(g) for g in groups), return_exceptions=True)
         flat = self._trajectories(requests, results, raise_on_error)
         return [flat[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
 

@@ -178,17 +178,20 @@ class StreamState:
         return text, slice(self.tokens, None)
 
 
-def usage(trajectories: list[Trajectory], prompt_indices: list[int]) -> dict[str, int]:
-    """OpenAI's usage: each prompt's tokens once (n samples share it), every completion's tokens."""
-    prompts: dict[int, int] = {}
+def usage(trajectories: list[Trajectory], prompt_indices: list[int]) -> dict[str, Any]:
+    """OpenAI's usage: each prompt's tokens once (n samples share it), every completion's tokens, and of the prompt
+    tokens those the engine found in its prefix cache (`prompt_tokens_details.cached_tokens`, as OpenAI's and vLLM's
+    servers give it; per prompt, its first sample's)."""
+    prompts: dict[int, tuple[int, int]] = {}
     for t, p in zip(trajectories, prompt_indices, strict=True):
-        prompts[p] = len(t.prompt_token_ids)
-    prompt_tokens = sum(prompts.values())
+        prompts.setdefault(p, (len(t.prompt_token_ids), t.cached_tokens))
+    prompt_tokens = sum(n for n, _ in prompts.values())
     completion_tokens = sum(len(t.completion_token_ids) for t in trajectories)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(cached for _, cached in prompts.values())},
     }
 
 

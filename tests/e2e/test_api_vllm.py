@@ -89,15 +89,20 @@ def test_streaming_arrives_while_the_model_generates(fleet):
 def test_a_five_turn_session_is_served_by_one_worker(fleet):
     _, client = fleet
     model = client.models.list().data[0].id
-    session, messages, served = uuid.uuid4().hex, [{"role": "system", "content": "You are concise."}], set()
+    system = "You are concise. " * 80  # a few KV blocks long (vLLM on CPU caches whole blocks of 128 tokens)
+    session, messages, served = uuid.uuid4().hex, [{"role": "system", "content": system}], set()
+    cached = []
     for turn in range(5):
         messages += user(f"Give me one word that starts with {'ABCDE'[turn]}.")
         raw = client.chat.completions.with_raw_response.create(
             model=model, messages=messages, max_tokens=8, temperature=0, extra_headers={"X-Session-ID": session}
         )
         served.add(raw.headers["X-Worker-ID"])
-        messages.append({"role": "assistant", "content": raw.parse().choices[0].message.content})
+        chat = raw.parse()
+        cached.append(chat.usage.prompt_tokens_details.cached_tokens)
+        messages.append({"role": "assistant", "content": chat.choices[0].message.content})
     assert len(served) == 1
+    assert cached[-1] > 0, cached  # the later turns find the conversation so far in the worker's prefix cache
 
 
 def test_tool_calls_and_json_schema(fleet):

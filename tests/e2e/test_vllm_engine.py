@@ -159,6 +159,15 @@ async def test_abort_ends_generate_with_finish_reason_abort(engine: VLLMEngine, 
     assert len(completion.completion_token_ids) < 1500
 
 
+async def test_a_repeated_prompt_reports_its_prefix_cache_hit(engine: VLLMEngine, prompts: list[list[int]]) -> None:
+    prompt = [t for p in prompts for t in p] * 4  # a few hundred tokens: several KV blocks
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    first = await engine.generate("cached-1", prompt, params)
+    second = await engine.generate("cached-2", prompt, params)
+    assert first.cached_tokens < second.cached_tokens <= len(prompt)  # vLLM's num_cached_tokens, passed on
+    assert second.cached_tokens >= len(prompt) // 2
+
+
 async def test_chat_prompt_renders_the_user_message(engine: VLLMEngine) -> None:
     ids = await engine.chat_prompt([{"role": "user", "content": "Tell me about otters."}])
     text = await engine.detokenize(ids, skip_special_tokens=False)

@@ -68,3 +68,14 @@ async def test_fifo_placement_takes_whatever_fits(settings, workers):
         trajectories = await client.generate(prompts(60), PARAMS)
     per_worker = sorted(Counter(t.worker_id for t in trajectories).values(), reverse=True)
     assert per_worker[0] > 17, per_worker  # one worker took far more than its share
+
+
+async def test_sample_packs_each_group_on_one_worker_when_asked(settings, echo_workers):
+    echo_workers(4, "--max-num-seqs", "64", "--echo-token-delay-s", "0.01")
+    async with RolloutClient(settings) as client:
+        packed = await client.sample(prompts(8), 4, PARAMS, group_placement="pack")
+        spread = await client.sample(prompts(8), 4, PARAMS)
+        assert [await client.session_worker(g[0].group_id) for g in packed] == [None] * 8  # unpinned after
+    assert all(len({t.worker_id for t in group}) == 1 for group in packed)  # a group's samples share one worker
+    assert len({group[0].worker_id for group in packed}) == 4  # and the groups spread over the workers
+    assert any(len({t.worker_id for t in group}) > 1 for group in spread)  # spread: a group's samples spread

@@ -137,7 +137,7 @@ class SimEngine(EchoEngine):
         tops, texts = _tops(output, params)
         return Completion(
             prompt, list(output), [0.0] * len(output), reason, _bytes_text(output), tops, texts,
-            _prompt_logprobs(prompt, params),
+            _prompt_logprobs(prompt, params), run.seq.cached_tokens,
         )  # fmt: skip
 
     def _sequence(self, request_id: str, prompt: list[int], params: SamplingParams, prior: Seq[int]) -> Sequence:

@@ -33,6 +33,7 @@ from rollout_svc.tools.bench import batch as bench_batch
 from rollout_svc.tools.bench import control as bench_control
 from rollout_svc.tools.bench import hop as bench_hop
 from rollout_svc.tools.bench import shards as bench_shards
+from rollout_svc.tools.bench import simsessions as bench_sessions
 from rollout_svc.tools.bench import simstep as bench_step
 from rollout_svc.tools.bench import skyrl as bench_skyrl
 from rollout_svc.tools.progress import Progress
@@ -91,6 +92,7 @@ def run_bench(
     shards_plan = bench_shards.ShardsPlan(requests=requests)
     shards = bench_shards.run_shards_bench(console, _log_dir(), shards_plan, command=command)
     step = bench_step.run_step_bench(redis_url, console, _log_dir(), command=command)
+    sessions = bench_sessions.run_sessions_bench(redis_url, console, _log_dir(), command=command)
     generation: list[GenerationFigures] = []
     weights: list[str] = []
     if model is not None:
@@ -102,13 +104,13 @@ def run_bench(
     sections = bench_control.report(control, frozen) + weights + bench_api.report(api)
     text += "\n".join(sections + bench_batch.report(batch, command)) + "\n"
     rendered = bench_hop.render_hop(hop) + bench_skyrl.render_skyrl(skyrl) + bench_shards.render_shards(shards)
-    rendered += bench_step.render_step(step)
+    rendered += bench_step.render_step(step) + bench_sessions.render_sessions(sessions)
     output.write_text(text + rendered)
     console.print(f"wrote {output}")
 
 
 # what `--only` can measure alone: the heading starting its section
-SECTIONS = {"hop": "## (h) ", "skyrl": "## (i) ", "step": "## (j) ", "simfit": "## (k) "}
+SECTIONS = {"hop": "## (h) ", "skyrl": "## (i) ", "step": "## (j) ", "simfit": "## (k) ", "sessions": "## (l) "}
 
 
 def run_section(redis_url: str | None, output: Path, section: str, command: str) -> None:
@@ -122,6 +124,9 @@ def run_section(redis_url: str | None, output: Path, section: str, command: str)
         body = bench_hop.render_hop(bench_hop.run_hop_bench(redis_url, console, _log_dir(), command=command))
     elif section == "step":
         body = bench_step.render_step(bench_step.run_step_bench(redis_url, console, _log_dir(), command=command))
+    elif section == "sessions":
+        run = bench_sessions.run_sessions_bench(redis_url, console, _log_dir(), command=command)
+        body = bench_sessions.render_sessions(run)
     elif section == "simfit":
         from rollout_svc.model import prepare_model
         from rollout_svc.tools.bench import simfit as bench_simfit
