@@ -11,7 +11,16 @@ its old batch. The rule, checked every `move_check_s` by each worker:
   generations (a request alone on its GPU gains nothing by moving);
 - some other worker holds no work and has a free slot (`RequestStreams.idle_workers`: load 0 in `Keys.loads`);
 - then its generations that have been in the engine at least `move_after_s`, not of a session (sessions stay
-  sticky) and moved fewer than `MAX_MOVES` times, oldest first, go one to each idle worker, leaving at least one here.
+  sticky), moved fewer than `MAX_MOVES` times and worth a re-prefill (below) go one to each idle worker, those that
+  have made the most tokens first, leaving at least one here.
+
+Which to move: output lengths in RL are long-tailed (log-normal-like), whose hazard falls with age, so the
+generation that has made the most tokens is the one expected to run longest (the "Lindy" estimate: as many more
+tokens as it has made, at most what its `max_tokens` leaves). In a step where every request starts at once, the
+oldest is any of them; the longest-running is the straggler. Worth it: its expected rest is at least
+1/`REPREFILL_RATIO` of the tokens it must prefill again there (prompt and output so far): a prefill step computes
+thousands of tokens in the time of a few decode steps (the simulator's H100 profile: 8,192 tokens of a 7B model in
+about 30 decode steps' time), so the ratio only keeps a move from re-prefilling a long context to save a few tokens.
 
 A move is an abort in the engine with cause `migrate`; the serve path then adds the continuation (same request id,
 its tokens, logprobs and weight-version spans; `Trajectory.interruptions` counts the move) to the idle worker's pinned
@@ -34,6 +43,7 @@ from workers.metrics import WorkerMetrics
 
 log = logging.getLogger("rollout_svc.worker")
 MAX_MOVES = 2  # a request is moved at most this many times (interruptions of any cause count)
+REPREFILL_RATIO = 16  # a move's expected rest must be at least 1/16 of the tokens it prefills again
 
 
 class StragglerMover:
@@ -64,7 +74,11 @@ class StragglerMover:
         running = [r for r in self.index.records() if r.generation and r.in_engine and r.abort_cause is None]
         if len(running) < 2:
             return 0
-        movable = sorted((r for r in running if self._movable(r, now)), key=lambda r: r.entered_at)
+        made = {id(r): self._made(r) for r in running}
+        movable = sorted(
+            (r for r in running if self._movable(r, now) and self._worth_it(r, made[id(r)])),
+            key=lambda r: (-made[id(r)], r.entered_at),
+        )
         if not movable:
             return 0
         try:
@@ -77,12 +91,28 @@ class StragglerMover:
             assert isinstance(record.request, RolloutRequest)
             record.move_to = target
             log.info(
-                "moving %s to idle worker %s: in the engine for %.1f s beside %d other generations here; its "
-                "re-prefill there is one step, against the rest of its decode here",
-                record.request.request_id, target, now - record.entered_at, len(running) - 1,
+                "moving %s to idle worker %s: %d tokens made in %.1f s beside %d other generations here; expected "
+                "rest about as many, against a re-prefill of %d tokens there",
+                record.request.request_id, target, made[id(record)], now - record.entered_at, len(running) - 1,
+                len(record.request.prompt_token_ids or ()) + made[id(record)],
             )  # fmt: skip
             await self.index.cancel(record, "migrate")
         return len(moves)
+
+    def _made(self, record: InFlight) -> int:
+        """Output tokens `record`'s generation has made, here and before any earlier interruption."""
+        request = record.request
+        assert isinstance(request, RolloutRequest)
+        kept = len(request.continuation.token_ids) if request.continuation is not None else 0
+        return kept + (self.index.engine.output_tokens(request.request_id) or 0)
+
+    def _worth_it(self, record: InFlight, made: int) -> bool:
+        """Its expected rest (as many tokens as made, at most what `max_tokens` leaves) is at least
+        1/`REPREFILL_RATIO` of the tokens a continuation prefills again."""
+        request = record.request
+        assert isinstance(request, RolloutRequest)
+        rest = min(made, request.sampling_params.max_tokens - made)
+        return made > 0 and rest * REPREFILL_RATIO >= len(request.prompt_token_ids or ()) + made
 
     def _movable(self, record: InFlight, now: float) -> bool:
         request = record.request

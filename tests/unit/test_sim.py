@@ -222,7 +222,7 @@ async def test_bad_input_and_bad_profiles_say_what_to_do(tmp_path):
 def test_the_cpu_fit_recovers_a_known_profile_from_its_step_times():
     from rollout_svc.tools.bench.simfit import FitPoint, _profile, fit_profile
 
-    truth = StepCost(_profile(4e10, 3e11, 0.006), SMOLLM2_135M)
+    truth = StepCost(_profile(4e10, 3e11, 0.006, seq_overhead=0.0015), SMOLLM2_135M)
     points = [
         FitPoint("decode", batch, context, truth.decode_s(batch, batch * context))
         for batch in (1, 4, 16, 48)

@@ -1,4 +1,4 @@
-"""The time of one engine step: the larger of its memory time and its compute time, plus a fixed overhead."""
+"""The time of one engine step: the larger of its memory time and its compute time, plus fixed overheads."""
 
 from __future__ import annotations
 
@@ -16,24 +16,27 @@ class StepCost:
     the new ones) and scores `attended` (query, key) pairs. Its memory time reads the weights once and the KV
     entries once, at the GPU's effective bandwidth (the KV entries at `kv_bytes_per_s` where the profile sets one);
     its compute time is `ModelProfile.flops` at its effective peak. The step takes the larger (the roofline:
-    Williams et al. 2009, CACM 52(4)) plus `step_overhead_s`.
+    Williams et al. 2009, CACM 52(4); their sum where the profile is not `overlapped`) plus `step_overhead_s` and
+    `seq_overhead_s` per sequence in the step.
     """
 
     gpu: GPUProfile
     model: ModelProfile
 
-    def step_s(self, new_tokens: int, context_tokens: int, attended: float) -> float:
-        """Seconds (simulated) of one step; all arguments are token counts summed over the step's sequences."""
+    def step_s(self, new_tokens: int, context_tokens: int, attended: float, sequences: int = 1) -> float:
+        """Seconds (simulated) of one step of `sequences` sequences; the other arguments are token counts summed
+        over them."""
         gpu, model = self.gpu, self.model
         bandwidth = gpu.hbm_bytes_per_s * gpu.bandwidth_efficiency
         kv_s = context_tokens * model.kv_bytes_per_token / (gpu.kv_bytes_per_s or bandwidth)
         memory_s = model.weight_bytes / bandwidth + kv_s
         compute_s = model.flops(new_tokens, attended) / (gpu.peak_flops * gpu.compute_efficiency)
-        return max(memory_s, compute_s) + gpu.step_overhead_s
+        roofline_s = max(memory_s, compute_s) if gpu.overlapped else memory_s + compute_s
+        return roofline_s + gpu.step_overhead_s + sequences * gpu.seq_overhead_s
 
     def decode_s(self, batch: int, context_tokens: int) -> float:
         """One decode step of `batch` sequences holding `context_tokens` tokens in all before it."""
-        return self.step_s(batch, context_tokens + batch, context_tokens + batch)
+        return self.step_s(batch, context_tokens + batch, context_tokens + batch, batch)
 
     def prefill_s(self, prompt_tokens: int) -> float:
         """One step prefilling a prompt of `prompt_tokens` alone (causal: n(n+1)/2 attended pairs)."""

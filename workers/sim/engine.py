@@ -214,10 +214,10 @@ class SimEngine(EchoEngine):
     def _durations_s(self, step: Step, repeats: int) -> list[float]:
         """Simulated seconds of each run of `step`, up to `repeats` runs or `MAX_SLEEP_S` of wall clock (a repeated
         decode's context grows a token a run)."""
-        new, context, attended = step.cost_inputs()
+        new, context, attended, sequences = step.cost_inputs()
         durations_s, total_s = [], 0.0
         for k in range(repeats):
-            durations_s.append(self.cost.step_s(new, context + k * new, attended + k * new))
+            durations_s.append(self.cost.step_s(new, context + k * new, attended + k * new, sequences))
             total_s += durations_s[-1]
             if total_s / self.time_scale >= MAX_SLEEP_S:
                 break

@@ -19,6 +19,12 @@ class GPUProfile:
     launches under CUDA graphs). `memory_bytes` is what vLLM sizes its KV cache from (`gpu_memory_utilization`).
     `kv_bytes_per_s`: the rate decode attention reads the KV cache at, where it differs from the weights' (0: the
     same effective bandwidth; on this machine's CPU, fitted, paged decode attention reads KV far slower).
+    `seq_overhead_s`: the further fixed cost of each sequence in a step (vLLM's per-request work between the
+    forward passes: the scheduler's bookkeeping, sampling, detokenizing and output processing in Python), which
+    runs on the CPU beside, not overlapped with, the forward pass; small on a GPU host (0 in the GPU profiles),
+    fitted on this machine's CPU, where it is most of a decode step's cost past a batch of 8. `overlapped`: memory
+    and compute time overlap, the step taking the larger (a GPU's roofline); False: they add (a CPU core that
+    streams the KV cache in attention and runs the GEMMs one after the other; the fit chooses).
     """
 
     name: str
@@ -30,6 +36,8 @@ class GPUProfile:
     step_overhead_s: float
     source: str
     kv_bytes_per_s: float = 0.0
+    seq_overhead_s: float = 0.0
+    overlapped: bool = True
 
 
 @dataclass(frozen=True)

@@ -52,12 +52,12 @@ class Step:
     def decode_only(self) -> bool:
         return self.admitted == 0 and self.preempted == 0 and all(new == 1 for _, new in self.items)
 
-    def cost_inputs(self) -> tuple[int, int, float]:
-        """(new tokens, context tokens read, attended pairs) for `StepCost.step_s`."""
+    def cost_inputs(self) -> tuple[int, int, float, int]:
+        """(new tokens, context tokens read, attended pairs, sequences) for `StepCost.step_s`."""
         new = sum(n for _, n in self.items)
         context = sum(s.num_computed + n for s, n in self.items)
         attended = sum(n * s.num_computed + n * (n + 1) / 2 for s, n in self.items)
-        return new, context, attended
+        return new, context, attended, len(self.items)
 
 
 class Scheduler:

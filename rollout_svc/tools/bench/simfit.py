@@ -6,7 +6,8 @@ on 2 workers) and compare its makespan with the measured one.
    For each batch size B and context C: B requests of C random prompt tokens, once for 1 output token and once for
    33 (`ignore_eos`); a decode step is their time difference over 32. A prefill is one request of C tokens for 1
    token. The profile (the weights' and the KV cache's effective read bandwidth, effective FLOP/s, overhead per
-   step: `workers/sim/cost.py`'s roofline) is the least relative squared error over a log grid, then a finer one.
+   step and per sequence in it: `workers/sim/cost.py`'s roofline plus overheads) is the least relative squared
+   error: the rates over a log grid, then a finer one, the two overheads in closed form for each.
 2. Predict. The ShareGPT workload (first user turns, chat-templated by the real model, each for as many tokens as
    ShareGPT's reply had, capped, `ignore_eos`) goes to the 2 real workers, then, as the same token ids, to 2 sim
    workers with the fitted profile (the same capacity, KV cache and context, chunked prefill off as on the real CPU
@@ -60,6 +61,11 @@ class FitPoint:
     context: int
     seconds: float
 
+    @property
+    def sequences(self) -> int:
+        """The sequences in one step of this point."""
+        return self.batch if self.kind == "decode" else 1
+
     def modelled_s(self, cost: StepCost) -> float:
         """What `cost` says this point takes."""
         if self.kind == "decode":
@@ -105,6 +111,9 @@ def run_fit_bench(
         max_num_seqs=plan.capacity,
         kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
         max_model_len=engine.max_model_len,
+        # The real engine's budget: vLLM 0.32 without chunked prefill (off on CPU, workers/engine.py) takes the
+        # larger of max_model_len and SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS (2048) tokens a step.
+        sim_max_num_batched_tokens=2048,
     )
     sim_settings = private_settings(redis_url, "bench-simfit-sim")
     simulated = LocalCluster(sim_settings, 2, sim, log_dir=log_dir)
@@ -155,31 +164,67 @@ async def _fit_points(client: RolloutClient, plan: FitPlan) -> list[FitPoint]:
 
 
 def fit_profile(points: list[FitPoint]) -> tuple[GPUProfile, float]:
-    """The roofline profile (bandwidth, FLOPs, overhead; efficiencies folded in, 1.0) that fits `points` best in
-    relative squared error, and that error's root mean square. A log grid, then a finer one around its best."""
+    """The profile (the weights' and the KV cache's read bandwidth, FLOP/s, overhead per step and per sequence;
+    efficiencies folded in, 1.0) that fits `points` best in relative squared error, and that error's root mean
+    square. Overlapped (a roofline) or added memory and compute time, whichever fits; the rates on a log grid, then
+    a finer one around its best; for each, the two overheads (which add to the roofline's time) in closed form:
+    non-negative linear least squares in two unknowns."""
 
-    def error(bandwidth: float, flops: float, overhead: float, kv_bandwidth: float) -> float:
-        cost = StepCost(_profile(bandwidth, flops, overhead, kv_bandwidth), SMOLLM2_135M)
-        return sum(((p.modelled_s(cost) - p.seconds) / p.seconds) ** 2 for p in points) / len(points)
+    def fitted(bandwidth: float, flops: float, kv_bandwidth: float, overlapped: bool) -> tuple[float, float, float]:
+        cost = StepCost(_profile(bandwidth, flops, 0.0, kv_bandwidth, overlapped=overlapped), SMOLLM2_135M)
+        return _overheads([(p.modelled_s(cost), p.sequences, p.seconds) for p in points])
 
     def grid(lo: float, hi: float, n: int) -> list[float]:
         return [math.exp(math.log(lo) + (math.log(hi) - math.log(lo)) * i / (n - 1)) for i in range(n)]
 
-    coarse = itertools.product(
-        grid(1e8, 1e12, 17), grid(1e9, 1e13, 21), [0.0, *grid(1e-4, 0.05, 12)], grid(1e8, 1e13, 21)
-    )
-    best = min(coarse, key=lambda args: error(*args))
-    fine = itertools.product(
-        grid(best[0] / 2, best[0] * 2, 9),
-        grid(best[1] / 1.6, best[1] * 1.6, 9),
-        [0.0, *grid(max(1e-4, best[2] / 2), max(2e-4, best[2] * 2), 12)],
-        grid(best[3] / 1.6, best[3] * 1.6, 9),
-    )
-    best = min(fine, key=lambda args: error(*args))
-    return _profile(*best), math.sqrt(error(*best))
+    def refined(overlapped: bool) -> tuple[float, float, float, bool]:
+        coarse = itertools.product(grid(1e8, 1e12, 17), grid(1e9, 1e13, 21), grid(1e8, 1e13, 21), (overlapped,))
+        best = min(coarse, key=lambda rates: fitted(*rates)[2])
+        fine = itertools.product(
+            grid(best[0] / 2, best[0] * 2, 9),
+            grid(best[1] / 1.6, best[1] * 1.6, 9),
+            grid(best[2] / 1.6, best[2] * 1.6, 9),
+            (overlapped,),
+        )
+        return min(fine, key=lambda rates: fitted(*rates)[2])
+
+    bandwidth, flops, kv_bandwidth, overlapped = min(map(refined, (True, False)), key=lambda rates: fitted(*rates)[2])
+    overhead, seq_overhead, error = fitted(bandwidth, flops, kv_bandwidth, overlapped)
+    return _profile(bandwidth, flops, overhead, kv_bandwidth, seq_overhead, overlapped), math.sqrt(error)
 
 
-def _profile(bandwidth: float, flops: float, overhead: float, kv_bandwidth: float = 0.0) -> GPUProfile:
+def _overheads(rows: list[tuple[float, int, float]]) -> tuple[float, float, float]:
+    """For rows of (roofline seconds r, sequences n, measured seconds y): the overheads o, s >= 0 minimising the
+    mean of ((r + o + s n - y) / y)^2, and that mean. The unconstrained optimum (the 2x2 normal equations) when
+    both are >= 0, else the better of the two with one overhead at 0 (the optimum lies on the boundary)."""
+    a = [(1 / y, n / y, (y - r) / y) for r, n, y in rows]  # o * a0 + s * a1 ~ a2
+
+    def mean_error(o: float, s: float) -> float:
+        return sum((o * a0 + s * a1 - b) ** 2 for a0, a1, b in a) / len(a)
+
+    s00 = sum(a0 * a0 for a0, _, _ in a)
+    s01 = sum(a0 * a1 for a0, a1, _ in a)
+    s11 = sum(a1 * a1 for _, a1, _ in a)
+    s0b = sum(a0 * b for a0, _, b in a)
+    s1b = sum(a1 * b for _, a1, b in a)
+    candidates = [(max(0.0, s0b / s00), 0.0), (0.0, max(0.0, s1b / s11))]
+    determinant = s00 * s11 - s01 * s01
+    if determinant > 1e-12 * s00 * s11:
+        o, s = (s0b * s11 - s1b * s01) / determinant, (s1b * s00 - s0b * s01) / determinant
+        if o >= 0 and s >= 0:
+            candidates.append((o, s))
+    o, s = min(candidates, key=lambda c: mean_error(*c))
+    return o, s, mean_error(o, s)
+
+
+def _profile(
+    bandwidth: float,
+    flops: float,
+    overhead: float,
+    kv_bandwidth: float = 0.0,
+    seq_overhead: float = 0.0,
+    overlapped: bool = True,
+) -> GPUProfile:
     return GPUProfile(
         name="cpu",
         hbm_bytes_per_s=bandwidth,
@@ -189,6 +234,8 @@ def _profile(bandwidth: float, flops: float, overhead: float, kv_bandwidth: floa
         compute_efficiency=1.0,
         step_overhead_s=overhead,
         kv_bytes_per_s=kv_bandwidth,
+        seq_overhead_s=seq_overhead,
+        overlapped=overlapped,
         source="fitted by `rollout-svc bench --only simfit` to vLLM on this machine's CPU (SmolLM2-135M)",
     )
 
@@ -228,7 +275,8 @@ def render_fit(f: FitFigures) -> str:
         f"{f.plan.max_reply_tokens}; {f.output_tokens} output tokens in all), at once on 2 workers.\n",
         f"Fitted profile: the weights read at {profile.hbm_bytes_per_s / 1e9:.1f} GB/s and the KV cache at "
         f"{profile.kv_bytes_per_s / 1e9:.1f}, {profile.peak_flops / 1e9:.1f} GFLOP/s, "
-        f"{profile.step_overhead_s * 1e3:.1f} ms per step; RMS relative "
+        f"{profile.step_overhead_s * 1e3:.1f} ms per step and {profile.seq_overhead_s * 1e3:.2f} ms per sequence in "
+        "it; RMS relative "
         f"error over the {len(f.points)} fit points {f.fit_error:.0%}.\n",
         "| | makespan (s) |",
         "|---|---|",
