@@ -82,7 +82,7 @@ class EngineSettings(BaseModel):
     sim_gpu: str = Field(
         "h100", description="sim engine: the simulated GPU (h100, h200) or the path of a fitted profile's JSON"
     )
-    sim_model: Literal["qwen2.5-7b", "qwen2.5-32b", "smollm2-135m"] = Field(
+    sim_model: Literal["qwen2.5-7b", "qwen2.5-32b", "smollm2-135m", "llama3-8b"] = Field(
         "qwen2.5-7b", description="sim engine: the simulated model"
     )
     sim_time_scale: float = Field(1.0, gt=0, description="sim engine: simulated seconds per second of wall clock")

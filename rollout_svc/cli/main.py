@@ -533,7 +533,8 @@ def bench(
         typer.Option(
             help="Measure one section alone (hop: beside vllm-router; skyrl: SkyRL's client path; step: an RL step on "
             "a simulated GPU fleet; simfit: the simulator fitted to and checked against the real engine; sessions: "
-            "multi-turn agent sessions on a simulated fleet, sticky and not) and replace it in --output."
+            "multi-turn agent sessions on a simulated fleet, sticky and not; published: the simulator's GPU profiles "
+            "beside published vLLM figures) and replace it in --output."
         ),
     ] = None,
 ) -> None:

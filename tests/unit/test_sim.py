@@ -240,3 +240,22 @@ def test_a_profile_may_read_the_kv_cache_slower_than_the_weights():
     fast = StepCost(H100_SXM, QWEN25_7B)
     kv_s = 64 * 1024 * QWEN25_7B.kv_bytes_per_token * (1 / 1e11 - 1 / (3.35e12 * 0.8))
     assert slow_kv.decode_s(64, 64 * 1024 - 64) - fast.decode_s(64, 64 * 1024 - 64) == pytest.approx(kv_s, rel=1e-3)
+
+
+def test_a_published_run_replays_through_the_sims_scheduler_and_cost_model():
+    from rollout_svc.tools.bench.simpublished import PUBLISHED, Published, render_published, replay
+    from workers.sim.profiles import LLAMA3_8B
+
+    # one request alone: its TPOT is the mean of its decode steps, its end the prefill plus every decode step
+    alone = Published("one", "h100", "llama3-8b", (100,), (50,), 0.0, 10.0, 5.0, "x", "here")
+    cost = StepCost(H100_SXM, LLAMA3_8B)
+    decodes = [cost.decode_s(1, 100 + k) for k in range(49)]
+    sim = replay(alone)
+    assert sim.duration_s == pytest.approx(cost.prefill_s(100) + sum(decodes), rel=1e-6)
+    assert sim.median_tpot_ms == pytest.approx(sum(decodes) / 49 * 1e3, rel=1e-6)
+    # a batch shares its steps: more tokens per second than alone, each slower
+    batch = replay(Published("many", "h100", "llama3-8b", (100,) * 64, (50,) * 64, 0.0, None, 5.0, "x", "here"))
+    assert batch.output_tokens_per_s > 10 * sim.output_tokens_per_s and batch.median_tpot_ms > sim.median_tpot_ms
+    # the published workloads keep the published totals (LambdaLabs' JSON: 65,578 prompt and 65,331 output tokens)
+    assert sum(PUBLISHED[0].inputs) == 65578 and sum(PUBLISHED[0].outputs) == 65331
+    assert "| H100 | one |" in render_published([(alone, sim)])

@@ -132,8 +132,20 @@ SMOLLM2_135M = ModelProfile(
     source="HuggingFaceTB/SmolLM2-135M-Instruct config.json: 30 layers, hidden 576, 9 heads, 3 KV heads",
 )
 
+LLAMA3_8B = ModelProfile(
+    name="llama3-8b",
+    params=8.03e9,
+    layers=32,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    dtype_bytes=2,
+    source="meta-llama/Meta-Llama-3-8B-Instruct config.json: 32 layers, hidden 4096, 32 heads, 8 KV heads; 8.03B "
+    "parameters (Llama-3.1-8B's are the same); the model of the published runs BENCHMARKS.md (m) compares with",
+)
+
 GPUS = {gpu.name: gpu for gpu in (H100_SXM, H200)}
-MODELS = {model.name: model for model in (QWEN25_7B, QWEN25_32B, SMOLLM2_135M)}
+MODELS = {model.name: model for model in (QWEN25_7B, QWEN25_32B, SMOLLM2_135M, LLAMA3_8B)}
 
 
 def gpu_profile(name: str) -> GPUProfile:

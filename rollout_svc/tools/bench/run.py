@@ -33,6 +33,7 @@ from rollout_svc.tools.bench import batch as bench_batch
 from rollout_svc.tools.bench import control as bench_control
 from rollout_svc.tools.bench import hop as bench_hop
 from rollout_svc.tools.bench import shards as bench_shards
+from rollout_svc.tools.bench import simpublished as bench_published
 from rollout_svc.tools.bench import simsessions as bench_sessions
 from rollout_svc.tools.bench import simstep as bench_step
 from rollout_svc.tools.bench import skyrl as bench_skyrl
@@ -105,12 +106,20 @@ def run_bench(
     text += "\n".join(sections + bench_batch.report(batch, command)) + "\n"
     rendered = bench_hop.render_hop(hop) + bench_skyrl.render_skyrl(skyrl) + bench_shards.render_shards(shards)
     rendered += bench_step.render_step(step) + bench_sessions.render_sessions(sessions)
+    rendered += bench_published.render_published(bench_published.run_published_bench(), command)
     output.write_text(text + rendered)
     console.print(f"wrote {output}")
 
 
 # what `--only` can measure alone: the heading starting its section
-SECTIONS = {"hop": "## (h) ", "skyrl": "## (i) ", "step": "## (j) ", "simfit": "## (k) ", "sessions": "## (l) "}
+SECTIONS = {
+    "hop": "## (h) ",
+    "skyrl": "## (i) ",
+    "step": "## (j) ",
+    "simfit": "## (k) ",
+    "sessions": "## (l) ",
+    "published": "## (m) ",
+}
 
 
 def run_section(redis_url: str | None, output: Path, section: str, command: str) -> None:
@@ -127,6 +136,8 @@ def run_section(redis_url: str | None, output: Path, section: str, command: str)
     elif section == "sessions":
         run = bench_sessions.run_sessions_bench(redis_url, console, _log_dir(), command=command)
         body = bench_sessions.render_sessions(run)
+    elif section == "published":
+        body = bench_published.render_published(bench_published.run_published_bench(), command)
     elif section == "simfit":
         from rollout_svc.model import prepare_model
         from rollout_svc.tools.bench import simfit as bench_simfit
