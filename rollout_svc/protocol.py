@@ -164,6 +164,8 @@ class RolloutRequest(_Message):
     trajectory's `text` is its completion token ids decoded whole as a `DetokenizeRequest` decodes them
     (`skip_special_tokens=True`), not the engine's incremental text: for a caller that asks for just that next
     (SkyRL's `generate` calls `/detokenize` after each, which `serve` then answers without a worker).
+    `expected_tokens`: the output tokens it is expected to make (`sample` sets it from the prompt's earlier groups,
+    `client/expected.py`); placement counts it in place of `max_tokens` (`cost_tokens`). None: unknown.
     """
 
     request_id: str = Field(min_length=1)
@@ -182,6 +184,7 @@ class RolloutRequest(_Message):
     parse_tool_calls: bool = False
     stream: bool = False
     text_as_detokenized: bool = False
+    expected_tokens: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RolloutRequest:
@@ -205,14 +208,16 @@ class RolloutRequest(_Message):
     def cost_tokens(self) -> int:
         """The work this request brings a worker, in tokens: its prompt's (token ids counted; text and messages
         estimated at 4 characters a token, OpenAI's rule of thumb for English) plus the tokens it may still
-        generate: `max_tokens`. A continuation's earlier tokens move from the second part to the first (prefilled,
-        not generated): the sum stays. What placement shares out (docs/architecture.md)."""
+        generate: `max_tokens`, or `expected_tokens` where that is set and smaller. A continuation's earlier tokens
+        move from the second part to the first (prefilled, not generated): the sum stays. What placement shares out
+        (docs/architecture.md)."""
         if self.prompt_token_ids is not None:
             prompt = len(self.prompt_token_ids)
         else:
             text = self.prompt if self.prompt is not None else "".join(m.content or "" for m in self.messages or ())
             prompt = len(text) // 4 + 1
-        return prompt + self.sampling_params.max_tokens
+        output = self.sampling_params.max_tokens
+        return prompt + (output if self.expected_tokens is None else min(output, self.expected_tokens))
 
     @property
     def original_request_id(self) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 from rollout_svc.client.calls import Call
 from rollout_svc.config import ClientSettings
 from rollout_svc.dataplane.streams import Placed
-from rollout_svc.protocol import Continuation, Request, RolloutRequest, Trajectory
+from rollout_svc.protocol import Continuation, ErrorResult, Request, RolloutRequest, Trajectory
 
 RETRIED_CAUSES = ("pause", "shutdown", "stale", "migrate")  # the aborts the client hides by retrying
 # The request id and `reply_to` of a request's next attempt: a fresh id, and the results stream of the shard chosen
@@ -149,3 +149,17 @@ def regeneration_of(
         return None
     request_id, reply_to = new_attempt(request)
     return request.model_copy(update={"request_id": request_id, "reply_to": reply_to})
+
+
+def error_trajectory(request: RolloutRequest, error: ErrorResult) -> Trajectory:
+    """An error result as the trajectory a caller gets (`finish_reason=\"error\"`, the error's message and code)."""
+    return Trajectory(
+        request_id=request.request_id,
+        session_id=request.session_id,
+        group_id=request.group_id,
+        prompt_token_ids=request.prompt_token_ids or [],
+        finish_reason="error",
+        worker_id=error.worker_id,
+        error=error.message,
+        error_code=error.code,
+    )

@@ -12,7 +12,9 @@ from pydantic import ValidationError
 
 from rollout_svc.client.calls import Call, ClientStats, GroupTarget
 from rollout_svc.client.connection import Connection
+from rollout_svc.client.expected import ExpectedLengths
 from rollout_svc.client.fleet_calls import FleetCalls
+from rollout_svc.client.lifecycle import error_trajectory
 from rollout_svc.client.partial import check_target, continued_fields
 from rollout_svc.client.steps import StepReport, step_report
 from rollout_svc.config import Settings
@@ -80,6 +82,7 @@ class RolloutClient(FleetCalls):
         self._connection: Connection | None = None
         self._starting: asyncio.Future[None] | None = None  # the current connection's start, awaited by every caller
         self._last_step: tuple[Call, float, float] | None = None  # the last generation call, its start and end (unix s)
+        self.expected_lengths = ExpectedLengths()  # per prompt, from the groups `sample` returned
 
     def __getstate__(self) -> dict[str, Any]:
         return {"settings": self.settings.model_dump(mode="json"), "producer_id": self.producer_id}
@@ -314,6 +317,7 @@ class RolloutClient(FleetCalls):
         cut_after_s: float | None = None,
         timeout_s: float | None = None,
         raise_on_error: bool = False,
+        expected_lengths: bool = True,
     ) -> list[list[Trajectory]]:
         """Draw `n` samples of each prompt (a group): returns B lists of n trajectories, in input order.
 
@@ -323,8 +327,11 @@ class RolloutClient(FleetCalls):
         trajectories carry it as `session_id`), new groups going to the worker with the fewest sessions, and
         finished when the call ends. With a `seed`, sample j uses `seed + j`, so the n samples differ (as vLLM's
         `n` does) and the call is reproducible. `completion_target`: end once this fraction of the groups finished
-        whole (`generate`'s; continue a cut sample with `generate`, which keeps its group id). Same errors as
-        `generate`.
+        whole (`generate`'s; continue a cut sample with `generate`, which keeps its group id). `expected_lengths`:
+        each request carries its prompt's expected output length, learned from this client's earlier groups of it
+        (`self.expected_lengths`), which placement by cost counts in place of `max_tokens`, and the groups are
+        enqueued longest expected first (`client/expected.py`); the result is in input order either way. Same errors
+        as `generate`.
         """
         if n < 1:
             raise InvalidRequestError(f"n must be >= 1, got {n}")
@@ -333,14 +340,17 @@ class RolloutClient(FleetCalls):
         check_target(completion_target, cut_after_s)
         params = as_sampling_params(sampling_params)
         connection = await self._connect()
-        requests, groups = [], []
-        for i, prompt in enumerate(prompt_token_ids):
-            group_id = connection.new_id()
+        requests, groups, learned = [], [], self.expected_lengths
+        order = learned.order(prompt_token_ids) if expected_lengths else range(len(prompt_token_ids))
+        for i in order:
+            prompt, group_id = prompt_token_ids[i], connection.new_id()
             groups.append(group_id)
             session_id = group_id if group_placement == "pack" else None
+            expected = learned.expected(prompt) if expected_lengths else None
             for j in range(n):
                 seeded = params if params.seed is None else params.model_copy(update={"seed": params.seed + j})
                 fields = {"prompt_token_ids": list(prompt), "group_id": group_id, "sampling_params": seeded}
+                fields["expected_tokens"] = expected
                 requests.append(self._build(RolloutRequest, i, timeout_s, connection, session_id=session_id, **fields))
         try:
             results = await self._run(requests, timeout_s, target=(completion_target, cut_after_s))
@@ -348,7 +358,11 @@ class RolloutClient(FleetCalls):
             if group_placement == "pack":  # unpin the groups: their pins would count as sessions for an hour
                 await asyncio.gather(*(self.finish_session(g) for g in groups), return_exceptions=True)
         flat = self._trajectories(requests, results, raise_on_error)
-        return [flat[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
+        out: list[list[Trajectory]] = [[] for _ in prompt_token_ids]
+        for k, i in enumerate(order):
+            out[i] = flat[k * n : (k + 1) * n]
+            learned.observe(prompt_token_ids[i], out[i])
+        return out
 
     async def chat(
         self,
@@ -678,20 +692,6 @@ def _per_prompt(values: Sequence[str | None] | None, count: int, name: str) -> l
     if len(values) != count:
         raise InvalidRequestError(f"{name} has {len(values)} entries for {count} prompts; give one per prompt")
     return list(values)
-
-
-def error_trajectory(request: RolloutRequest, error: ErrorResult) -> Trajectory:
-    """An error result as the trajectory a caller gets (`finish_reason=\"error\"`, the error's message and code)."""
-    return Trajectory(
-        request_id=request.request_id,
-        session_id=request.session_id,
-        group_id=request.group_id,
-        prompt_token_ids=request.prompt_token_ids or [],
-        finish_reason="error",
-        worker_id=error.worker_id,
-        error=error.message,
-        error_code=error.code,
-    )
 
 
 def _resolve(done: asyncio.Future[None]) -> None:

@@ -1,5 +1,5 @@
 """`rollout-svc bench`'s RL-step section, tiny: a seeded sampled step on 4 simulated GPUs of one worker process,
-FIFO and placement by cost, against the oracle lower bound."""
+FIFO, placement by cost, with moves, expected lengths and partial rollouts, against the oracle lower bound."""
 
 from __future__ import annotations
 
@@ -28,14 +28,16 @@ def test_step_bench_tiny(tmp_path: Path) -> None:
         (4, "fifo"),
         (4, "cost"),
         (4, "cost+moves"),
+        (4, "cost+moves+expected"),
         (4, "cost+moves+partial"),
         (4, "vllm-router power_of_two"),
     ]
     assert [(r.gpus, r.placement) for r in figures.rows] == placements
     oracle_s = figures.oracle_s[4]
     assert 0 < figures.longest_alone_s <= oracle_s
-    fifo, cost, moves, partial, router = figures.rows
-    for row in (fifo, cost, moves, router):  # vllm-router in front of the same engines over HTTP: the same work
+    fifo, cost, moves, expected, partial, router = figures.rows
+    # vllm-router in front of the same engines over HTTP: the same work
+    for row in (fifo, cost, moves, expected, router):
         # The oracle is a lower bound; the wall clock only adds (scheduling, the machine's load).
         assert row.makespan_s >= 0.95 * oracle_s, (row, oracle_s)
         assert row.output_tokens == fifo.output_tokens and row.cut == 0  # seeded: the same workload, run whole

@@ -79,3 +79,26 @@ async def test_sample_packs_each_group_on_one_worker_when_asked(settings, echo_w
     assert all(len({t.worker_id for t in group}) == 1 for group in packed)  # a group's samples share one worker
     assert len({group[0].worker_id for group in packed}) == 4  # and the groups spread over the workers
     assert any(len({t.worker_id for t in group}) > 1 for group in spread)  # spread: a group's samples spread
+
+
+async def test_sample_places_groups_by_the_lengths_their_prompts_ran_to_before(settings, echo_workers):
+    # 8 prompts whose samples run 400 tokens, then 24 whose samples run 10 (echo: the prompt comes back), n=4, all
+    # at max_tokens 1000. Unknown lengths cost every request the same, so the stream's first 32 requests (the long
+    # ones) are one worker's fair share by count. Once the client has seen each prompt's group, placement counts the
+    # expected 400 and 10 tokens and the long groups go first: every worker gets about a quarter of the tokens.
+    echo_workers(4, "--max-num-seqs", "64", "--echo-token-delay-s", "0.002")
+    batch = [[(i * 7 + k) % 200 + 1 for k in range(400)] for i in range(8)]
+    batch += [[(i * 3 + k) % 200 + 1 for k in range(10)] for i in range(24)]
+    params = {"max_tokens": 1000, "temperature": 0.0}
+    async with RolloutClient(settings) as client:
+        await client.sample(batch, 4, params)  # learns each prompt's length
+        assert client.expected_lengths.expected(batch[0]) == 400
+        assert client.expected_lengths.expected(batch[-1]) == 10
+        groups = await client.sample(batch, 4, params)
+    assert [[len(t.completion_token_ids) for t in g] for g in groups] == [[len(p)] * 4 for p in batch]  # input order
+    tokens: Counter[str] = Counter()
+    for group in groups:
+        for t in group:
+            tokens[t.worker_id] += len(t.completion_token_ids)
+    ideal = (8 * 400 + 24 * 10) * 4 / 4
+    assert len(tokens) == 4 and max(tokens.values()) <= 1.3 * ideal, (dict(tokens), ideal)

@@ -78,8 +78,9 @@ class ModelProfile:
 
 
 # The efficiencies and the overhead are assumptions, not measurements: decode as a sweep over the weights at 80% of
-# the HBM bandwidth, prefill at 60% of peak dense FLOPs, 1 ms of CPU time per step. BENCHMARKS.md sets each
-# profile's predicted throughput beside published vLLM figures for that GPU and model.
+# the HBM bandwidth, prefill at 60% of peak dense FLOPs, 1 ms of CPU time per step, none per sequence. BENCHMARKS.md
+# section m sets the H100 and H200 profiles beside published vLLM runs of an 8B model (within 7% of their TPOT at low
+# batch, 1.3x too fast at 320 requests at once); no single-GPU figure for a 32B model was found.
 H100_SXM = GPUProfile(
     name="h100",
     hbm_bytes_per_s=3.35e12,

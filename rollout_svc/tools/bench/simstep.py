@@ -55,7 +55,7 @@ class StepPlan:
     max_tokens: int = 32768
     max_prompt_tokens: int = 2048
     time_scale: float = 10.0
-    placements: tuple[str, ...] = ("fifo", "cost", "cost+moves", "cost+moves+partial")
+    placements: tuple[str, ...] = ("fifo", "cost", "cost+moves", "cost+moves+expected", "cost+moves+partial")
     partial_target: float = 0.9  # the completion target of the "+partial" rows: a fraction of the groups
     move_after_s: float = 20.0  # "+moves" rows: a generation may move after this long in its engine (simulated s)
     router_policies: tuple[str, ...] = ("round_robin", "power_of_two", "cache_aware", "sticky_least_loaded")
@@ -171,6 +171,8 @@ async def _measure_step(
         await _all_serving(client, gpus)
         params = {"max_tokens": plan.max_tokens, "temperature": 1.0, "seed": 1}
         target = plan.partial_target if "+partial" in placement else None
+        if "+expected" in placement:  # an earlier epoch of the same prompts (other seeds) teaches their lengths
+            await client.sample(prompts, plan.samples, {**params, "seed": 1 + plan.samples}, timeout_s=3600)
         groups = await client.sample(prompts, plan.samples, params, completion_target=target, timeout_s=3600)
         report = (await client.step_report()).scaled(plan.time_scale)
     trajectories = [t for group in groups for t in group]
@@ -222,9 +224,13 @@ def render_step(f: StepFigures) -> str:
         f"{p.gpu.upper()}s serving the {p.model} profile (`--engine sim`, workers/sim; a simulated second lasts "
         f"1/{p.time_scale:g} s here). Each row is a fresh fleet. Busy: some request of the worker's running. The "
         "oracle is the lower bound: the longer of the longest request run alone and the step's work at the fleet's "
-        "peak throughput. `+moves`: a GPU running several generations hands its oldest to a GPU that holds no work "
-        f"(cut, continued token-exact there) once it has run {p.move_after_s:g} simulated s "
-        f"(`ROLLOUT_MOVE_STRAGGLERS`). `+partial`: the call ends once {p.partial_target:.0%} of the groups finished "
+        "peak throughput. `+moves`: a GPU running several generations hands the one that has made the most tokens "
+        f"to a GPU that holds no work (cut, continued token-exact there) once it has run {p.move_after_s:g} "
+        "simulated s (`ROLLOUT_MOVE_STRAGGLERS`). `+expected`: the client first samples the same prompts once with "
+        "other seeds (an earlier epoch, not measured), so each request of the measured step carries its prompt's "
+        "expected length (`RolloutRequest.expected_tokens`), which placement counts in place of `max_tokens`, and "
+        "the groups are enqueued longest expected first. "
+        f"`+partial`: the call ends once {p.partial_target:.0%} of the groups finished "
         "(`completion_target`): the rest are cut and carried to the next step with their tokens (the oracle is the "
         "full step's: the cut row did less work). Moves: the interruptions the step's trajectories were continued "
         "through.\n",
