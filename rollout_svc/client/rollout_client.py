@@ -91,6 +91,7 @@ class RolloutClient(FleetCalls):
         self.settings = Settings.model_validate(state["settings"])
         self.producer_id = state.get("producer_id")
         self._connection, self._starting = None, None
+        self._last_step, self.expected_lengths = None, ExpectedLengths()
 
     async def __aenter__(self) -> RolloutClient:
         await self._connect()

@@ -28,6 +28,7 @@ from rollout_svc.tools.bench.router import _wait_answering, router_args, router_
 
 MODEL = "sim"
 CHECK = {"model": MODEL, "prompt": [65, 66, 67], "max_tokens": 1}
+BACKEND_STARTS = 3  # tries at starting the backends, each on newly picked ports
 
 
 def router_step(
@@ -57,13 +58,24 @@ def router_step(
         return process
 
     try:
-        ports = [free_port() for _ in range(gpus)]
-        for i in range(0, gpus, per_process):
-            chunk = ports[i : i + per_process]
-            args = ["--ports", ",".join(map(str, chunk)), "--engine", engine.model_dump_json()]
-            backend = spawn([sys.executable, "-m", "rollout_svc.tools.bench.simrouter", *args], f"sim-http-{i}")
-            for port in chunk:
-                _wait_answering(f"http://127.0.0.1:{port}/health", None, backend, log_dir)
+        for attempt in range(BACKEND_STARTS):
+            # A port free when picked may be taken by another process before the backend binds it (EADDRINUSE,
+            # seen once in 64 here): stop them all and pick new ones.
+            ports = [free_port() for _ in range(gpus)]
+            try:
+                for i in range(0, gpus, per_process):
+                    chunk = ports[i : i + per_process]
+                    args = ["--ports", ",".join(map(str, chunk)), "--engine", engine.model_dump_json()]
+                    module = "rollout_svc.tools.bench.simrouter"
+                    backend = spawn([sys.executable, "-m", module, *args], f"sim-http-{i}")
+                    for port in chunk:
+                        _wait_answering(f"http://127.0.0.1:{port}/health", None, backend, log_dir)
+                break
+            except RuntimeError:
+                stop_groups(processes)
+                processes.clear()
+                if attempt == BACKEND_STARTS - 1:
+                    raise
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         args = router_args(urls, free_port(), free_port(), policy)
         router = spawn([router_binary(), *args], f"vllm-router-{policy}")
