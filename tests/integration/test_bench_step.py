@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from rollout_svc.tools.bench.simstep import StepPlan, render_step, run_step_bench
+from rollout_svc.tools.bench.simstep import TIMELINE_ROWS, StepPlan, draw_timeline, render_step, run_step_bench
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -47,5 +47,11 @@ def test_step_bench_tiny(tmp_path: Path) -> None:
     assert min(cost.busy_s.values()) > 0  # by cost: every simulated GPU got work
     # Partial rollouts: 90% of the 16 groups (15) finished, the rest cut with the tokens they had
     assert 1 <= partial.cut <= 4 and 0 <= partial.cut_tokens < partial.output_tokens < fifo.output_tokens
+    # every row knows what ran where: every GPU, and as many requests as it served
+    assert all(len(row.spans) == 4 and sum(map(len, row.spans.values())) == 16 * 4 for row in figures.rows)
+    figures.timeline = draw_timeline(figures, tmp_path / "step-timeline.png")
+    assert (tmp_path / figures.timeline).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(TIMELINE_ROWS) <= {row.placement for row in figures.rows}
     text = render_step(figures)
+    assert f"]({figures.timeline})" in text
     assert "simulated" in text and "oracle" in text and "| 4 | cost |" in text and "| 4 | cost+moves+partial |" in text

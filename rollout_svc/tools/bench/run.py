@@ -93,6 +93,7 @@ def run_bench(
     shards_plan = bench_shards.ShardsPlan(requests=requests)
     shards = bench_shards.run_shards_bench(console, _log_dir(), shards_plan, command=command)
     step = bench_step.run_step_bench(redis_url, console, _log_dir(), command=command)
+    step.timeline = bench_step.draw_timeline(step, output.parent / "step-timeline.png")
     sessions = bench_sessions.run_sessions_bench(redis_url, console, _log_dir(), command=command)
     generation: list[GenerationFigures] = []
     weights: list[str] = []
@@ -132,7 +133,9 @@ def run_section(redis_url: str | None, output: Path, section: str, command: str)
     if section == "hop":
         body = bench_hop.render_hop(bench_hop.run_hop_bench(redis_url, console, _log_dir(), command=command))
     elif section == "step":
-        body = bench_step.render_step(bench_step.run_step_bench(redis_url, console, _log_dir(), command=command))
+        step = bench_step.run_step_bench(redis_url, console, _log_dir(), command=command)
+        step.timeline = bench_step.draw_timeline(step, output.parent / "step-timeline.png")
+        body = bench_step.render_step(step)
     elif section == "sessions":
         run = bench_sessions.run_sessions_bench(redis_url, console, _log_dir(), command=command)
         body = bench_sessions.render_sessions(run)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +72,8 @@ class StepRow:
     cut: int = 0  # requests cut by the completion target
     moves: int = 0  # interruptions the trajectories were continued through (straggler moves)
     cut_tokens: int = 0  # the tokens they carry
+    # per worker, what its requests ran: (start, end, continued after a move) in simulated s from the step's start
+    spans: dict[str, list[tuple[float, float, bool]]] = field(default_factory=dict)
 
     @property
     def idle_fraction(self) -> float:
@@ -88,6 +91,7 @@ class StepFigures:
     oracle_s: dict[int, float] = field(default_factory=dict)  # gpus -> the lower bound (simulated s)
     longest_alone_s: float = 0.0
     command: str = ""
+    timeline: str = ""  # the PNG of the step's timelines (`draw_timeline`), relative to BENCHMARKS.md; "": none
 
 
 def step_prompts(plan: StepPlan, seed: int = 0) -> list[list[int]]:
@@ -161,7 +165,9 @@ def _router_row(
         _engine(plan, 1), requests, plan.max_tokens, gpus, per_process, policy, log_dir / f"router-{policy}"
     )
     report = report.scaled(plan.time_scale)
-    return StepRow(gpus, f"vllm-router {policy}", report.makespan_s, report.busy_s, report.output_tokens), trajectories
+    row = StepRow(gpus, f"vllm-router {policy}", report.makespan_s, report.busy_s, report.output_tokens)
+    row.spans = spans(report.busy_s, trajectories, plan.time_scale)
+    return row, trajectories
 
 
 async def _measure_step(
@@ -179,8 +185,70 @@ async def _measure_step(
     row = StepRow(
         gpus, placement, report.makespan_s, report.busy_s, report.output_tokens,
         cut=report.cut, cut_tokens=report.cut_tokens, moves=report.moves,
+        spans=spans(report.busy_s, trajectories, plan.time_scale),
     )  # fmt: skip
     return row, trajectories
+
+
+def spans(
+    workers: Iterable[str], trajectories: Sequence[Trajectory], time_scale: float
+) -> dict[str, list[tuple[float, float, bool]]]:
+    """Per worker (every one of `workers`, busy or not), its requests' (start, end, continued after a move) in
+    simulated s from the step's start: a trajectory's queue time, then its generation time on its last worker."""
+    out: dict[str, list[tuple[float, float, bool]]] = {w: [] for w in workers}
+    for t in trajectories:
+        moved = t.interruptions > 0 and t.abort_cause != "partial"
+        start = t.queue_time_s * time_scale
+        out.setdefault(t.worker_id or "?", []).append((start, start + t.generation_time_s * time_scale, moved))
+    return out
+
+
+# the rows `draw_timeline` draws, beside one another: first come first served, ours at its best, the best router's
+TIMELINE_ROWS = ("fifo", "cost+moves+expected", "vllm-router power_of_two")
+
+
+def draw_timeline(f: StepFigures, path: Path) -> str:
+    """Draw the step on the smallest fleet as people would rather look at it: one line per GPU (busiest at the
+    top), a bar where some request of it ran, orange where that was a request continued after a straggler move,
+    nothing where it idled, a dashed line at the oracle; `TIMELINE_ROWS` side by side (those measured). Writes the PNG
+    at `path` (matplotlib, Agg) and returns its file name. Raises ImportError without matplotlib (the dev extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpus = min(f.oracle_s)
+    rows = [r for name in TIMELINE_ROWS for r in f.rows if r.gpus == gpus and r.placement == name]
+    end = max(r.makespan_s for r in rows)
+    figure, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 0.28 * gpus + 1.6), sharey=False, squeeze=False)
+    for ax, row in zip(axes[0], rows, strict=True):
+        order = sorted(row.spans, key=lambda w: row.busy_s.get(w, 0.0))
+        for y, worker in enumerate(order):
+            runs = row.spans[worker]
+            ax.broken_barh(_merged([(a, b) for a, b, _ in runs]), (y - 0.4, 0.8), color="#4c72b0")
+            ax.broken_barh(_merged([(a, b) for a, b, moved in runs if moved]), (y - 0.4, 0.8), color="#dd8452")
+        ax.axvline(f.oracle_s[gpus], color="black", linestyle="--", linewidth=1)
+        ax.set_xlim(0, end * 1.02)
+        ax.set_yticks([])
+        ax.set_xlabel("simulated s")
+        ax.set_title(f"{row.placement}: {row.makespan_s:.0f} s, idle {row.idle_fraction:.0%}", fontsize=10)
+    axes[0][0].set_ylabel(f"{gpus} simulated GPUs")
+    figure.suptitle("One RL step: busy (blue), continued after a move (orange), idle (white); dashed: the oracle")
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+    return path.name
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(start, width) bars of the union of [start, end] intervals."""
+    bars: list[list[float]] = []
+    for begin, end in sorted(intervals):
+        if bars and begin <= bars[-1][1]:
+            bars[-1][1] = max(bars[-1][1], end)
+        else:
+            bars.append([begin, end])
+    return [(a, b - a) for a, b in bars]
 
 
 async def _all_serving(client: RolloutClient, gpus: int, timeout_s: float = 120) -> None:
@@ -248,4 +316,11 @@ def render_step(f: StepFigures) -> str:
         )
     oracle_rows = ", ".join(f"{g} GPUs: {s:.0f} s" for g, s in f.oracle_s.items())
     lines.append(f"\nOracle lower bound: {oracle_rows} (the longest request alone: {f.longest_alone_s:.0f} s).\n")
+    if f.timeline:
+        lines.append(f"![The step on {min(f.oracle_s)} simulated GPUs, one line per GPU]({f.timeline})\n")
+        lines.append(
+            f"[The step's timelines]({f.timeline}) on {min(f.oracle_s)} GPUs, one line per GPU: "
+            + ", ".join(TIMELINE_ROWS)
+            + " (`draw_timeline`).\n"
+        )
     return "\n".join(lines) + "\n"
