@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -93,7 +94,7 @@ def run_bench(
     shards_plan = bench_shards.ShardsPlan(requests=requests)
     shards = bench_shards.run_shards_bench(console, _log_dir(), shards_plan, command=command)
     step = bench_step.run_step_bench(redis_url, console, _log_dir(), command=command)
-    step.timeline = bench_step.draw_timeline(step, output.parent / "step-timeline.png")
+    _draw_timeline(step, output)
     sessions = bench_sessions.run_sessions_bench(redis_url, console, _log_dir(), command=command)
     generation: list[GenerationFigures] = []
     weights: list[str] = []
@@ -134,7 +135,7 @@ def run_section(redis_url: str | None, output: Path, section: str, command: str)
         body = bench_hop.render_hop(bench_hop.run_hop_bench(redis_url, console, _log_dir(), command=command))
     elif section == "step":
         step = bench_step.run_step_bench(redis_url, console, _log_dir(), command=command)
-        step.timeline = bench_step.draw_timeline(step, output.parent / "step-timeline.png")
+        _draw_timeline(step, output)
         body = bench_step.render_step(step)
     elif section == "sessions":
         run = bench_sessions.run_sessions_bench(redis_url, console, _log_dir(), command=command)
@@ -154,6 +155,15 @@ def run_section(redis_url: str | None, output: Path, section: str, command: str)
     body = body.replace("\nCommand:", f"\n{when} {os.cpu_count()} CPUs.\nCommand:", 1)
     output.write_text(replace_section(output.read_text() if output.exists() else "", SECTIONS[section], body))
     console.print(f"wrote {output} (section {section})")
+
+
+def _draw_timeline(step: bench_step.StepFigures, output: Path) -> None:
+    """Draw the step's timelines beside `output` and, where the docs include it (`docs/benchmarks-report.md`
+    includes BENCHMARKS.md whole, so its relative link resolves in `docs/`), beside the docs too."""
+    step.timeline = bench_step.draw_timeline(step, output.parent / "step-timeline.png")
+    docs = output.parent / "docs"
+    if docs.is_dir():
+        shutil.copyfile(output.parent / step.timeline, docs / step.timeline)
 
 
 def replace_section(report: str, heading: str, body: str) -> str:

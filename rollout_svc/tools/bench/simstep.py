@@ -318,9 +318,5 @@ def render_step(f: StepFigures) -> str:
     lines.append(f"\nOracle lower bound: {oracle_rows} (the longest request alone: {f.longest_alone_s:.0f} s).\n")
     if f.timeline:
         lines.append(f"![The step on {min(f.oracle_s)} simulated GPUs, one line per GPU]({f.timeline})\n")
-        lines.append(
-            f"[The step's timelines]({f.timeline}) on {min(f.oracle_s)} GPUs, one line per GPU: "
-            + ", ".join(TIMELINE_ROWS)
-            + " (`draw_timeline`).\n"
-        )
+        lines.append(f"The step on {min(f.oracle_s)} GPUs, one line per GPU: {', '.join(TIMELINE_ROWS)}.\n")
     return "\n".join(lines) + "\n"
