@@ -4,7 +4,7 @@ on 2 workers) and compare its makespan with the measured one.
 
 1. Fit. Two real vLLM workers (one core each, as `up` binds them); every fit call runs on both at once.
    For each batch size B and context C: B requests of C random prompt tokens, once for 1 output token and once for
-   33 (`ignore_eos`); a decode step is their time difference over 32. A prefill is one request of C tokens for 1
+   97 (`ignore_eos`); a decode step is their time difference over 96. A prefill is one request of C tokens for 1
    token. The profile (the weights' and the KV cache's effective read bandwidth, effective FLOP/s, overhead per
    step and per sequence in it: `workers/sim/cost.py`'s roofline plus overheads) is the least relative squared
    error: the rates over a log grid, then a finer one, the two overheads in closed form for each.
@@ -47,7 +47,7 @@ class FitPlan:
     batches: tuple[int, ...] = (1, 8, 32)
     contexts: tuple[int, ...] = (64, 512, 1024)
     prefills: tuple[int, ...] = (256, 1024, 1900)
-    decode_tokens: int = 32
+    decode_tokens: int = 96  # a decode step: the difference of two calls over this (32 left the points noisy)
     workload_prompts: int = 96
     max_reply_tokens: int = 160
     max_prompt_chars: int = 2400
