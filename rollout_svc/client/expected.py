@@ -40,11 +40,14 @@ class ExpectedLengths:
         value = self._by_prompt.get(self._key(prompt))
         return None if value is None else max(1, round(value))
 
-    def order(self, prompts: Sequence[Sequence[int]]) -> list[int]:
-        """Indices of `prompts`, longest expected first: unknown ones first (in input order), then by expected
-        length, longest first (ties in input order)."""
-        expected = [self.expected(p) for p in prompts]
-        return sorted(range(len(prompts)), key=lambda i: (expected[i] is not None, -(expected[i] or 0)))
+    def order(self, prompts: Sequence[Sequence[int]], by_length: bool = True) -> list[tuple[int, int | None]]:
+        """(index, expected length) of each of `prompts`, longest expected first: unknown ones (None) first, in
+        input order, then by expected length, longest first (ties in input order). Without `by_length`: each in
+        input order with None (nothing looked up)."""
+        if not by_length:
+            return [(i, None) for i in range(len(prompts))]
+        expected = [(i, self.expected(p)) for i, p in enumerate(prompts)]
+        return sorted(expected, key=lambda pair: (pair[1] is not None, -(pair[1] or 0)))
 
     def observe(self, prompt: Sequence[int], group: Sequence[Trajectory]) -> None:
         """Learn from one group of `prompt`: the mean completion length of its samples that ran (finished or cut:

@@ -342,12 +342,11 @@ class RolloutClient(FleetCalls):
         params = as_sampling_params(sampling_params)
         connection = await self._connect()
         requests, groups, learned = [], [], self.expected_lengths
-        order = learned.order(prompt_token_ids) if expected_lengths else range(len(prompt_token_ids))
-        for i in order:
+        order = learned.order(prompt_token_ids, by_length=expected_lengths)
+        for i, expected in order:
             prompt, group_id = prompt_token_ids[i], connection.new_id()
             groups.append(group_id)
             session_id = group_id if group_placement == "pack" else None
-            expected = learned.expected(prompt) if expected_lengths else None
             for j in range(n):
                 seeded = params if params.seed is None else params.model_copy(update={"seed": params.seed + j})
                 fields = {"prompt_token_ids": list(prompt), "group_id": group_id, "sampling_params": seeded}
@@ -360,7 +359,7 @@ class RolloutClient(FleetCalls):
                 await asyncio.gather(*(self.finish_session(g) for g in groups), return_exceptions=True)
         flat = self._trajectories(requests, results, raise_on_error)
         out: list[list[Trajectory]] = [[] for _ in prompt_token_ids]
-        for k, i in enumerate(order):
+        for k, (i, _) in enumerate(order):
             out[i] = flat[k * n : (k + 1) * n]
             learned.observe(prompt_token_ids[i], out[i])
         return out

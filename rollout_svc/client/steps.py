@@ -71,14 +71,11 @@ def step_report(
     """The report of a step whose calls started at `started_at` and ended at `ended_at` (unix s; every request
     submitted at `started_at` or later, its own `submitted_at` unknown here), over `workers` (the fleet: those that
     served none count as idle the whole step) and the workers the trajectories name."""
-    spans: dict[str, list[tuple[float, float]]] = {w: [] for w in workers}
-    for t in trajectories:
-        start = started_at + t.queue_time_s
-        spans.setdefault(t.worker_id or "?", []).append((start, start + t.generation_time_s))
+    spans = worker_spans(trajectories, started_at, workers)
     cut = [t for t in trajectories if t.abort_cause == "partial"]
     return StepReport(
         makespan_s=max(0.0, ended_at - started_at),
-        busy_s={w: _union_s(intervals) for w, intervals in spans.items()},
+        busy_s={w: sum(end - begin for begin, end in union(intervals)) for w, intervals in spans.items()},
         requests=len(trajectories),
         finished=sum(t.finish_reason in ("stop", "length") for t in trajectories),
         cut=len(cut),
@@ -88,11 +85,24 @@ def step_report(
     )
 
 
-def _union_s(intervals: list[tuple[float, float]]) -> float:
-    """The length of the union of [begin, end] intervals."""
-    total, end = 0.0, float("-inf")
-    for begin, finish in sorted(intervals):
-        if finish > end:
-            total += finish - max(begin, end)
-            end = finish
-    return total
+def worker_spans(
+    trajectories: Sequence[Trajectory], started_at: float = 0.0, workers: Iterable[str] = ()
+) -> dict[str, list[tuple[float, float]]]:
+    """Per worker (each of `workers`, and each the trajectories name), the (begin, end) of each trajectory's
+    generation on it: `started_at` plus its queue time, then its generation time (s; unix s for a call's start)."""
+    spans: dict[str, list[tuple[float, float]]] = {w: [] for w in workers}
+    for t in trajectories:
+        start = started_at + t.queue_time_s
+        spans.setdefault(t.worker_id or "?", []).append((start, start + t.generation_time_s))
+    return spans
+
+
+def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [begin, end] intervals, as disjoint (begin, end) intervals in order."""
+    merged: list[tuple[float, float]] = []
+    for begin, end in sorted(intervals):
+        if merged and begin <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((begin, end))
+    return merged

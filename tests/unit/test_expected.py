@@ -34,7 +34,8 @@ def test_groups_go_longest_expected_first_unknown_ones_before_all():
     prompts = [[1], [2], [3], [4]]
     learned.observe(prompts[0], group(prompts[0], [10]))
     learned.observe(prompts[2], group(prompts[2], [900]))
-    assert learned.order(prompts) == [1, 3, 2, 0]
+    assert learned.order(prompts) == [(1, None), (3, None), (2, 900), (0, 10)]
+    assert learned.order(prompts, by_length=False) == [(0, None), (1, None), (2, None), (3, None)]
 
 
 def test_the_least_recently_sampled_prompts_are_forgotten_past_capacity():

@@ -22,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
 
 from rollout_svc.client.rollout_client import RolloutClient
+from rollout_svc.client.steps import union, worker_spans
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.deploy.local import LocalCluster
 from rollout_svc.protocol import Trajectory
@@ -72,8 +73,10 @@ class StepRow:
     cut: int = 0  # requests cut by the completion target
     moves: int = 0  # interruptions the trajectories were continued through (straggler moves)
     cut_tokens: int = 0  # the tokens they carry
-    # per worker, what its requests ran: (start, end, continued after a move) in simulated s from the step's start
-    spans: dict[str, list[tuple[float, float, bool]]] = field(default_factory=dict)
+    # per worker, the (start, end) of each request it ran, in simulated s from the step's start; and of those the
+    # requests continued there after a straggler move
+    spans: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    moved: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
     @property
     def idle_fraction(self) -> float:
@@ -166,7 +169,7 @@ def _router_row(
     )
     report = report.scaled(plan.time_scale)
     row = StepRow(gpus, f"vllm-router {policy}", report.makespan_s, report.busy_s, report.output_tokens)
-    row.spans = spans(report.busy_s, trajectories, plan.time_scale)
+    row.spans, row.moved = spans(report.busy_s, trajectories, plan.time_scale)
     return row, trajectories
 
 
@@ -185,22 +188,23 @@ async def _measure_step(
     row = StepRow(
         gpus, placement, report.makespan_s, report.busy_s, report.output_tokens,
         cut=report.cut, cut_tokens=report.cut_tokens, moves=report.moves,
-        spans=spans(report.busy_s, trajectories, plan.time_scale),
     )  # fmt: skip
+    row.spans, row.moved = spans(report.busy_s, trajectories, plan.time_scale)
     return row, trajectories
 
 
-def spans(
-    workers: Iterable[str], trajectories: Sequence[Trajectory], time_scale: float
-) -> dict[str, list[tuple[float, float, bool]]]:
-    """Per worker (every one of `workers`, busy or not), its requests' (start, end, continued after a move) in
-    simulated s from the step's start: a trajectory's queue time, then its generation time on its last worker."""
-    out: dict[str, list[tuple[float, float, bool]]] = {w: [] for w in workers}
-    for t in trajectories:
-        moved = t.interruptions > 0 and t.abort_cause != "partial"
-        start = t.queue_time_s * time_scale
-        out.setdefault(t.worker_id or "?", []).append((start, start + t.generation_time_s * time_scale, moved))
-    return out
+Spans = dict[str, list[tuple[float, float]]]
+
+
+def spans(workers: Collection[str], trajectories: Sequence[Trajectory], time_scale: float) -> tuple[Spans, Spans]:
+    """Per worker (every one of `workers`, busy or not), the (start, end) of its requests in simulated s from the
+    step's start (`worker_spans`, as the step report counts them), and of those continued after a move."""
+
+    def scaled(of: Sequence[Trajectory]) -> Spans:
+        by_worker = worker_spans(of, 0.0, workers).items()
+        return {w: [(a * time_scale, b * time_scale) for a, b in runs] for w, runs in by_worker}
+
+    return scaled(trajectories), scaled([t for t in trajectories if t.interruptions and t.abort_cause != "partial"])
 
 
 # the rows `draw_timeline` draws, beside one another: first come first served, ours at its best, the best router's
@@ -224,9 +228,8 @@ def draw_timeline(f: StepFigures, path: Path) -> str:
     for ax, row in zip(axes[0], rows, strict=True):
         order = sorted(row.spans, key=lambda w: row.busy_s.get(w, 0.0))
         for y, worker in enumerate(order):
-            runs = row.spans[worker]
-            ax.broken_barh(_merged([(a, b) for a, b, _ in runs]), (y - 0.4, 0.8), color="#4c72b0")
-            ax.broken_barh(_merged([(a, b) for a, b, moved in runs if moved]), (y - 0.4, 0.8), color="#dd8452")
+            for runs, color in ((row.spans[worker], "#4c72b0"), (row.moved.get(worker, []), "#dd8452")):
+                ax.broken_barh([(a, b - a) for a, b in union(runs)], (y - 0.4, 0.8), color=color)
         ax.axvline(f.oracle_s[gpus], color="black", linestyle="--", linewidth=1)
         ax.set_xlim(0, end * 1.02)
         ax.set_yticks([])
@@ -238,17 +241,6 @@ def draw_timeline(f: StepFigures, path: Path) -> str:
     figure.savefig(path, dpi=90)
     plt.close(figure)
     return path.name
-
-
-def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """(start, width) bars of the union of [start, end] intervals."""
-    bars: list[list[float]] = []
-    for begin, end in sorted(intervals):
-        if bars and begin <= bars[-1][1]:
-            bars[-1][1] = max(bars[-1][1], end)
-        else:
-            bars.append([begin, end])
-    return [(a, b - a) for a, b in bars]
 
 
 async def _all_serving(client: RolloutClient, gpus: int, timeout_s: float = 120) -> None:
