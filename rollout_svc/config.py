@@ -187,6 +187,12 @@ class ClientSettings(_Concern):
         "regenerate", description="a too-stale trajectory is generated again, or returned with its staleness"
     )
     control_timeout_s: float = Field(60.0, gt=0, description="how long a control command waits for every ack")
+    pause_lease_s: float = Field(
+        20.0,
+        ge=0,
+        description="a RolloutClient's or WeightSender's pause lapses this long after its process last renewed it "
+        "(it died or hung), and the fleet resumes; 0: pauses are held until resumed",
+    )
     redis_outage_s: float = Field(
         30.0, ge=0, description="how long an enqueue or a control command keeps retrying a Redis that is away"
     )

@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 from rollout_svc.config import Settings
 from rollout_svc.connections.topology import close_router, redis_router, shard_url
 from rollout_svc.connections.urls import redis_async
+from rollout_svc.control.leases import PauseLeases
 from rollout_svc.control.plane import DEFAULT_HOLDER, ControlPlane, FleetState, PauseMode
 from rollout_svc.dataplane.registry import Registry
 from rollout_svc.dataplane.streams import RequestStreams
@@ -228,29 +229,50 @@ class FleetRegistry:
 class FleetControl:
     """`ControlPlane`'s issuer side over every shard: each command is issued in every shard at once and returns once
     every shard's live workers acknowledged it (the largest epoch is returned). Errors as `ControlPlane`'s, with a
-    note naming the shard."""
+    note naming the shard. Leased pauses it issued with `renew` are renewed while it lives (`leases`)."""
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
         self.registry = FleetRegistry(fleet)
+        self.leases = PauseLeases(self.renew_lease)
 
     async def load_scripts(self) -> None:
         await self.fleet.refresh()
 
     async def close(self) -> None:
-        """Nothing of its own: the links are the fleet's."""
+        """Stop renewing leases (the pauses lapse after them unless resumed); the links are the fleet's."""
+        await self.leases.close()
 
     async def _all(self, call: Callable[[ControlPlane], Awaitable[int]]) -> int:
         await self.fleet.refresh()
         return max((await self.fleet.each(lambda link: call(link.control))).values(), default=0)
 
     async def pause(
-        self, mode: PauseMode = "keep", *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None
+        self,
+        mode: PauseMode = "keep",
+        *,
+        holder: str = DEFAULT_HOLDER,
+        timeout_s: float | None = None,
+        lease_s: float = 0.0,
+        renew: bool = True,
     ) -> int:
-        return await self._all(lambda c: c.pause(mode, holder=holder, timeout_s=timeout_s))
+        """`lease_s` > 0: the pause lapses that long after it was issued, or (with `renew`) after this object's last
+        renewal: it is renewed while this process lives. 0: held until `resume`."""
+        if lease_s <= 0 or not renew:
+            self.leases.release(holder)
+            return await self._all(lambda c: c.pause(mode, holder=holder, timeout_s=timeout_s, lease_s=lease_s))
+        with self.leases.issuing(holder, lease_s):
+            return await self._all(lambda c: c.pause(mode, holder=holder, timeout_s=timeout_s, lease_s=lease_s))
 
     async def resume(self, *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None) -> int:
+        self.leases.release(holder)
         return await self._all(lambda c: c.resume(holder=holder, timeout_s=timeout_s))
+
+    async def renew_lease(self, holder: str, lease_s: float) -> bool:
+        """Extend `holder`'s leased pause in every shard; whether every shard still holds it."""
+        await self.fleet.refresh()
+        held = await self.fleet.each(lambda link: link.control.renew_lease(holder, lease_s))
+        return all(held.values())
 
     async def abort(
         self,

@@ -62,12 +62,24 @@ class StateField:
     WEIGHT_VERSION = "weight_version"  # the committed weight version
     WEIGHT_CHECKPOINT = "weight_checkpoint"  # the checkpoint it was loaded from ("": a broadcast)
     HOLDER_PREFIX = "pause:"  # field pause:{holder} = its pause mode, one per holder of a pause
+    LEASE_PREFIX = "lease:"  # field lease:{holder} = when its pause lapses (unix ms, Redis' clock); none: held
+    LAPSED_PREFIX = "lapsed:"  # field lapsed:{holder} = when a leased pause of it lapsed (unix ms), kept for `status`
     AWAKE_PREFIX = "awake:"  # field awake:{tag} = 1, per memory pool a partial wake-up restored
 
     @staticmethod
     def holder(name: str) -> str:
         """The field of a pause holder (`pause:{name}`)."""
         return StateField.HOLDER_PREFIX + name
+
+    @staticmethod
+    def lease(name: str) -> str:
+        """The field of a pause holder's lease (`lease:{name}`)."""
+        return StateField.LEASE_PREFIX + name
+
+    @staticmethod
+    def lapsed(name: str) -> str:
+        """The field recording when a pause holder's lease lapsed (`lapsed:{name}`)."""
+        return StateField.LAPSED_PREFIX + name
 
     @staticmethod
     def awake(tag: str) -> str:

@@ -38,9 +38,12 @@ def admin_router(client: RolloutClient) -> APIRouter:
 
     @router.post("/pause")
     async def pause(body: PauseBody | None = None) -> dict[str, Any]:
-        """Pause the fleet (`mode` keep, abort or wait) under `holder`."""
+        """Pause the fleet (`mode` keep, abort or wait) under `holder`: held until `/admin/resume`, or with `lease_s`
+        a timed pause that lapses that long after it was issued (the API cannot tell whether its caller lives)."""
         body = body or PauseBody()
-        epoch = await client.pause(body.mode, holder=body.holder, timeout_s=body.timeout_s)
+        epoch = await client.pause(
+            body.mode, holder=body.holder, timeout_s=body.timeout_s, lease_s=body.lease_s, renew=False
+        )
         return {"epoch": epoch, "paused": True, "mode": body.mode, "holder": body.holder}
 
     @router.post("/resume")
@@ -81,13 +84,16 @@ def admin_router(client: RolloutClient) -> APIRouter:
 
     @router.get("/state")
     async def state() -> dict[str, Any]:
-        """The fleet's desired control state: epoch, pause holders and mode, sleep level, committed weights."""
+        """The fleet's desired control state: epoch, pause holders and mode (with when each leased pause lapses, and
+        the pauses that lapsed, unix seconds), sleep level, committed weights."""
         s = await client.fleet_state()
         return {
             "epoch": s.epoch,
             "paused": s.paused,
             "pause_mode": s.pause_mode,
             "holders": s.holders,
+            "pause_leases": s.leases,
+            "lapsed_pauses": s.lapsed,
             "sleep_level": s.sleep_level,
             "weight_version": s.weight_version,
             "weight_checkpoint": s.weight_checkpoint,

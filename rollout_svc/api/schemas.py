@@ -13,6 +13,7 @@ class PauseBody(Body):
     mode: Literal["keep", "abort", "wait"] = "keep"
     holder: str = Field("operator", min_length=1)
     timeout_s: float | None = Field(None, gt=0)
+    lease_s: float = Field(0.0, ge=0, description="> 0: the pause lapses this long after it was issued unless resumed")
 
 
 class ResumeBody(Body):

@@ -196,12 +196,15 @@ def control_router(client: RolloutClient, inflight: InFlight) -> APIRouter:
 
     @router.post("/pause")
     async def pause(
-        mode: Annotated[PauseMode, Query()] = "abort", clear_cache: Annotated[bool, Query()] = True
+        mode: Annotated[PauseMode, Query()] = "abort",
+        clear_cache: Annotated[bool, Query()] = True,
+        lease_s: Annotated[float, Query(ge=0)] = 0.0,
     ) -> dict[str, str]:
         """vLLM's pause, fleet-wide: `keep` freezes in-flight requests until `/resume`; `abort` cuts them (a caller
         of `/inference/v1/generate` never sees it: the request is retried token-exact after `/resume`); `wait` lets
-        them finish. `clear_cache` (vLLM's default true, ignored for `keep`) then drops every prefix cache."""
-        await client.pause(mode, holder=HOLDER)
+        them finish. `clear_cache` (vLLM's default true, ignored for `keep`) then drops every prefix cache.
+        Held until `/resume`; `lease_s` (ours, not vLLM's) > 0 makes it lapse that long after it was issued."""
+        await client.pause(mode, holder=HOLDER, lease_s=lease_s, renew=False)
         if clear_cache and mode != "keep":
             await client.reset_prefix_cache()
         return {"status": "paused"}

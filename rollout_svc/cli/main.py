@@ -364,11 +364,19 @@ def _print_status(report: dict) -> None:
     streams = Table("stream", "length", "queued", "pending")
     for name, depth in report["streams"].items():
         streams.add_row(name, str(depth["length"]), str(depth["queued"]), str(depth["pending"]))
+    now = time.time()
     if report["paused"]:
-        holders = ", ".join(f"{h} ({m})" for h, m in report["pause_holders"].items())
+        leases = report["pause_leases"]
+        until = {h: f"lease lapses in {when - now:.0f} s" for h, when in leases.items()}
+        holders = ", ".join(
+            f"{h} ({m}, {until.get(h, 'held until resumed')})" for h, m in report["pause_holders"].items()
+        )
         fleet = f"fleet: paused ({report['pause_mode']}) by {holders}"
     else:
         fleet = "fleet: asleep" if report["sleep_level"] else "fleet: serving"
+    for holder, when in report["lapsed_pauses"].items():
+        ago = f"{now - when:.0f} s ago ({time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))})"
+        fleet += f"; the pause of {holder} lapsed {ago}: its holder stopped renewing its lease (it died or hung)"
     console = Console()
     console.print(
         f"{fleet}; control epoch {report['epoch']}; weight version {report['weight_version']}"
@@ -429,9 +437,20 @@ def pause(
     ] = PauseModeChoice.keep,
     holder: Holder = "operator",
     timeout_s: TimeoutS = None,
+    lease_s: Annotated[
+        float,
+        typer.Option(
+            "--lease-s", min=0, help="Lapse this long after the pause was issued unless resumed (0: held until resume)."
+        ),
+    ] = 0.0,
 ) -> None:
-    """Pause the fleet: workers take no rollout requests (they wait in the queue) until `resume`."""
-    _control(redis_url, f"paused ({mode.value})", lambda c: c.pause(mode.value, holder=holder, timeout_s=timeout_s))  # type: ignore[arg-type]
+    """Pause the fleet: workers take no rollout requests (they wait in the queue) until `resume` (or, with
+    `--lease-s`, until that lease lapses: nothing renews it once this command exits)."""
+    _control(
+        redis_url,
+        f"paused ({mode.value})",
+        lambda c: c.pause(mode.value, holder=holder, timeout_s=timeout_s, lease_s=lease_s, renew=False),  # type: ignore[arg-type]
+    )
 
 
 @app.command()

@@ -549,6 +549,7 @@ class Connection:
         # can leave redis-py waiting on a reply that never comes.
         self._closing = True
         self._closed.set()
+        await self.control.close()  # leased pauses held here lapse after their lease unless resumed
         self.outbox.put_nowait(None)
         tasks = [self.submitter, *(t for ts in self.tasks.values() for t in ts)]
         if self.shard_watcher is not None:

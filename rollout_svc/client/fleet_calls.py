@@ -19,17 +19,29 @@ class FleetCalls:
     # --- control ----------------------------------------------------------------------------------------
 
     async def pause(
-        self, mode: PauseMode = "keep", *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None
+        self,
+        mode: PauseMode = "keep",
+        *,
+        holder: str = DEFAULT_HOLDER,
+        timeout_s: float | None = None,
+        lease_s: float | None = None,
+        renew: bool = True,
     ) -> int:
         """Pause the fleet: no worker takes rollout requests (they wait in the queue; deadlines keep running).
 
         `mode`: `keep` freezes in-flight requests with their KV cache until `resume`; `abort` cuts them (this
         client's own come back whole, retried token-exact after `resume`); `wait` returns once they finished.
-        `holder` names who pauses (the fleet stays paused while any holder does). Returns the control epoch once
-        every live worker acknowledged. Raises `ControlTimeoutError` naming those that did not within
-        `timeout_s` (default `Settings.client.control_timeout_s`); the pause stays written, so a retry converges.
+        `holder` names who pauses (the fleet stays paused while any holder does). The pause is held under a lease
+        of `lease_s` seconds (default `Settings.client.pause_lease_s`, 20 s) that this client renews while it is
+        open: if this process dies, hangs or closes without `resume`, the pause lapses and the fleet serves again
+        within the lease plus one heartbeat. `lease_s=0`: held until `resume`, whatever becomes of this process;
+        `renew=False`: a timed pause, lapsing `lease_s` after it was issued. Returns the control epoch once every
+        live worker acknowledged. Raises `ControlTimeoutError` naming those that did not within `timeout_s`
+        (default `Settings.client.control_timeout_s`); the pause stays written, so a retry converges.
         """
-        return await (await self._connect()).control.pause(mode, holder=holder, timeout_s=timeout_s)
+        connection = await self._connect()
+        lease_s = connection.settings.client.pause_lease_s if lease_s is None else lease_s
+        return await connection.control.pause(mode, holder=holder, timeout_s=timeout_s, lease_s=lease_s, renew=renew)
 
     async def resume(self, *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None) -> int:
         """Release `holder`'s pause; kept requests continue, queued ones start. Returns the epoch once acked."""

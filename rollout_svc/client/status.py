@@ -14,6 +14,7 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
     """The fleet as JSON-ready data.
 
     Returns `{"paused": bool, "pause_mode": "keep"|"abort"|"wait"|None, "pause_holders": {holder: mode},
+    "pause_leases": {holder: when its pause lapses, unix s}, "lapsed_pauses": {holder: when its leased pause lapsed},
     "sleep_level": n, "epoch": n, "weight_version": n (committed), "weight_checkpoint": path or None,
     "workers": [WorkerStatus dict], "loads": {worker id: tokens of work it holds (what placement shares by)},
     "streams": {name: {length, pending, queued}}, "dead_letters": n,
@@ -49,6 +50,8 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
         "paused": desired.paused,
         "pause_mode": desired.pause_mode,
         "pause_holders": desired.holders,
+        "pause_leases": desired.leases,
+        "lapsed_pauses": desired.lapsed,
         "sleep_level": desired.sleep_level if desired.sleeping else 0,
         "epoch": desired.epoch,
         "weight_version": desired.weight_version,

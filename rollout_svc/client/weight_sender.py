@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from rollout_svc.weightsync.transfer import BucketBuffers
 
 log = logging.getLogger("rollout_svc.client.weight_sender")
-SYNC_HOLDER = "weight-sync"  # the pause holder of a sync: `rollout-svc resume --holder weight-sync` if a trainer died
+SYNC_HOLDER = "weight-sync"  # the pause holder of a sync (leased: it lapses if the trainer dies mid-sync)
 MAX_ATTEMPTS = 3  # a sync whose group failed is retried with the members still alive, this many times in all
 
 
@@ -160,6 +160,7 @@ class WeightSender:
         """Leave the transfer group and disconnect. The committed version stays."""
         self._group = None
         if self._fleet is not None:
+            await self.control.close()
             await self._fleet.close()
             self._fleet = None
 
@@ -177,7 +178,8 @@ class WeightSender:
         async with self._lock:
             started = time.monotonic()
             version = await self.control.next_weight_version(version)
-            await self.control.pause(pause_mode, holder=SYNC_HOLDER, timeout_s=self.timeout_s)
+            lease_s = self.settings.client.pause_lease_s
+            await self.control.pause(pause_mode, holder=SYNC_HOLDER, timeout_s=self.timeout_s, lease_s=lease_s)
             pause_s = time.monotonic() - started
             try:
                 if tensors is not None:
@@ -188,6 +190,10 @@ class WeightSender:
                 if not report.loaded:
                     raise WeightSyncError(version, "no worker loaded the weights; the old version stays committed", {
                         **report.stale, **dict.fromkeys(report.dead, "dead")
+                    })  # fmt: skip
+                if lease_s > 0 and (lapsed := await self.control.leases.check(SYNC_HOLDER)) is not None:
+                    raise WeightSyncError(version, f"not committed: {lapsed}; the old version stays committed", {
+                        w: "loaded, not committed: stale until the next sync" for w in report.loaded
                     })  # fmt: skip
                 await self.control.commit_weights(version, path or "")
             finally:

@@ -12,6 +12,11 @@ The only module that spells the control keys' verbs (DESIGN.md section 4, "Contr
   requeued). On timeout it raises `ControlTimeoutError` naming the rest; the desired state stays written.
 - The fleet is paused while any holder holds a pause; `resume` releases only its own holder. With holders in
   different modes the strongest applies: abort > wait > keep.
+- A pause may be held under a lease (`lease:{holder}`, when it lapses in Redis' clock) that its holder renews
+  (`renew_lease`). A pause whose lease lapsed is not in force: every reader of the state (a worker converging at its
+  next nudge or heartbeat, `state()`) leaves it out, so a dead holder's pause ends within its lease plus one
+  heartbeat interval without anyone writing. The next command or renewal prunes it and records when it lapsed
+  (`lapsed:{holder}`, for `status`).
 - Cancel is not a command: a producer writes tombstones (`Keys.cancelled`, with a TTL) and nudges on
   `Keys.cancel_channel`; no barrier.
 - Under Redis ACL users (`connections.acl`) only `admin` may issue commands; a refusal raises `AccessDeniedError`.
@@ -35,7 +40,7 @@ from redis.exceptions import RedisError, ResponseError
 from rollout_svc.config import Settings
 from rollout_svc.connections.acl import ADMIN, permission_denied
 from rollout_svc.connections.urls import next_message, retry_while_away
-from rollout_svc.control.scripts import CANCEL_LUA, ISSUE_LUA, RESEED_LUA
+from rollout_svc.control.scripts import CANCEL_LUA, ISSUE_LUA, RENEW_LEASE_LUA, RESEED_LUA
 from rollout_svc.dataplane.registry import Registry
 from rollout_svc.dataplane.streams import Entry, Placed, RequestStreams, Sweep
 from rollout_svc.errors import (
@@ -60,12 +65,16 @@ SWEEP_PAGE = 1000
 class FleetState:
     """The desired control state of the fleet, as held in `Keys.state`.
 
-    `holders` maps each pause holder to its mode. `sleep_level` 0 is awake; `awake_tags` are the memory pools
-    a partial `wake_up(tags)` restored (the fleet sleeps until all of `SLEEP_TAGS` are).
+    `holders` maps each pause holder whose pause is in force to its mode; `leases` maps those held under a lease to
+    when it lapses, `lapsed` each holder whose leased pause lapsed (not renewed: its process died or hung) to when it
+    did (unix seconds, Redis' clock). `sleep_level` 0 is awake; `awake_tags` are the memory pools a partial
+    `wake_up(tags)` restored (the fleet sleeps until all of `SLEEP_TAGS` are).
     """
 
     epoch: int = 0
     holders: dict[str, PauseMode] = field(default_factory=dict)
+    leases: dict[str, float] = field(default_factory=dict)
+    lapsed: dict[str, float] = field(default_factory=dict)
     sleep_level: int = 0
     sleep_mode: PauseMode = "abort"
     awake_tags: frozenset[str] = frozenset()
@@ -86,12 +95,27 @@ class FleetState:
         return self.sleep_level > 0 and not set(SLEEP_TAGS) <= self.awake_tags
 
     @classmethod
-    def from_hash(cls, fields: dict[bytes, bytes]) -> FleetState:
+    def from_hash(cls, fields: dict[bytes, bytes], now_ms: int | None = None) -> FleetState:
+        """The state in `fields` (the hash) at `now_ms` (Redis' clock, unix ms: pauses whose lease lapsed by then are
+        `lapsed`, not `holders`; None: every lease counts as live)."""
         values = {k.decode(): v.decode() for k, v in fields.items()}
-        holder, awake = StateField.HOLDER_PREFIX, StateField.AWAKE_PREFIX
+        awake = StateField.AWAKE_PREFIX
+
+        def prefixed(prefix: str) -> dict[str, str]:
+            return {k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)}
+
+        holders = prefixed(StateField.HOLDER_PREFIX)
+        leases = {name: int(v) for name, v in prefixed(StateField.LEASE_PREFIX).items()}
+        lapsed = {name: int(v) for name, v in prefixed(StateField.LAPSED_PREFIX).items()}
+        for name, until in leases.items():
+            if now_ms is not None and until <= now_ms and name in holders:
+                del holders[name]
+                lapsed[name] = until
         return cls(
             epoch=int(values.get(StateField.EPOCH, 0)),
-            holders={k[len(holder) :]: v for k, v in values.items() if k.startswith(holder)},  # type: ignore[misc]
+            holders=holders,  # type: ignore[arg-type]
+            leases={name: until / 1000 for name, until in leases.items() if name in holders},
+            lapsed={name: when / 1000 for name, when in lapsed.items()},
             sleep_level=int(values.get(StateField.SLEEP_LEVEL, 0)),
             sleep_mode=values.get(StateField.SLEEP_MODE, "abort"),  # type: ignore[arg-type]
             awake_tags=frozenset(k[len(awake) :] for k in values if k.startswith(awake)),
@@ -104,6 +128,8 @@ class FleetState:
         fields |= {StateField.SLEEP_MODE: self.sleep_mode, StateField.WEIGHT_VERSION: str(self.weight_version)}
         fields |= {StateField.WEIGHT_CHECKPOINT: self.weight_checkpoint}
         fields |= {StateField.holder(holder): mode for holder, mode in self.holders.items()}
+        fields |= {StateField.lease(holder): str(int(until * 1000)) for holder, until in self.leases.items()}
+        fields |= {StateField.lapsed(holder): str(int(when * 1000)) for holder, when in self.lapsed.items()}
         return fields | {StateField.awake(tag): "1" for tag in self.awake_tags}
 
 
@@ -115,6 +141,7 @@ class _Issue:
     args: dict[str, Any]
     set_fields: dict[str, str] = field(default_factory=dict)
     del_fields: list[str] = field(default_factory=list)
+    lease: tuple[str, int] = ("", 0)  # a lease field set to now + ms by the issue script
 
 
 class ControlPlane:
@@ -137,6 +164,7 @@ class ControlPlane:
         self.streams = RequestStreams(redis, self.keys, settings.session_ttl_s)
         self._issue = redis.register_script(ISSUE_LUA)
         self._reseed = redis.register_script(RESEED_LUA)
+        self._renew = redis.register_script(RENEW_LEASE_LUA)
         self._cancel = redis.register_script(CANCEL_LUA)
         self._acks: PubSub | None = None  # subscribed to the acks channel from the first command on
         self._issuing = asyncio.Lock()  # one command at a time per plane: they share that subscription
@@ -148,7 +176,7 @@ class ControlPlane:
 
     async def load_scripts(self) -> None:
         """Load every script the control plane runs (its own, the registry's, the data plane's) once."""
-        for script in (self._issue, self._reseed, self._cancel):
+        for script in (self._issue, self._reseed, self._renew, self._cancel):
             script.sha = await self.redis.script_load(script.script)
         await self.registry.load_scripts()
         await self.streams.load_scripts()
@@ -156,20 +184,45 @@ class ControlPlane:
     # --- commands -------------------------------------------------------------------------------------------
 
     async def pause(
-        self, mode: PauseMode = "keep", *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None
+        self,
+        mode: PauseMode = "keep",
+        *,
+        holder: str = DEFAULT_HOLDER,
+        timeout_s: float | None = None,
+        lease_s: float = 0.0,
     ) -> int:
         """Stop taking requests; in-flight ones are frozen (`keep`), aborted (`abort`) or finished (`wait`).
 
-        Returns the epoch, once every live worker applied it (for `wait`, once their in-flight requests finished).
-        Requests queue meanwhile; their deadlines keep running.
+        `lease_s` > 0: the pause lapses that long after it was issued or last renewed (`renew_lease`); 0: it is held
+        until `resume`. Returns the epoch, once every live worker applied it (for `wait`, once their in-flight
+        requests finished). Requests queue meanwhile; their deadlines keep running.
         """
         _check_mode(mode)
-        issue = _Issue("pause", {"mode": mode, "holder": holder}, {StateField.holder(holder): mode})
+        if lease_s < 0:
+            raise InvalidRequestError(f"a pause's lease must be >= 0 seconds (0: no lease), got {lease_s}")
+        lease_ms = int(lease_s * 1000)
+        unset = [StateField.lapsed(holder)] + ([StateField.lease(holder)] if lease_ms <= 0 else [])
+        issue = _Issue("pause", {"mode": mode, "holder": holder}, {StateField.holder(holder): mode}, unset)
+        if lease_ms > 0:
+            issue.lease, issue.args["lease_s"] = (StateField.lease(holder), lease_ms), lease_s
         return await self._run(issue, timeout_s)
 
     async def resume(self, *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None) -> int:
         """Release `holder`'s pause; the fleet serves again once no holder holds one. Returns the epoch."""
-        return await self._run(_Issue("resume", {"holder": holder}, del_fields=[StateField.holder(holder)]), timeout_s)
+        fields = [StateField.holder(holder), StateField.lease(holder)]
+        return await self._run(_Issue("resume", {"holder": holder}, del_fields=fields), timeout_s)
+
+    async def renew_lease(self, holder: str, lease_s: float) -> bool:
+        """Extend `holder`'s leased pause to `lease_s` from now. Returns whether it still holds its pause (False:
+        it was resumed, or its lease lapsed and the fleet may be serving: the holder must not act as if paused).
+        Raises `AccessDeniedError` if this connection's Redis user is not `admin`."""
+        try:
+            args: list[str | int] = [StateField.holder(holder), StateField.lease(holder), int(lease_s * 1000)]
+            return bool(await self._renew(keys=[self.keys.state], args=args))
+        except ResponseError as exc:
+            if permission_denied(exc):
+                raise AccessDeniedError("renew a pause lease", ADMIN, str(exc)) from exc
+            raise
 
     async def abort(
         self,
@@ -239,9 +292,12 @@ class ControlPlane:
             raise
 
     async def state(self) -> FleetState:
-        """The desired state now."""
-        fields: Any = await self.redis.hgetall(self.keys.state)
-        return FleetState.from_hash(fields)
+        """The desired state now (pauses whose lease lapsed are `lapsed`, not in force)."""
+        pipe = self.redis.pipeline(transaction=False)  # a producer may not MULTI; TIME read just after is close enough
+        pipe.hgetall(self.keys.state)
+        pipe.time()
+        fields, now = await pipe.execute()
+        return FleetState.from_hash(fields, _unix_ms(now))
 
     async def _run(self, issue: _Issue, timeout_s: float | None, sweep: bool = False) -> int:
         """Issue a command and wait for its acknowledgements (and, for a session/all abort, sweep the queue).
@@ -269,7 +325,7 @@ class ControlPlane:
             command = ControlCommand(command_id=uuid.uuid4().hex, kind=issue.kind, args=issue.args)
             fields = [x for item in issue.set_fields.items() for x in item]
             args: list[bytes | str | int] = [encode(command), COMMAND_LOG_LEN, self.keys.control_channel]
-            args += [len(issue.set_fields), *fields]
+            args += [*issue.lease, len(issue.set_fields), *fields]
             epoch = int(await self._issue(keys=[self.keys.state, self.keys.commands], args=[*args, *issue.del_fields]))
             if sweep:
                 await self._sweep_queued(epoch, issue.args)
@@ -390,8 +446,9 @@ class ControlPlane:
         pipe = self.redis.pipeline(transaction=True)  # one snapshot: no command lands between the two reads
         pipe.hgetall(self.keys.state)
         pipe.zrangebyscore(self.keys.commands, low, "+inf", withscores=True)
-        fields, logged = await pipe.execute()
-        state = FleetState.from_hash(fields) if fields else None
+        pipe.time()
+        fields, logged, now = await pipe.execute()
+        state = FleetState.from_hash(fields, _unix_ms(now)) if fields else None
         commands = []
         for payload, score in logged:
             try:
@@ -411,6 +468,12 @@ class ControlPlane:
         the latest expiry it saw, so each read returns about what was cancelled since (expiries only grow)."""
         found: Any = await self.redis.zrangebyscore(self.keys.cancelled, since, "+inf", withscores=True)
         return [(request_id.decode(), float(expiry)) for request_id, expiry in found]
+
+
+def _unix_ms(time_reply: Any) -> int:
+    """Redis' TIME reply (seconds, microseconds; redis-py gives a tuple of ints) in unix ms."""
+    seconds, micros = time_reply
+    return int(seconds) * 1000 + int(micros) // 1000
 
 
 def _check_mode(mode: str) -> None:

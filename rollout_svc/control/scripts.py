@@ -6,18 +6,57 @@ field and nudge through `keys.lua` placeholders (`'${StateField.EPOCH}'`), never
 
 from rollout_svc.keys import lua
 
+# Shared by the scripts that write pause holders: the Redis clock in unix ms, and the pruning of every pause whose
+# lease lapsed (its holder field and lease go; a `lapsed:{holder}` field keeps when, for `status`).
+_LEASES = lua("""
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function prune_lapsed(state, now)
+  local lease_prefix = '${StateField.LEASE_PREFIX}'
+  local fields = redis.call('HGETALL', state)
+  for i = 1, #fields, 2 do
+    local f = fields[i]
+    if string.sub(f, 1, #lease_prefix) == lease_prefix and tonumber(fields[i + 1]) <= now then
+      local holder = string.sub(f, #lease_prefix + 1)
+      redis.call('HDEL', state, f, '${StateField.HOLDER_PREFIX}' .. holder)
+      redis.call('HSET', state, '${StateField.LAPSED_PREFIX}' .. holder, fields[i + 1])
+    end
+  end
+end
+""")
+
 # KEYS: [1] state hash, [2] command log. ARGV: [1] the command (msgpack), [2] log length, [3] control channel,
-# [4] how many fields to set, then field/value pairs, then fields to delete. Returns the new epoch.
-ISSUE_LUA = lua("""
+# [4] a lease field to set to now + [5] ms ('' and 0: none), [6] how many fields to set, then field/value pairs,
+# then fields to delete. Pauses whose lease lapsed are pruned first. Returns the new epoch.
+ISSUE_LUA = _LEASES + lua("""
 local state, commands = KEYS[1], KEYS[2]
-local command, log_len, channel, n = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+local command, log_len, channel = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local lease_field, lease_ms, n = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+local now = now_ms()
+prune_lapsed(state, now)
 local epoch = redis.call('HINCRBY', state, '${StateField.EPOCH}', 1)
-for i = 0, n - 1 do redis.call('HSET', state, ARGV[5 + 2 * i], ARGV[6 + 2 * i]) end
-for i = 5 + 2 * n, #ARGV do redis.call('HDEL', state, ARGV[i]) end
+for i = 0, n - 1 do redis.call('HSET', state, ARGV[7 + 2 * i], ARGV[8 + 2 * i]) end
+if lease_field ~= '' then redis.call('HSET', state, lease_field, now + lease_ms) end
+for i = 7 + 2 * n, #ARGV do redis.call('HDEL', state, ARGV[i]) end
 redis.call('ZADD', commands, epoch, command)
 redis.call('ZREMRANGEBYRANK', commands, 0, -log_len - 1)
 redis.call('PUBLISH', channel, '${Nudge.COMMAND}')
 return epoch
+""")
+
+# KEYS: [1] state hash. ARGV: [1] a holder's pause field, [2] its lease field, [3] the lease in ms. Extends the
+# lease to now + ms. Returns 1 if the holder still holds its pause (leased, or held without a lease), 0 if not (it
+# was resumed, or its lease lapsed: then it is pruned, and the holder must not act as if paused).
+RENEW_LEASE_LUA = _LEASES + lua("""
+local state = KEYS[1]
+local holder_field, lease_field, lease_ms = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local now = now_ms()
+prune_lapsed(state, now)
+if redis.call('HEXISTS', state, holder_field) == 0 then return 0 end
+if redis.call('HEXISTS', state, lease_field) == 1 then redis.call('HSET', state, lease_field, now + lease_ms) end
+return 1
 """)
 
 # KEYS: [1] state hash. ARGV: field/value pairs. A worker that finds the state missing (a Redis that forgot)

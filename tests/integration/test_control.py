@@ -338,6 +338,41 @@ async def test_the_control_state_survives_a_redis_that_forgets_it(settings, echo
         assert await client.resume() == epoch + 1
 
 
+async def test_a_leased_pause_lapses_once_its_holder_stops_renewing_and_says_so(settings, echo_workers, rds):
+    """A leased pause is renewed while its client lives; once the client is gone (closed here; a trainer killed with
+    -9 in the weight-sync tests) it lapses within its lease plus a heartbeat, nobody resuming it, and the state and
+    `rollout-svc status` say whose pause lapsed. A timed pause (`renew=False`) lapses after its lease alone."""
+    echo_workers(2)
+    lease_s = 1.0
+    holder = RolloutClient(settings)
+    async with RolloutClient(settings) as client:
+        await holder.pause("keep", holder="trainer", lease_s=lease_s)
+        await asyncio.sleep(3 * lease_s)  # renewed meanwhile
+        state = await client.fleet_state()
+        assert state.holders == {"trainer": "keep"} and set(state.leases) == {"trainer"}
+        assert {w.state for w in await client.workers()} == {"paused"}
+        probe = asyncio.create_task(client.generate(prompts(2), {"max_tokens": 2}))
+        await asyncio.sleep(0.5)
+        assert not probe.done()
+        await holder.close()  # renewals stop; nobody resumes
+        bound_s = lease_s + settings.worker.heartbeat_interval_s + 1.0
+        await async_wait_until(lambda: _serving(client), bound_s, "every worker serving once the lease lapsed")
+        assert all(t.finish_reason == "length" for t in await asyncio.wait_for(probe, 5))
+        state = await client.fleet_state()
+        assert not state.paused and set(state.lapsed) == {"trainer"} and not state.leases
+        status = cli(settings, "status")
+        assert status.returncode == 0 and "the pause of trainer lapsed" in status.stdout, status.stdout
+        await client.pause("abort", holder="timed", lease_s=lease_s, renew=False)
+        assert (await client.fleet_state()).holders == {"timed": "abort"}
+        await async_wait_until(lambda: _serving(client), lease_s + 2.0, "the timed pause to lapse")
+        epoch = await client.resume(holder="timed")  # harmless after the lapse
+        assert (await client.fleet_state()).epoch == epoch and not (await client.fleet_state()).paused
+
+
+async def _serving(client: RolloutClient) -> bool:
+    return not (await client.fleet_state()).paused and {w.state for w in await client.workers()} == {"serving"}
+
+
 # A stopped worker must stay live through the CLI's start (seconds of imports on a busy machine), not die at 2 s
 # and leave every *live* worker acknowledging. Ten CLI processes, each a second or more of imports when the other
 # xdist worker runs vLLM: 30 s is too tight.

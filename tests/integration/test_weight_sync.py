@@ -8,6 +8,10 @@ token, keep-pauses split at the right token, dead and stale workers, catch-up, s
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +23,7 @@ from rollout_svc import InvalidRequestError, RolloutClient, WeightSyncError
 from rollout_svc.client.status import fleet_status
 from rollout_svc.client.weight_sender import WeightSender
 from rollout_svc.config import Settings
-from tests.support import SYNC_ECHO_ARGS, SYNC_HEARTBEAT_TTL_S, Streaming, WorkerProcs, async_wait_until
+from tests.support import ROOT, SYNC_ECHO_ARGS, SYNC_HEARTBEAT_TTL_S, Streaming, WorkerProcs, async_wait_until
 
 PROMPT = list(range(1, 41))  # the echo engine answers with the prompt: 40 tokens at most
 
@@ -150,6 +154,82 @@ async def test_a_worker_killed_during_a_sync_is_left_out_and_named(ws_settings, 
         report = await fleet_status(ws_settings)  # what `rollout-svc status --json` prints
         assert report["weight_version"] == 1 and report["weight_checkpoint"] is None
         assert {w["worker_id"]: w["state"] for w in report["workers"]} == {"w0": "serving", "w2": "stale"}
+
+
+# A trainer on a slow link: each bucket's broadcast starts 0.5 s after the last; it says when the first went out.
+SLOW_TRAINER = """
+import asyncio, sys, time
+import torch
+from rollout_svc.client.weight_sender import WeightSender
+
+send = WeightSender._send
+
+def slow_send(group, buckets, sizes, tensors, buffers):
+    broadcast = group.process_group.broadcast
+    sent = []
+
+    class Slow:
+        def broadcast(self, buffer, root):
+            time.sleep(0.5)
+            work = broadcast(buffer, root)
+            sent.append(1)
+            if len(sent) == 1:
+                print("first bucket sent", flush=True)
+            return work
+
+    return send(type(group)(group.spec, group.members, Slow()), buckets, sizes, tensors, buffers)
+
+WeightSender._send = staticmethod(slow_send)
+
+async def main():
+    async with WeightSender(bucket_bytes=64 * 1024) as sender:
+        weights = {f"layer.{i}.weight": torch.full((128, 128), float(i)) for i in range(40)}
+        await sender.update(weights.items(), version=2)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.timeout(90)
+async def test_a_trainer_killed_mid_transfer_loses_its_pause_and_the_old_version_stays(ws_settings, procs, rds):
+    """The trainer dies (-9) with the fleet paused under its sync and half the buckets sent: nobody resumes, yet the
+    fleet serves again within the pause's lease plus a heartbeat, on the version committed before, and the state says
+    whose pause lapsed."""
+    start(procs, "w0", "w1")
+    lease_s = 2.0
+    async with WeightSender(settings=ws_settings) as sender:
+        await sender.update(tensors(1).items(), version=1)
+    async with RolloutClient(ws_settings) as client:
+        env = {
+            **os.environ,
+            "ROLLOUT_REDIS_URL": ws_settings.redis_url,
+            "ROLLOUT_KEY_PREFIX": ws_settings.key_prefix,
+            "ROLLOUT_PAUSE_LEASE_S": str(lease_s),
+            "ROLLOUT_WEIGHT_SYNC_TIMEOUT_S": "15",
+            "ROLLOUT_HEARTBEAT_TTL_S": str(SYNC_HEARTBEAT_TTL_S),
+        }
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", SLOW_TRAINER], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert trainer.stdout is not None
+            line = await asyncio.wait_for(asyncio.to_thread(trainer.stdout.readline), 40)
+            assert line.strip() == "first bucket sent", line
+            state = await client.fleet_state()
+            assert state.holders == {"weight-sync": "keep"} and {w.state for w in await client.workers()} == {"paused"}
+        finally:
+            trainer.kill()
+            trainer.wait()
+            if trainer.stdout is not None:
+                trainer.stdout.close()
+        killed = time.monotonic()
+        served = await client.generate([PROMPT] * 4, {"max_tokens": 4}, session_ids=[f"k{i}" for i in range(4)])
+        waited = time.monotonic() - killed
+        assert waited < lease_s + ws_settings.worker.heartbeat_interval_s + 1.5, waited
+        assert {t.weight_version for t in served} == {1} and {t.finish_reason for t in served} == {"length"}
+        state = await client.fleet_state()
+        assert not state.paused and set(state.lapsed) == {"weight-sync"} and state.weight_version == 1
+        assert {w.weight_version for w in await client.workers()} == {1}
 
 
 @pytest.mark.timeout(120)
