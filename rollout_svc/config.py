@@ -25,6 +25,7 @@ def default_cache_dir() -> Path:
 
 
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections (Python's default: 700)
+MAX_LEASE_S = 7 * 86400.0  # the longest pause lease (a week): longer, hold the pause without one
 _GC_TUNED: list[bool] = []
 
 
@@ -190,6 +191,7 @@ class ClientSettings(_Concern):
     pause_lease_s: float = Field(
         20.0,
         ge=0,
+        le=MAX_LEASE_S,
         description="a RolloutClient's or WeightSender's pause lapses this long after its process last renewed it "
         "(it died or hung), and the fleet resumes; 0: pauses are held until resumed",
     )

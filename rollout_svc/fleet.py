@@ -335,6 +335,9 @@ class FleetWeightPlane:
     async def announce(self, manifest: WeightManifest) -> None:
         await self.fleet.each(lambda link: link.weights.announce(manifest))
 
+    async def order_load(self, sync_id: str) -> None:
+        await self.fleet.each(lambda link: link.weights.order_load(sync_id))
+
     async def await_barrier(self, sync_id: str, phase: str, members: Sequence[str], timeout_s: float) -> BarrierOutcome:
         """Each shard's part of the barrier at once; a member found in no shard is dead."""
         shard_of = await self.registry.shard_of(members)

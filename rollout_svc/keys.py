@@ -27,7 +27,8 @@ FREE_SUFFIX = ":free"  # `Keys.loads`: field WORKER_ID + this holds "free-slots 
 
 
 # Weight-sync barrier phases (`Keys.weight_barrier`) and the value a worker writes there when a phase went well.
-JOINED, LOADED = "joined", "loaded"
+# `received`: a staged sync's tensors arrived (the worker keeps them, still generating on its old weights).
+JOINED, RECEIVED, LOADED = "joined", "received", "loaded"
 OK = "ok"
 
 
@@ -113,6 +114,7 @@ class Nudge:
     CANCEL = b"cancel"  # on `Keys.cancel_channel`: read new tombstones
     WEIGHT_ORDER = b"order"  # on `Keys.weights_channel`: a weight sync order was written
     WEIGHT_MANIFEST = b"manifest"  # ... a broadcast's tensors were announced
+    WEIGHT_LOAD = b"load"  # ... a staged sync's members may load what they received (the fleet is paused)
     WEIGHT_COMMIT = b"commit"  # ... a weight version was committed
 
 
@@ -344,9 +346,13 @@ class Keys:
         return f"{self.tagged}:weight-sync:{sync_id}:manifest"
 
     def weight_barrier(self, sync_id: str, phase: str) -> str:
-        """Hash, with TTL: one field per worker that reached `phase` (joined, loaded) of a sync; value "ok" or
+        """Hash, with TTL: one field per worker that reached `phase` (joined, received, loaded) of a sync; "ok" or
         the error it met."""
         return f"{self.tagged}:weight-sync:{sync_id}:{phase}"
+
+    def weight_load(self, sync_id: str) -> str:
+        """String: written once the fleet is paused for a staged sync (`WeightSyncOrder.staged`): load now."""
+        return f"{self.tagged}:weight-sync:{sync_id}:load"
 
     @property
     def weights_channel(self) -> str:

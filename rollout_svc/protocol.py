@@ -416,12 +416,15 @@ class WeightSyncOrder(_Message):
     `group` receive the announced tensors from rank 0; checkpoint: every member loads `path` (a directory holding
     `model.safetensors`, under its checkpoint root); engine: every member makes the call `engine_op` on vLLM's own
     weight transfer engine (the trainer sends through vLLM's NCCL group, not ours). `members`: the workers expected
-    at the barriers."""
+    at the barriers. `staged` (broadcast): the members receive while they go on generating on their old weights,
+    keep what they received, reach barrier `received`, and load only once the trainer paused the fleet and wrote
+    `Keys.weight_load` (transfer outside the pause); otherwise they load as soon as the transfer ends."""
 
     sync_id: str
     version: int
     transport: Literal["broadcast", "checkpoint", "engine"]
     members: list[str]
+    staged: bool = False
     group: TransferGroup | None = None
     path: str | None = None
     engine_op: EngineWeightOp | None = None

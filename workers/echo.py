@@ -56,6 +56,7 @@ class EchoEngine:
         self.preload_weight_transfer = preload_weight_transfer
         self.weights_digest = ""
         self._end: Any = None  # a rollout_svc.weightsync.transfer.ReceivingEnd, made at the first join
+        self._received: list[Any] | None = None  # (name, tensor) pairs received and not yet loaded
         self._runs: dict[str, _EchoRun] = {}
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -229,20 +230,27 @@ class EchoEngine:
             self._end.leave()
 
     async def receive_weights(self, manifest: WeightManifest) -> dict[str, float]:
-        import torch
-
         if self._end is None:
             raise RuntimeError("not in a weight transfer group: join one first")
         started = time.perf_counter()
-        tensors = await asyncio.to_thread(self._end.receive, manifest)
-        received = time.perf_counter()
+        self._received = None
+        self._received = await asyncio.to_thread(self._end.receive, manifest)
+        return {"receive_s": time.perf_counter() - started}
+
+    async def load_received(self) -> dict[str, float]:
+        import torch
+
+        tensors, self._received = self._received, None
+        if tensors is None:
+            raise RuntimeError("no weights were received to load")
+        started = time.perf_counter()
         digest = hashlib.sha256()
         for name, tensor in tensors:
             digest.update(name.encode())
             digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         await asyncio.sleep(self.load_delay_s)
         self.weights_digest = digest.hexdigest()
-        return {"receive_s": received - started, "load_s": time.perf_counter() - received}
+        return {"load_s": time.perf_counter() - started}
 
     async def load_checkpoint(self, path: str) -> dict[str, float]:
         started = time.perf_counter()

@@ -21,6 +21,8 @@ from rollout_svc.protocol import (
 from workers.dtype import engine_dtype
 from workers.weight_extension import WORKER_EXTENSION
 
+RECEIVE_POLL_S = 0.05  # how often a receive in vLLM's worker processes is polled
+
 if TYPE_CHECKING:  # vllm is imported lazily: a worker running EchoEngine must not pay its import
     from vllm import RequestOutput
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -124,7 +126,14 @@ class Engine(Protocol):
     async def leave_weight_group(self) -> None: ...
 
     async def receive_weights(self, manifest: WeightManifest) -> dict[str, float]:
-        """Receive the announced buckets from rank 0, then load them (nothing loads unless all arrived)."""
+        """Receive the announced buckets from rank 0 into buffers this engine keeps, generating on meanwhile with the
+        weights it has; nothing is loaded (`load_received` does, once every bucket arrived). Returns seconds spent
+        receiving. Raises what the transfer raises (a peer gone): then nothing is kept to load."""
+        ...
+
+    async def load_received(self) -> dict[str, float]:
+        """Load what the last `receive_weights` received (the caller paused the engine). Returns seconds loading.
+        Raises `RuntimeError` if nothing was received since the last load."""
         ...
 
     async def load_checkpoint(self, path: str) -> dict[str, float]:
@@ -430,9 +439,23 @@ class VLLMEngine:
         await self._running().collective_rpc("rollout_leave_group")
 
     async def receive_weights(self, manifest: WeightManifest) -> dict[str, float]:
-        """Receive and load in vLLM's worker processes (`reload_weights(weights_iterator=...)`); the engine does not
-        step meanwhile. Returns the first rank's seconds receiving and loading."""
-        results = await self._running().collective_rpc("rollout_receive", args=(manifest.model_dump(),))
+        """Receive in vLLM's worker processes, in a thread of theirs (`rollout_receive_start`), so the engine goes on
+        stepping; polled every `RECEIVE_POLL_S` (each poll is a utility call between two steps). Returns the first
+        rank's seconds receiving; raises `RuntimeError` with the first failing rank's error."""
+        llm = self._running()
+        await llm.collective_rpc("rollout_receive_start", args=(manifest.model_dump(),))
+        while True:
+            polls = await llm.collective_rpc("rollout_receive_poll")
+            failed = [p["error"] for p in polls if p.get("error")]
+            if failed:
+                raise RuntimeError(f"receiving weights failed: {failed[0]}")
+            if all(p["done"] for p in polls):
+                return {"receive_s": float(polls[0]["receive_s"])}
+            await asyncio.sleep(RECEIVE_POLL_S)
+
+    async def load_received(self) -> dict[str, float]:
+        """`reload_weights(weights_iterator=...)` of what every engine rank received (the engine is paused)."""
+        results = await self._running().collective_rpc("rollout_load_received")
         return dict(results[0])
 
     async def load_checkpoint(self, path: str) -> dict[str, float]:

@@ -8,6 +8,7 @@ and results are plain dicts, lists and strings (vLLM's msgpack IPC; tensors neve
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -18,6 +19,8 @@ class WeightSyncExtension:
     """Joins the trainer's transfer group, receives announced buckets, loads them; or loads a checkpoint."""
 
     _rollout_end: Any = None  # a rollout_svc.weightsync.transfer.ReceivingEnd, made at the first join
+    _rollout_receiving: Any = None  # the thread receiving a manifest's buckets (`rollout_receive_start`)
+    _rollout_received: Any = None  # {"tensors": [...], "receive_s": s} or {"error": "..."}, once it ended
 
     def rollout_join_group(self, spec: dict[str, Any], first_rank: int, host: str) -> int:
         """Join the transfer group `spec` (a `TransferGroup`) as `first_rank` + this engine rank; blocks until
@@ -35,18 +38,46 @@ class WeightSyncExtension:
         if self._rollout_end is not None:
             self._rollout_end.leave()
 
-    def rollout_receive(self, manifest: dict[str, Any]) -> dict[str, float]:
-        """Receive every bucket of `manifest` (a `WeightManifest`), then load them all. Nothing is loaded unless
-        everything arrived. Returns seconds spent receiving and loading."""
+    def rollout_receive_start(self, manifest: dict[str, Any]) -> None:
+        """Start receiving every bucket of `manifest` (a `WeightManifest`) in a thread of this process, and return:
+        the engine goes on stepping with the weights it has (gloo's receive releases the GIL). Nothing is loaded
+        (`rollout_load_received`); poll with `rollout_receive_poll`."""
         from rollout_svc.protocol import WeightManifest
 
         if self._rollout_end is None:
             raise RuntimeError("not in a weight transfer group: join one first")
+        if self._rollout_receiving is not None and self._rollout_receiving.is_alive():
+            raise RuntimeError("a receive is already running here")
+        end, parsed = self._rollout_end, WeightManifest.model_validate(manifest)
+        self._rollout_received = None
+
+        def receive() -> None:
+            started = time.perf_counter()
+            try:
+                tensors = end.receive(parsed)
+            except Exception as exc:  # a peer gone: nothing is kept to load
+                self._rollout_received = {"error": f"{type(exc).__name__}: {exc}"}
+                return
+            self._rollout_received = {"tensors": tensors, "receive_s": time.perf_counter() - started}
+
+        self._rollout_receiving = threading.Thread(target=receive, name="rollout-receive", daemon=True)
+        self._rollout_receiving.start()
+
+    def rollout_receive_poll(self) -> dict[str, Any]:
+        """Whether the receive ended: `{"done": bool, "error": str or None, "receive_s": seconds}`."""
+        outcome = self._rollout_received
+        if outcome is None:
+            return {"done": False, "error": None, "receive_s": 0.0}
+        return {"done": True, "error": outcome.get("error"), "receive_s": outcome.get("receive_s", 0.0)}
+
+    def rollout_load_received(self) -> dict[str, float]:
+        """Load what the last receive got, whole (the engine is paused). Returns seconds loading."""
+        outcome, self._rollout_received = self._rollout_received, None
+        if not outcome or "tensors" not in outcome:
+            raise RuntimeError("no weights were received to load")
         started = time.perf_counter()
-        tensors = self._rollout_end.receive(WeightManifest.model_validate(manifest))
-        received = time.perf_counter()
-        self.reload_weights(weights_iterator=iter(tensors))  # type: ignore[attr-defined]
-        return {"receive_s": received - started, "load_s": time.perf_counter() - received}
+        self.reload_weights(weights_iterator=iter(outcome["tensors"]))  # type: ignore[attr-defined]
+        return {"load_s": time.perf_counter() - started}
 
     def rollout_load_checkpoint(self, path: str) -> dict[str, float]:
         """Load the safetensors under the directory `path` (already checked against the checkpoint root)."""

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from rollout_svc.config import Settings
 from rollout_svc.control.plane import ControlPlane
 from rollout_svc.errors import EngineDeadError, InvalidRequestError
-from rollout_svc.keys import JOINED, LOADED, OK
+from rollout_svc.keys import JOINED, LOADED, OK, RECEIVED
 from rollout_svc.protocol import RolloutRequest, WeightSyncOrder
 from rollout_svc.weightsync.plane import WeightSyncPlane, advertise_address, checkpoint_dir
 from workers.engine import Engine
@@ -94,20 +94,41 @@ class WeightReceiver:
                 await self.plane.arrive(order.sync_id, JOINED, worker_id, f"joining the group failed: {exc}")
                 return
         await self.plane.arrive(order.sync_id, JOINED, worker_id)
-        manifest = await self.plane.manifest(order.sync_id, self.settings.weight_sync.weight_sync_timeout_s)
+        timeout_s = self.settings.weight_sync.weight_sync_timeout_s
+        transferred = RECEIVED if order.staged else LOADED  # the barrier the trainer awaits after the transfer
+        manifest = await self.plane.manifest(order.sync_id, timeout_s)
         if manifest is None:
-            await self.plane.arrive(order.sync_id, LOADED, worker_id, "the tensors were never announced")
+            await self.plane.arrive(order.sync_id, transferred, worker_id, "the tensors were never announced")
             return
         try:
-            await self.engine.receive_weights(manifest)
+            await self.engine.receive_weights(manifest)  # generating on meanwhile, unless the trainer paused first
         except EngineDeadError:
             raise
         except Exception as exc:
             self._group_id = None  # a failed collective: the trainer builds a new group
-            log.warning("receiving weight version %d failed: %s", order.version, exc)
-            await self.plane.arrive(order.sync_id, LOADED, worker_id, f"receiving or loading failed: {exc}")
+            log.warning("receiving weight version %d failed: %s; nothing of it is loaded", order.version, exc)
+            await self.plane.arrive(order.sync_id, transferred, worker_id, f"receiving failed: {exc}")
             return
-        await self.plane.arrive(order.sync_id, LOADED, worker_id, await self._loaded(order.version))
+        if order.staged:
+            await self.plane.arrive(order.sync_id, RECEIVED, worker_id)
+            if not await self.plane.load_ordered(order.sync_id, timeout_s + self.settings.client.control_timeout_s):
+                log.warning(
+                    "weight sync %s: received, but its load was never ordered (the trainer died or gave up): "
+                    "nothing loaded, version %d kept", order.sync_id, self.state.weight_version,
+                )  # fmt: skip
+                return
+        await self.plane.arrive(order.sync_id, LOADED, worker_id, await self._load_received(order.version))
+
+    async def _load_received(self, version: int) -> str:
+        """Load what was received (the fleet is paused), then reset and switch (`_loaded`): "ok", or why not."""
+        try:
+            await self.engine.load_received()
+        except EngineDeadError:
+            raise
+        except Exception as exc:
+            log.exception("loading weight version %d failed", version)
+            return f"loading failed: {type(exc).__name__}: {exc}"
+        return await self._loaded(version)
 
     async def _engine_op(self, order: WeightSyncOrder) -> str:
         """Run the order's `EngineWeightOp` on the engine (for `init`, with this worker's rank offset; `finish` then

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
+from rollout_svc.config import MAX_LEASE_S
 from rollout_svc.openai.schemas import Body
 
 
@@ -13,7 +14,9 @@ class PauseBody(Body):
     mode: Literal["keep", "abort", "wait"] = "keep"
     holder: str = Field("operator", min_length=1)
     timeout_s: float | None = Field(None, gt=0)
-    lease_s: float = Field(0.0, ge=0, description="> 0: the pause lapses this long after it was issued unless resumed")
+    lease_s: float = Field(
+        0.0, ge=0, le=MAX_LEASE_S, description="> 0: the pause lapses this long after it was issued unless resumed"
+    )
 
 
 class ResumeBody(Body):

@@ -24,31 +24,41 @@ def session_header(request: Request, body_session: str | None) -> str | None:
 
 
 class ServedModels:
-    """The live workers, read from Redis at most once per `ttl_s` (every request checks the model and that some
-    worker is live), and the model names served: `served_model_names`, or what the live workers report (the model
-    folder's name)."""
+    """The live workers, read from Redis at most once per `ttl_s`, and the model names served: `served_model_names`,
+    or every model a live worker has reported (the model folder's name) since this process started, kept while no
+    worker is live: a moment without a live worker (one killed, its replacement starting) changes neither
+    `/v1/models` nor what a request may name. Such a request waits in the queue, within its deadline, as the Python
+    client's do; `/health` is what says the fleet is down."""
 
     def __init__(self, client: RolloutClient, served_model_names: list[str], ttl_s: float = 1.0) -> None:
         self.client, self.served, self.ttl_s = client, served_model_names, ttl_s
         self._workers: list[WorkerStatus] = []
         self._read_at = float("-inf")
+        self._seen: set[str] = set()  # models live workers reported, kept after they died
 
     async def workers(self) -> list[WorkerStatus]:
         if time.monotonic() - self._read_at > self.ttl_s:
             self._workers, self._read_at = await self.client.workers(), time.monotonic()
+            self._seen.update(w.model for w in self._workers if w.model)
         return self._workers
 
     async def models(self) -> list[str]:
-        return self.served or sorted({w.model for w in await self.workers() if w.model})
+        if self.served:
+            return self.served
+        await self.workers()
+        return sorted(self._seen)
 
     async def check(self, model: str | None) -> str:
-        """The model name to answer with. Raises `APIError` 503 with no live worker, 404 for another model."""
-        workers = await self.workers()
-        if not workers:
-            raise APIError(
-                503, "no live worker: start one with `rollout-svc worker` or `rollout-svc up`", code="no_worker"
-            )
+        """The model name to answer with. Raises `APIError` 404 for a model not served, 503 while no model is known
+        (no name configured, and no worker has been live since this process started)."""
         names = await self.models()
+        if not names:
+            raise APIError(
+                503,
+                "no worker has been live since this server started, so it knows no model: start one with "
+                "`rollout-svc worker` or `rollout-svc up` (or name the model with ROLLOUT_SERVED_MODEL_NAME)",
+                code="no_worker",
+            )
         if model is None:
             return names[0]
         if model not in names:

@@ -35,6 +35,7 @@ from rollout_svc.api.generation import Generation, until_disconnected, worker_he
 from rollout_svc.api.hot import HotLane
 from rollout_svc.api.served import ServedModels, session_header
 from rollout_svc.client.rollout_client import RolloutClient
+from rollout_svc.config import MAX_LEASE_S
 from rollout_svc.openai.errors import APIError
 from rollout_svc.openai.plans import raise_for
 from rollout_svc.openai.schemas import ChatCompletionRequest
@@ -198,7 +199,7 @@ def control_router(client: RolloutClient, inflight: InFlight) -> APIRouter:
     async def pause(
         mode: Annotated[PauseMode, Query()] = "abort",
         clear_cache: Annotated[bool, Query()] = True,
-        lease_s: Annotated[float, Query(ge=0)] = 0.0,
+        lease_s: Annotated[float, Query(ge=0, le=MAX_LEASE_S)] = 0.0,
     ) -> dict[str, str]:
         """vLLM's pause, fleet-wide: `keep` freezes in-flight requests until `/resume`; `abort` cuts them (a caller
         of `/inference/v1/generate` never sees it: the request is retried token-exact after `/resume`); `wait` lets

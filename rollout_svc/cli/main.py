@@ -440,7 +440,10 @@ def pause(
     lease_s: Annotated[
         float,
         typer.Option(
-            "--lease-s", min=0, help="Lapse this long after the pause was issued unless resumed (0: held until resume)."
+            "--lease-s",
+            min=0,
+            max=7 * 86400,
+            help="Lapse this long after the pause was issued unless resumed (0: held until resume).",
         ),
     ] = 0.0,
 ) -> None:

@@ -2,9 +2,12 @@
 Imports torch at its first broadcast only: importing it, and a sync from a checkpoint (`update_from_checkpoint`, the
 admin route), need none.
 
-A sync (DESIGN.md section 5): pause the fleet (keep or abort, the trainer's choice) -> publish the sync order ->
-barrier `joined` -> announce the tensors -> transfer -> workers load and reset their prefix cache -> barrier
-`loaded` -> commit the version in the state hash -> resume. The transfer is a `torch.distributed` process group
+A broadcast sync (DESIGN.md section 5, with the transfer moved out of the pause): publish the sync order -> barrier
+`joined` -> announce the tensors -> transfer, the workers generating on their old weights meanwhile and keeping what
+they receive -> barrier `received` -> pause the fleet (keep or abort, the trainer's choice) -> the load order ->
+workers load and reset their prefix cache -> barrier `loaded` -> commit the version in the state hash -> resume.
+`pause_during_transfer=True` pauses first instead, as before; a checkpoint sync pauses first (its load is its
+transfer). The transfer is a `torch.distributed` process group
 made for it alone from a `TCPStore` (never the default group): gloo for CPU tensors, NCCL for CUDA ones, one code
 path. Rank 0 is the trainer; each worker takes as many ranks as its engine has (TP x PP), assigned here and
 published in Redis. The group is built once and reused; it is rebuilt when the live workers change, and after a
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from rollout_svc.config import Settings
 from rollout_svc.errors import InvalidRequestError, WeightSyncError
 from rollout_svc.fleet import Fleet, FleetControl, FleetWeightPlane
-from rollout_svc.keys import JOINED, LOADED
+from rollout_svc.keys import JOINED, LOADED, RECEIVED
 from rollout_svc.protocol import PauseMode, TensorSpec, TransferGroup, WeightManifest, WeightSyncOrder
 from rollout_svc.weightsync.plane import BarrierOutcome, advertise_address
 
@@ -43,10 +46,12 @@ MAX_ATTEMPTS = 3  # a sync whose group failed is retried with the members still 
 @dataclass
 class SyncReport:
     """What one sync did. Times in seconds; `transfer_s` runs from the first bucket to the last (its GB/s is
-    `bytes / transfer_s / 1e9`), `pause_s` is the pause command, `join_s` the join barrier (building the group
-    if it changed), `pack_s` packing the buckets, `load_s` the wait for every load and prefix-cache reset after
-    the transfer, `total_s` the whole `update` call. `loaded`: workers now serving `version`; `stale`: live workers
-    that failed (with why; they take no work until a later sync includes them); `dead`: left out, dead."""
+    `bytes / transfer_s / 1e9`), `pause_s` is the pause command, `paused_s` how long the fleet was paused (from the
+    pause command to the resume's acknowledgements), `join_s` the join barrier (building the group if it changed),
+    `pack_s` packing the buckets, `load_s` the wait for every load and prefix-cache reset after the transfer (after
+    the load order, for a transfer outside the pause), `total_s` the whole `update` call. `loaded`: workers now
+    serving `version`; `stale`: live workers that failed (with why; they take no work until a later sync includes
+    them); `dead`: left out, dead. `paused_during_transfer`: the fleet was paused before the transfer."""
 
     version: int
     transport: Literal["broadcast", "checkpoint"]
@@ -56,6 +61,7 @@ class SyncReport:
     bytes: int = 0
     buckets: int = 0
     pause_s: float = 0.0
+    paused_s: float = 0.0
     join_s: float = 0.0
     pack_s: float = 0.0
     transfer_s: float = 0.0
@@ -63,6 +69,7 @@ class SyncReport:
     total_s: float = 0.0
     attempts: int = 1
     group_rebuilt: bool = False
+    paused_during_transfer: bool = False
 
     @property
     def gb_per_s(self) -> float:
@@ -139,17 +146,25 @@ class WeightSender:
         return (await self.control.state()).weight_version
 
     async def update(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, pause_mode: PauseMode = "keep"
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        pause_mode: PauseMode = "keep",
+        *,
+        pause_during_transfer: bool = False,
     ) -> SyncReport:
         """Broadcast `named_tensors` (names as in the model's checkpoint; any dtype; CPU or CUDA) as `version`.
 
-        `pause_mode` keep freezes in-flight requests during the sync (they go on afterwards, and their
+        The workers receive while they go on generating with the old weights; the fleet pauses only for the load.
+        `pause_mode` keep freezes in-flight requests during the load (they go on afterwards, and their
         `weight_versions` record the switch); abort cuts them (the client resubmits them token-exact).
+        `pause_during_transfer=True`: pause before the transfer (the workers hold no second copy of the weights while
+        they generate; the fleet is paused for the whole transfer).
         """
         tensors = [(name, tensor.detach()) for name, tensor in named_tensors]
         if not tensors:
             raise InvalidRequestError("update() got no tensors; pass model.named_parameters() or a state dict's items")
-        return await self._sync(version, pause_mode, tensors=tensors)
+        return await self._sync(version, pause_mode, tensors=tensors, staged=not pause_during_transfer)
 
     async def update_from_checkpoint(self, path: str, version: int, pause_mode: PauseMode = "keep") -> SyncReport:
         """Make every worker load the checkpoint at `path` (a directory holding `model.safetensors`, under the
@@ -172,18 +187,19 @@ class WeightSender:
         pause_mode: PauseMode,
         tensors: list[tuple[str, torch.Tensor]] | None = None,
         path: str | None = None,
+        staged: bool = False,
     ) -> SyncReport:
         await self.init()
         assert self._lock is not None
         async with self._lock:
             started = time.monotonic()
             version = await self.control.next_weight_version(version)
-            lease_s = self.settings.client.pause_lease_s
-            await self.control.pause(pause_mode, holder=SYNC_HOLDER, timeout_s=self.timeout_s, lease_s=lease_s)
-            pause_s = time.monotonic() - started
+            pause = _Pause(self.control, pause_mode, self.settings.client.pause_lease_s, self.timeout_s)
             try:
+                if not staged:
+                    await pause.hold()
                 if tensors is not None:
-                    report = await self._broadcast(version, tensors)
+                    report = await self._broadcast(version, tensors, pause if staged else None)
                 else:
                     assert path is not None
                     report = await self._checkpoint(version, path)
@@ -191,14 +207,15 @@ class WeightSender:
                     raise WeightSyncError(version, "no worker loaded the weights; the old version stays committed", {
                         **report.stale, **dict.fromkeys(report.dead, "dead")
                     })  # fmt: skip
-                if lease_s > 0 and (lapsed := await self.control.leases.check(SYNC_HOLDER)) is not None:
+                if (lapsed := await pause.lapsed()) is not None:
                     raise WeightSyncError(version, f"not committed: {lapsed}; the old version stays committed", {
                         w: "loaded, not committed: stale until the next sync" for w in report.loaded
                     })  # fmt: skip
                 await self.control.commit_weights(version, path or "")
             finally:
-                await self.control.resume(holder=SYNC_HOLDER, timeout_s=self.timeout_s)
-            report.pause_s, report.total_s = pause_s, time.monotonic() - started
+                await pause.release()
+            report.pause_s, report.paused_s, report.total_s = pause.pause_s, pause.paused_s, time.monotonic() - started
+            report.paused_during_transfer = not staged
             if report.stale or report.dead:
                 log.warning(
                     "weight version %d: stale %s, dead %s", version, report.stale or "none", report.dead or "none"
@@ -224,7 +241,11 @@ class WeightSender:
         report.load_s = time.monotonic() - started
         return report
 
-    async def _broadcast(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> SyncReport:
+    async def _broadcast(
+        self, version: int, tensors: list[tuple[str, torch.Tensor]], pause: _Pause | None
+    ) -> SyncReport:
+        """`pause`: the transfer runs outside the pause (a staged sync), which this holds once the workers received;
+        None: the fleet is paused already."""
         from rollout_svc.weightsync.transfer import BucketBuffers, join_group, plan_buckets  # torch: a broadcast only
 
         if self._buffers is None:
@@ -249,8 +270,11 @@ class WeightSender:
                 spec = self._group.spec
             names = sorted(members)
             await self.plane.publish(
-                WeightSyncOrder(sync_id=sync_id, version=version, transport="broadcast", members=names, group=spec)
-            )
+                WeightSyncOrder(
+                    sync_id=sync_id, version=version, transport="broadcast", members=names, group=spec,
+                    staged=pause is not None,
+                )
+            )  # fmt: skip
             joined = await self.plane.await_barrier(sync_id, JOINED, names, self.timeout_s)
             if rebuilt:
                 try:
@@ -277,19 +301,29 @@ class WeightSender:
             except Exception as exc:  # a peer died mid-transfer: the group is broken
                 log.warning("weight transfer of version %d failed (%s); rebuilding the group", version, exc)
                 self._group = None
-                outcome = await self.plane.await_barrier(sync_id, LOADED, names, min(self.timeout_s, 10.0))
+                phase = LOADED if pause is None else RECEIVED
+                outcome = await self.plane.await_barrier(sync_id, phase, names, min(self.timeout_s, 10.0))
                 dead += outcome.dead
                 continue
+            failed: dict[str, str] = {}
+            if pause is not None:  # every bucket went out while the fleet served: pause now, for the loads
+                received = await self.plane.await_barrier(sync_id, RECEIVED, names, self.timeout_s)
+                dead += received.dead
+                failed = {w: why for w, why in received.failures.items() if w not in received.dead}
+                names = received.ok
+                if names:
+                    await pause.hold()
+                    await self.plane.order_load(sync_id)
             loading = time.monotonic()
             outcome = await self.plane.await_barrier(sync_id, LOADED, names, self.timeout_s)
             report = _report(version, "broadcast", outcome)
-            report.stale |= lost
+            report.stale |= lost | failed
             report.dead = sorted(set(report.dead) | set(dead))
             report.bytes, report.buckets = sum(sizes), len(sizes)
             report.join_s, report.pack_s, report.transfer_s = join_s, pack_s, transfer_s
             report.load_s = time.monotonic() - loading
             report.attempts, report.group_rebuilt = attempt, rebuilt
-            if outcome.dead or outcome.missing:
+            if outcome.dead or outcome.missing or failed:
                 self._group = None  # its membership changed: the next sync builds a new one
             return report
         raise WeightSyncError(
@@ -348,6 +382,37 @@ class WeightSender:
         for buffer in packed:
             group.process_group.broadcast(buffer, 0).wait()
         return sending - started, time.perf_counter() - sending
+
+
+class _Pause:
+    """A sync's pause (holder `weight-sync`, leased): held at most once (`hold`), released at most once (`release`),
+    timed: `pause_s` the pause command, `paused_s` from it to the resume's acknowledgements."""
+
+    def __init__(self, control: FleetControl, mode: PauseMode, lease_s: float, timeout_s: float) -> None:
+        self.control, self.mode, self.lease_s, self.timeout_s = control, mode, lease_s, timeout_s
+        self.held_at: float | None = None
+        self.pause_s = self.paused_s = 0.0
+
+    async def hold(self) -> None:
+        if self.held_at is not None:
+            return
+        self.held_at = time.monotonic()
+        await self.control.pause(self.mode, holder=SYNC_HOLDER, timeout_s=self.timeout_s, lease_s=self.lease_s)
+        self.pause_s = time.monotonic() - self.held_at
+
+    async def lapsed(self) -> str | None:
+        """None while the pause is held (renewed now), else why not (it lapsed: the fleet may have served)."""
+        if self.held_at is None or self.lease_s <= 0:
+            return None
+        return await self.control.leases.check(SYNC_HOLDER)
+
+    async def release(self) -> None:
+        if self.held_at is None:
+            return
+        try:
+            await self.control.resume(holder=SYNC_HOLDER, timeout_s=self.timeout_s)
+        finally:
+            self.paused_s, self.held_at = time.monotonic() - self.held_at, None
 
 
 def _report(version: int, transport: Literal["broadcast", "checkpoint"], outcome: BarrierOutcome) -> SyncReport:

@@ -36,7 +36,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import redis
 from redis.exceptions import NoPermissionError, ResponseError
 
-from rollout_svc.keys import JOINED, LOADED, Keys
+from rollout_svc.keys import JOINED, LOADED, RECEIVED, Keys
 
 PRODUCER, WORKER, ADMIN = "producer", "worker", "admin"
 PASSWORD_BYTES = 32  # secrets.token_urlsafe: 43 URL-safe characters, 256 bits
@@ -118,10 +118,10 @@ def _producer(k: Keys) -> Role:
 
 def _worker(k: Keys) -> Role:
     streams = (k.requests, k.pinned_requests("*"), k.token_requests, k.results("*"), k.dead)
-    barriers = (k.weight_barrier("*", JOINED), k.weight_barrier("*", LOADED))
+    barriers = tuple(k.weight_barrier("*", phase) for phase in (JOINED, RECEIVED, LOADED))
     fleet = (k.session("*"), k.worker_sessions("*"), k.workers, k.worker("*"), k.reap_lock("*"), k.shards, k.loads)
     read_write = (*streams, *fleet, *barriers)
-    read_only = (k.state, k.commands, k.cancelled, k.weight_sync, k.weight_manifest("*"))
+    read_only = (k.state, k.commands, k.cancelled, k.weight_sync, k.weight_manifest("*"), k.weight_load("*"))
     return Role(
         WORKER,
         Grant(_WORKER_COMMANDS, read_write, read_only),

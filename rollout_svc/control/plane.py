@@ -37,7 +37,7 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
-from rollout_svc.config import Settings
+from rollout_svc.config import MAX_LEASE_S, Settings
 from rollout_svc.connections.acl import ADMIN, permission_denied
 from rollout_svc.connections.urls import next_message, retry_while_away
 from rollout_svc.control.scripts import CANCEL_LUA, ISSUE_LUA, RENEW_LEASE_LUA, RESEED_LUA
@@ -105,8 +105,8 @@ class FleetState:
             return {k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)}
 
         holders = prefixed(StateField.HOLDER_PREFIX)
-        leases = {name: int(v) for name, v in prefixed(StateField.LEASE_PREFIX).items()}
-        lapsed = {name: int(v) for name, v in prefixed(StateField.LAPSED_PREFIX).items()}
+        leases = {name: int(float(v)) for name, v in prefixed(StateField.LEASE_PREFIX).items()}
+        lapsed = {name: int(float(v)) for name, v in prefixed(StateField.LAPSED_PREFIX).items()}
         for name, until in leases.items():
             if now_ms is not None and until <= now_ms and name in holders:
                 del holders[name]
@@ -198,8 +198,11 @@ class ControlPlane:
         requests finished). Requests queue meanwhile; their deadlines keep running.
         """
         _check_mode(mode)
-        if lease_s < 0:
-            raise InvalidRequestError(f"a pause's lease must be >= 0 seconds (0: no lease), got {lease_s}")
+        if not 0 <= lease_s <= MAX_LEASE_S:
+            raise InvalidRequestError(
+                f"a pause's lease must be 0 (none) to {MAX_LEASE_S:g} seconds, got {lease_s}; to hold a pause until "
+                "resume, give none"
+            )
         lease_ms = int(lease_s * 1000)
         unset = [StateField.lapsed(holder)] + ([StateField.lease(holder)] if lease_ms <= 0 else [])
         issue = _Issue("pause", {"mode": mode, "holder": holder}, {StateField.holder(holder): mode}, unset)

@@ -6,6 +6,9 @@ A sync (DESIGN.md section 5) is coordinated in Redis, never over the transfer it
   broadcast the transfer group (rank assignment, rendezvous address, one-time token);
 - barrier `joined`: each member writes "ok" (or its error) once it is in the transfer group;
 - the announcement: the trainer writes the `WeightManifest` (names, dtypes, shapes, buckets; msgpack);
+- for a staged sync (`WeightSyncOrder.staged`, the transfer outside the pause), barrier `received`: each member
+  writes "ok" once every bucket arrived (it keeps them, generating on its old weights meanwhile); the trainer then
+  pauses the fleet and writes the load order (`Keys.weight_load`);
 - barrier `loaded`: each member writes "ok" once it loaded the weights and reset its prefix cache, or the error
   it met (then it is `stale`).
 
@@ -127,6 +130,13 @@ class WeightSyncPlane:
         pipe.publish(self.keys.weights_channel, Nudge.WEIGHT_MANIFEST)
         await pipe.execute()
 
+    async def order_load(self, sync_id: str) -> None:
+        """A staged sync's load order: the fleet is paused, the members may load what they received."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(self.keys.weight_load(sync_id), OK, ex=SYNC_KEYS_TTL_S)
+        pipe.publish(self.keys.weights_channel, Nudge.WEIGHT_LOAD)
+        await pipe.execute()
+
     async def await_barrier(self, sync_id: str, phase: str, members: Sequence[str], timeout_s: float) -> BarrierOutcome:
         """Wait until every member reached `phase` of `sync_id` or died, at most `timeout_s` seconds."""
         outcome = BarrierOutcome()
@@ -182,6 +192,22 @@ class WeightSyncPlane:
                     return manifest
             await asyncio.sleep(BARRIER_POLL_S)
         return None
+
+    async def load_ordered(self, sync_id: str, timeout_s: float) -> bool:
+        """Wait for the load order of staged sync `sync_id`: True once written; False if it did not come within
+        `timeout_s` seconds, or a newer sync order replaced this one (its trainer gave up on it, or died)."""
+        deadline = time.monotonic() + timeout_s
+        next_order_check = time.monotonic() + LIVENESS_POLL_S
+        while time.monotonic() < deadline:
+            if await self.redis.exists(self.keys.weight_load(sync_id)):
+                return True
+            if time.monotonic() >= next_order_check:
+                order = await self.order()
+                if order is not None and order.sync_id != sync_id:
+                    return False
+                next_order_check = time.monotonic() + LIVENESS_POLL_S
+            await asyncio.sleep(BARRIER_POLL_S)
+        return False
 
     async def arrive(self, sync_id: str, phase: str, worker_id: str, outcome: str = OK) -> None:
         """Reach `phase` of `sync_id`: "ok", or the error this worker met."""

@@ -75,7 +75,8 @@ async def test_updates_change_and_restore_greedy_output_by_broadcast_and_by_chec
         assert sorted(report.loaded) == ["vllm-0", "vllm-1"] and report.bytes > 500 * MiB and report.gb_per_s > 0
         changed = await outputs(client, prompt, version + 1)
         assert all(c != b for c, b in zip(changed, base, strict=True)), "perturbed weights did not change both"
-        await sender.update(original.items(), version=version + 2)
+        inside = await sender.update(original.items(), version=version + 2, pause_during_transfer=True)
+        assert inside.paused_during_transfer and not report.paused_during_transfer
         assert await outputs(client, prompt, version + 2) == base, "the original weights did not restore the output"
 
         checkpoint = fleet.weight_sync.checkpoint_root / "perturbed"
@@ -86,6 +87,11 @@ async def test_updates_change_and_restore_greedy_output_by_broadcast_and_by_chec
         assert await outputs(client, prompt, version + 3) == changed, "checkpoint and broadcast of one set differ"
         await sender.update(original.items(), version=version + 4)
         assert await outputs(client, prompt, version + 4) == base
+        # The transfer inside the pause, as before: the same weights give the same greedy output as outside it.
+        await sender.update(perturbed.items(), version=version + 5, pause_during_transfer=True)
+        assert await outputs(client, prompt, version + 5) == changed, "inside and outside the pause differ"
+        await sender.update(original.items(), version=version + 6)
+        assert await outputs(client, prompt, version + 6) == base
 
 
 async def test_a_keep_pause_across_a_sync_splits_the_generation_at_the_frozen_token(fleet, weights):

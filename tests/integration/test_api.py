@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -216,14 +217,35 @@ def test_queue_full_is_429_and_a_deadline_504(settings, echo_workers, tmp_path):
             rollout.resume()
 
 
-def test_no_live_worker_is_503(settings, tmp_path):
+def test_a_request_without_a_live_worker_waits_in_the_queue_for_one(settings, tmp_path, echo_workers):
+    """No live worker is a moment, not an error: the request waits (within its deadline) and /health says so."""
     with serve(settings, tmp_path / "serve.log", "--served-model-name", "my-model") as base:
-        client = OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
+        client = OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == ["my-model"]
-        with pytest.raises(openai.InternalServerError) as caught:
-            client.completions.create(model="my-model", prompt="a", max_tokens=1)
-        assert caught.value.status_code == 503 and "no live worker" in caught.value.message
         assert httpx.get(f"{base}/health").status_code == 503
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(client.completions.create, model="my-model", prompt="a", max_tokens=1)
+            time.sleep(1.0)
+            assert not waiting.done()
+            echo_workers(1)
+            assert waiting.result(timeout=30).choices[0].finish_reason in ("stop", "length")
+        assert httpx.get(f"{base}/health").status_code == 200
+
+
+def test_models_stay_listed_while_no_worker_is_live_and_none_known_is_503(settings, tmp_path, echo_workers, workers):
+    """What agents do first (`client.models.list().data[0].id`) keeps working while the fleet restarts; only a server
+    that never saw a worker, and has no name configured, knows no model (503, saying how to fix it)."""
+    with serve(settings, tmp_path / "serve.log") as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=30)
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.completions.create(model="echo", prompt="a", max_tokens=1)
+        assert caught.value.status_code == 503 and "knows no model" in caught.value.message
+        assert client.models.list().data == []
+        echo_workers(1)
+        wait_until(lambda: [m.id for m in client.models.list().data] == ["echo"], 10, "the worker's model listed")
+        workers.stop_all()
+        wait_until(lambda: httpx.get(f"{base}/health").status_code == 503, 10, "no live worker")
+        assert [m.id for m in client.models.list().data] == ["echo"]
 
 
 def test_a_client_that_goes_away_aborts_its_generation(api, settings):

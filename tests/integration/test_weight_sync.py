@@ -8,6 +8,7 @@ token, keep-pauses split at the right token, dead and stale workers, catch-up, s
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import subprocess
 import sys
@@ -156,6 +157,69 @@ async def test_a_worker_killed_during_a_sync_is_left_out_and_named(ws_settings, 
         assert {w["worker_id"]: w["state"] for w in report["workers"]} == {"w0": "serving", "w2": "stale"}
 
 
+def slow_link(monkeypatch: pytest.MonkeyPatch, delay_s: float) -> None:
+    """This process's `WeightSender` on a slow link: each bucket's broadcast starts `delay_s` after the last."""
+    send = WeightSender._send
+
+    def slow_send(group, buckets, sizes, tensors, buffers):  # type: ignore[no-untyped-def]
+        broadcast = group.process_group.broadcast
+
+        class Slow:
+            def broadcast(self, buffer, root):  # type: ignore[no-untyped-def]
+                time.sleep(delay_s)
+                return broadcast(buffer, root)
+
+        return send(type(group)(group.spec, group.members, Slow()), buckets, sizes, tensors, buffers)
+
+    monkeypatch.setattr(WeightSender, "_send", staticmethod(slow_send))
+
+
+@pytest.mark.timeout(120)
+async def test_a_transfer_outside_the_pause_keeps_200_requests_generating_until_the_load(
+    ws_settings, procs, monkeypatch
+):
+    """200 requests stream while a sync's buckets travel for about 1.5 s: every one of them keeps making tokens
+    through the transfer, and stops only while the fleet is paused for the load (here 0.3 s of load per worker). The
+    old behaviour (`pause_during_transfer=True`) pauses them for the whole transfer."""
+    args = ("--echo-token-delay-s", "0.02", "--echo-load-delay-s", "0.3", "--max-num-seqs", "128")
+    start(procs, "w0", "w1", args=args)
+    slow_link(monkeypatch, 0.3)
+    prompts = [[(i + j) % 200 + 1 for j in range(200)] for i in range(200)]  # 200 tokens each: 4 s
+    weights = {f"layer.{i}.weight": torch.full((64, 64), float(i)) for i in range(5)}
+    sender, client = WeightSender(settings=ws_settings, bucket_bytes=64 * 64 * 4), RolloutClient(ws_settings)
+    async with sender, client:
+        run = Streaming(client, prompts, {"max_tokens": 200})
+        await run.streamed(5, timeout_s=30)
+        samples: list[tuple[float, list[int]]] = []
+
+        async def sample() -> None:
+            while True:
+                samples.append((time.monotonic(), list(run.tokens)))
+                await asyncio.sleep(0.05)
+
+        sampler = asyncio.ensure_future(sample())
+        started = time.monotonic()
+        report = await sender.update(weights.items(), version=1)
+        ended = time.monotonic()
+        sampler.cancel()
+        trajectories = await run.task
+        assert report.loaded == ["w0", "w1"] and not report.paused_during_transfer and report.buckets == 5
+        assert report.transfer_s >= 1.2 and report.paused_s < report.transfer_s, report
+        # The longest time any request went without a new token while the sync ran: the pause, not the transfer.
+        window = [(t, tokens) for t, tokens in samples if started <= t <= ended]
+        gaps = []
+        for i in range(len(prompts)):
+            changes = [t for (t, a), (_, b) in itertools.pairwise(window) if b[i] != a[i]]
+            if changes and run.tokens[i] < 200:
+                gaps.append(max(b - a for a, b in itertools.pairwise([started, *changes])))
+        assert gaps and max(gaps) < min(report.transfer_s, report.paused_s + 0.5), (max(gaps), report)
+        switched = [t for t in trajectories if len(t.weight_versions) == 2]
+        assert switched and all(t.weight_versions[0] == (0, 0) and t.weight_versions[1][0] == 1 for t in switched)
+        assert all(len(t.completion_token_ids) == 200 for t in trajectories)
+        old = await sender.update(weights.items(), version=2, pause_during_transfer=True)
+        assert old.paused_during_transfer and old.paused_s > old.transfer_s >= 1.2, old
+
+
 # A trainer on a slow link: each bucket's broadcast starts 0.5 s after the last; it says when the first went out.
 SLOW_TRAINER = """
 import asyncio, sys, time
@@ -184,17 +248,21 @@ WeightSender._send = staticmethod(slow_send)
 async def main():
     async with WeightSender(bucket_bytes=64 * 1024) as sender:
         weights = {f"layer.{i}.weight": torch.full((128, 128), float(i)) for i in range(40)}
-        await sender.update(weights.items(), version=2)
+        await sender.update(weights.items(), version=2, pause_during_transfer=sys.argv[1] == "inside")
 
 asyncio.run(main())
 """
 
 
 @pytest.mark.timeout(90)
-async def test_a_trainer_killed_mid_transfer_loses_its_pause_and_the_old_version_stays(ws_settings, procs, rds):
-    """The trainer dies (-9) with the fleet paused under its sync and half the buckets sent: nobody resumes, yet the
-    fleet serves again within the pause's lease plus a heartbeat, on the version committed before, and the state says
-    whose pause lapsed."""
+@pytest.mark.parametrize("transfer", ["inside", "outside"])
+async def test_a_trainer_killed_mid_transfer_loses_its_pause_and_the_old_version_stays(
+    ws_settings, procs, rds, transfer
+):
+    """The trainer dies (-9) with some of its buckets sent. Transfer inside the pause: the fleet is paused under its
+    sync, nobody resumes, yet it serves again within the pause's lease plus a heartbeat, and the state says whose pause
+    lapsed. Outside (the default): the fleet was never paused, and serves on. Either way on the version committed
+    before: nothing of the cut transfer is loaded."""
     start(procs, "w0", "w1")
     lease_s = 2.0
     async with WeightSender(settings=ws_settings) as sender:
@@ -209,14 +277,16 @@ async def test_a_trainer_killed_mid_transfer_loses_its_pause_and_the_old_version
             "ROLLOUT_HEARTBEAT_TTL_S": str(SYNC_HEARTBEAT_TTL_S),
         }
         trainer = subprocess.Popen(
-            [sys.executable, "-c", SLOW_TRAINER], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", SLOW_TRAINER, transfer], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
         )
         try:
             assert trainer.stdout is not None
             line = await asyncio.wait_for(asyncio.to_thread(trainer.stdout.readline), 40)
             assert line.strip() == "first bucket sent", line
             state = await client.fleet_state()
-            assert state.holders == {"weight-sync": "keep"} and {w.state for w in await client.workers()} == {"paused"}
+            paused = {"weight-sync": "keep"} if transfer == "inside" else {}
+            assert state.holders == paused, state
+            assert {w.state for w in await client.workers()} == {"paused" if paused else "serving"}
         finally:
             trainer.kill()
             trainer.wait()
@@ -228,7 +298,7 @@ async def test_a_trainer_killed_mid_transfer_loses_its_pause_and_the_old_version
         assert waited < lease_s + ws_settings.worker.heartbeat_interval_s + 1.5, waited
         assert {t.weight_version for t in served} == {1} and {t.finish_reason for t in served} == {"length"}
         state = await client.fleet_state()
-        assert not state.paused and set(state.lapsed) == {"weight-sync"} and state.weight_version == 1
+        assert not state.paused and set(state.lapsed) == set(paused) and state.weight_version == 1
         assert {w.weight_version for w in await client.workers()} == {1}
 
 
