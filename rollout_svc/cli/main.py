@@ -556,7 +556,8 @@ def bench(
             help="Measure one section alone (hop: beside vllm-router; skyrl: SkyRL's client path; step: an RL step on "
             "a simulated GPU fleet; simfit: the simulator fitted to and checked against the real engine; sessions: "
             "multi-turn agent sessions on a simulated fleet, sticky and not; published: the simulator's GPU profiles "
-            "beside published vLLM figures) and replace it in --output."
+            "beside published vLLM figures; weights: weight sync into two vLLM workers, the transfer outside the "
+            "pause and inside it) and replace it in --output."
         ),
     ] = None,
 ) -> None:

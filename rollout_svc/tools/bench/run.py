@@ -102,7 +102,7 @@ def run_bench(
         generation = _generation_efficiency(redis_url, model, prompts, max_tokens, console)
         from rollout_svc.tools.bench import weights as bench_weights  # imports torch
 
-        weights = bench_weights.report(bench_weights.weight_sync(redis_url, model, _log_dir(), console))
+        weights = bench_weights.report(bench_weights.weight_sync(redis_url, model, _log_dir(), console), command)
     text = _report(command, queue, generation, prompts, max_tokens, requests)
     sections = bench_control.report(control, frozen) + weights + bench_api.report(api)
     text += "\n".join(sections + bench_batch.report(batch, command)) + "\n"
@@ -121,6 +121,7 @@ SECTIONS = {
     "simfit": "## (k) ",
     "sessions": "## (l) ",
     "published": "## (m) ",
+    "weights": "## (e) ",
 }
 
 
@@ -142,6 +143,13 @@ def run_section(redis_url: str | None, output: Path, section: str, command: str)
         body = bench_sessions.render_sessions(run)
     elif section == "published":
         body = bench_published.render_published(bench_published.run_published_bench(), command)
+    elif section == "weights":
+        from rollout_svc.model import prepare_model
+        from rollout_svc.tools.bench import weights as bench_weights  # imports torch
+
+        model = prepare_model(Settings().cache_dir)
+        figures = bench_weights.weight_sync(redis_url, model, _log_dir(), console)
+        body = "\n".join(bench_weights.report(figures, command)) + "\n"
     elif section == "simfit":
         from rollout_svc.model import prepare_model
         from rollout_svc.tools.bench import simfit as bench_simfit

@@ -220,8 +220,8 @@ def _median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
-def report(figures: WeightFigures) -> list[str]:
-    """The report's weight-sync section (markdown lines)."""
+def report(figures: WeightFigures, command: str = "rollout-svc bench") -> list[str]:
+    """The report's weight-sync section (markdown lines), `command` the one that measured it."""
     f = figures
     goals = [
         ("time paused <= load + 50 ms (transfer outside the pause)", f.paused_s, f.load_s + 0.05),
@@ -231,6 +231,7 @@ def report(figures: WeightFigures) -> list[str]:
         "",
         "## (e) Weight sync, vLLM",
         "",
+        f"Command: `{command}`.",
         f"`WeightSender.update` of SmolLM2-135M's own tensors ({f.tensors} tensors, {f.model_bytes / 1e6:.0f} MB in"
         f" float32, {f.buckets} buckets) into {f.workers} float32 vLLM workers over gloo, keep-pause, {f.syncs} syncs"
         " with the transfer outside the pause (the default: the workers receive while they generate, the fleet pauses"
