@@ -43,7 +43,7 @@ from rollout_svc.weightsync.transfer import join_group
 MiB = 2**20
 SYNCS = 3
 WORKERS = 2
-FELT_TOKENS = 48
+FELT_TOKENS = 128  # long enough to span a sync whose transfer runs while it generates
 FELT_PAIRS = 4
 BARE_TIMEOUT_S = 120.0
 BARE_ROUNDS = 3
