@@ -1,6 +1,8 @@
 """The OpenAI API rides out a worker killed under load, as a user saw it fail: two vLLM workers behind `serve`, 120
 chats from the official `openai` client, each listing the models first (`client.models.list().data[0].id`, the
-usual agent code), one worker killed with -9 once 20 chats are done and started again (as `up` restarts it): every
+usual agent code), one worker killed with -9 once 20 chats are done and started again (as `up` restarts it), and
+the other stopped (SIGSTOP) past its heartbeat TTL meanwhile, as a starved heartbeat would make it look: for a while
+no worker is live (before this was fixed, `/v1/models` answered an empty list then, and requests a 503), yet every
 chat completes. Meanwhile it samples the live workers every 0.2 s and prints how long the fleet had none, and the
 longest silence of each worker's heartbeat (what made a live worker look dead while its replacement started).
 """
@@ -8,6 +10,7 @@ longest silence of each worker's heartbeat (what made a live worker look dead wh
 from __future__ import annotations
 
 import itertools
+import signal
 import threading
 import time
 import uuid
@@ -64,8 +67,15 @@ def test_120_chats_that_list_the_models_first_ride_out_a_worker_killed_under_loa
         with ThreadPoolExecutor(THREADS) as pool:
             futures = [pool.submit(chat, i) for i in range(CHATS)]
             wait_until(lambda: sum(f.done() for f in futures) >= KILL_AFTER, 900, f"{KILL_AFTER} chats done")
+            killed_worker = procs.procs["vllm-1"]
             procs.kill("vllm-1")
+            killed_worker.wait()
             killed = time.monotonic()
+            procs.kill("vllm-0", signal.SIGSTOP)  # looks dead once its heartbeat expires
+            try:
+                time.sleep(settings.heartbeat_ttl_s + 2)
+            finally:
+                procs.kill("vllm-0", signal.SIGCONT)
             procs.start("vllm-1", *engine.to_args(), env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
             wait(futures)
         stop.set()
@@ -76,3 +86,4 @@ def test_120_chats_that_list_the_models_first_ride_out_a_worker_killed_under_loa
         print(f"\nchats {CHATS - len(errors)}/{CHATS}; no live worker for {none_live_s:.1f} s after the kill; "
               f"longest heartbeat gap per worker (s): {gaps}")  # fmt: skip
         assert errors == [], errors[:5]
+        assert none_live_s > 0, "the fleet never had a moment without a live worker: the test did not test that"
