@@ -312,9 +312,12 @@ class Worker:
 
     async def _take_loop(self) -> None:
         while not self._stopping.is_set():
-            if not self.state.resumed.is_set() or self._fenced or not self._lease_ok():
+            if not self.state.resumed.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.state.resumed.wait(), self.settings.read_block_ms / 1000)
+                continue
+            if self._fenced or not self._lease_ok():  # until the heartbeat loop renewed (Redis away) or re-registered
+                await self._idle(self.settings.read_block_ms / 1000)
                 continue
             free = self.engine.capacity - self.index.generating
             if free <= 0:

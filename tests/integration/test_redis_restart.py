@@ -217,3 +217,25 @@ def test_a_control_command_issued_while_redis_is_away_goes_through_once_it_is_ba
             assert await client.is_paused() is False
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("server", [False], indirect=True, ids=["no-persistence"])
+def test_a_worker_waits_for_a_redis_that_is_away_without_spinning(
+    server: RedisServer, fleet: tuple[Settings, WorkerProcs]
+) -> None:
+    """Past its heartbeat TTL with Redis away, a worker takes nothing until it can renew; it waits for that rather
+    than spinning its take loop (it once burned half a core a worker, stealing from the engine beside it)."""
+    settings, procs = fleet
+    server.stop(signal.SIGKILL)
+    time.sleep(settings.heartbeat_ttl_s + 1.0)  # every heartbeat is stale now: no worker may take
+    before = {w: _cpu_ticks(procs.pid(w)) for w in ("w1", "w2")}
+    time.sleep(3.0)
+    used = {w: (_cpu_ticks(procs.pid(w)) - before[w]) / os.sysconf("SC_CLK_TCK") / 3.0 for w in before}
+    assert all(share < 0.15 for share in used.values()), f"CPU share of each worker while Redis was away: {used}"
+    server.start()
+
+
+def _cpu_ticks(pid: int) -> int:
+    """User + system CPU ticks of a process (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return int(fields[11]) + int(fields[12])
