@@ -22,12 +22,11 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from redis.asyncio import BlockingConnectionPool
 from redis.exceptions import RedisError
 
 from rollout_svc.config import Settings
 from rollout_svc.connections.topology import close_router, redis_router, shard_url
-from rollout_svc.connections.urls import redis_async
+from rollout_svc.connections.urls import redis_async_bounded
 from rollout_svc.control.leases import PauseLeases
 from rollout_svc.control.plane import DEFAULT_HOLDER, ControlPlane, FleetState, PauseMode
 from rollout_svc.dataplane.registry import Registry
@@ -70,13 +69,7 @@ class ShardLink:
         url = await asyncio.to_thread(shard_url, settings.redis_url, name)
         # A producer's calls share this client: past SHARD_CONNECTIONS at once they wait for a connection (redis-py's
         # default pool refuses the 101st with "Too many connections", which read as the shard being away).
-        redis = redis_async(
-            url,
-            decode_responses=False,
-            connection_pool_class=BlockingConnectionPool,
-            max_connections=SHARD_CONNECTIONS,
-            timeout=SHARD_CONNECTION_WAIT_S,
-        )
+        redis = redis_async_bounded(url, SHARD_CONNECTIONS, SHARD_CONNECTION_WAIT_S, decode_responses=False)
         return cls(
             name=name,
             settings=shard_settings,

@@ -384,7 +384,10 @@ class TransferGroup(_Message):
     """A weight-transfer process group (`torch.distributed`, built from a `TCPStore`): rank 0 is the trainer,
     listening at `master_addr:master_port`; `ranks` maps each member worker to its first rank (it takes
     `weight_ranks` consecutive ones). `token` is a one-time secret, the store's key prefix: only a process that
-    read it from Redis finds the rendezvous. `timeout_s` bounds every collective. `backend`: gloo or nccl."""
+    read it from Redis finds the rendezvous. `timeout_s` bounds every collective; `join_timeout_s` (default
+    `timeout_s`) the rendezvous: the trainer sets its heartbeat TTL there, so a member that died before it joined
+    costs a sync no more than that (everyone's join fails, and the group is built again without it).
+    `backend`: gloo or nccl."""
 
     group_id: str
     master_addr: str
@@ -393,6 +396,7 @@ class TransferGroup(_Message):
     world_size: int
     backend: Literal["gloo", "nccl"] = "gloo"
     timeout_s: float = 60.0
+    join_timeout_s: float | None = None
     ranks: dict[str, int] = Field(default_factory=dict)
 
 

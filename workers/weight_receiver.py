@@ -85,7 +85,7 @@ class WeightReceiver:
                     self._group_id = None
                     await self.engine.leave_weight_group()
                 join = self.engine.join_weight_group(group, group.ranks[worker_id], self.host)
-                await asyncio.wait_for(join, group.timeout_s + JOIN_GRACE_S)
+                await asyncio.wait_for(join, (group.join_timeout_s or group.timeout_s) + JOIN_GRACE_S)
                 self._group_id = group.group_id
             except EngineDeadError:
                 raise

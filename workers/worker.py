@@ -16,7 +16,15 @@ from redis.exceptions import ResponseError
 
 from rollout_svc.config import GC_YOUNG_THRESHOLD, Settings, tune_gc
 from rollout_svc.connections.topology import close_router, redis_router, shard_url
-from rollout_svc.connections.urls import next_message, redacted, redis_async, server_run_id, warn_if_evicting
+from rollout_svc.connections.urls import (
+    next_message,
+    redacted,
+    redis_async,
+    redis_async_bounded,
+    server_run_id,
+    wait_for_redis,
+    warn_if_evicting,
+)
 from rollout_svc.control.plane import ControlPlane
 from rollout_svc.dataplane.reaper import REAP_LOCK_TTL_S, Reaper
 from rollout_svc.dataplane.registry import Registry
@@ -40,6 +48,7 @@ _T = TypeVar("_T")
 SWEEP_INTERVAL_S = 0.1  # deadlines and missed aborts are checked this often (not a timer per request)
 TOKEN_CONCURRENCY = 256  # tokenize requests served at once
 FENCED_DRAIN_S = 30.0  # how long a fenced worker waits for its aborted requests before coming back
+WORKER_CONNECTIONS = 256  # a worker's shared connections to Redis at most; more commands at once wait for one
 SHARE_WAIT_S = 0.02  # a worker that left queued work to others' shares reads again after this (or a slot freed)
 
 
@@ -112,17 +121,20 @@ class Worker:
         """Start the engine, serve until stopped, then drain. Raises `EngineDeadError` if the engine died."""
         # Every key of this worker's shard lives on the primary serving its hash tag's slot (the Redis itself, unless
         # it is a cluster): this worker talks to that primary alone, and to the cluster only to announce its shard.
-        await self._wait_for_redis(self.settings.redis_url)
+        await wait_for_redis(self.settings.redis_url, log)  # a worker may start before its Redis
         url = await asyncio.to_thread(shard_url, self.settings.redis_url, self.settings.shard)
         if url != self.settings.redis_url:
             log.info("worker %s: shard %s is served by %s", self.worker_id, self.settings.shard, redacted(url))
-        self.redis = redis_async(url, decode_responses=False)
+        # Hundreds of streams sending chunks at once wait for a connection, rather than fail "Too many connections".
+        self.redis = redis_async_bounded(url, WORKER_CONNECTIONS, 30.0, decode_responses=False)
         self._router = redis_router(self.settings.redis_url, decode_responses=False)
         # The take loop's blocking reads get a connection of their own, which a pause can unblock at once.
         self._take_redis = redis_async(url, decode_responses=False, single_connection_client=True)
         self._take_streams = RequestStreams(self._take_redis, self.keys, self.settings.session_ttl_s)
         self.streams = RequestStreams(self.redis, self.keys, self.settings.session_ttl_s)
-        self.registry = Registry(self.redis, self.keys, self.settings.heartbeat_ttl_s)
+        # Liveness on a connection of its own: no flood of results or chunks delays a heartbeat.
+        self._beat_redis = redis_async(url, decode_responses=False, single_connection_client=True)
+        self.registry = Registry(self._beat_redis, self.keys, self.settings.heartbeat_ttl_s)
         self.control = ControlPlane(self.redis, self.settings)
         self.reaper = Reaper(self.redis, self.settings)
         self.converger = Converger(self.control, self.engine, self.index, self.state, self.rules, self._stop_taking)
@@ -152,6 +164,7 @@ class Worker:
         finally:
             await self.engine.close()
             await self._take_redis.aclose()
+            await self._beat_redis.aclose()
             await self.redis.aclose()
             await close_router(self._router)
         if self._fatal is not None:
@@ -186,23 +199,6 @@ class Worker:
     def _engine_died(self, exc: EngineDeadError) -> None:
         self._fatal = self._fatal or exc
         self.stop()
-
-    async def _wait_for_redis(self, url: str) -> None:
-        """Block until Redis answers, saying so every few seconds: a worker may start before its Redis."""
-        failures = 0
-        probe = redis_async(url, decode_responses=False)
-        try:
-            while True:
-                try:
-                    await probe.ping()
-                    return
-                except REDIS_ERRORS as exc:
-                    failures += 1
-                    if failures % 10 == 1:
-                        log.warning("waiting for Redis at %s (%s); check --redis-url", redacted(url), exc)
-                    await asyncio.sleep(0.5)
-        finally:
-            await probe.aclose()
 
     async def _announce_shard(self) -> None:
         """Add this worker's shard to the deployment's shard set, where producers find it (idempotent). A failure is

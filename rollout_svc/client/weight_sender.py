@@ -283,10 +283,14 @@ class WeightSender:
                     log.warning("building the weight transfer group failed (%s)", exc)
                     self._group = None
             dead += joined.dead
+            # A member that died before joining fails every join with it (each waits for it, up to the join timeout,
+            # the heartbeat TTL): the others, which answered, go on into the next attempt; only those that did not
+            # answer at all are left out.
+            collateral = set(joined.arrived) if joined.dead and self._group is None else set()
             lost |= {
                 w: f"did not join the transfer group: {why}"
                 for w, why in joined.failures.items()
-                if w not in joined.dead
+                if w not in joined.dead and w not in collateral
             }
             if self._group is None or joined.failures:
                 self._group = None
@@ -348,6 +352,7 @@ class WeightSender:
             world_size=world_size,
             backend=backend,
             timeout_s=self.timeout_s,
+            join_timeout_s=min(self.timeout_s, self.settings.heartbeat_ttl_s),
             ranks=ranks,
         )
         return spec, store

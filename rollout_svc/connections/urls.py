@@ -184,6 +184,33 @@ def redis_async(url: str, **kwargs: Any) -> redis.asyncio.Redis:
     return client
 
 
+def redis_async_bounded(url: str, max_connections: int, wait_s: float, **kwargs: Any) -> redis.asyncio.Redis:
+    """`redis_async` whose pool holds `max_connections` at most: past that, a command waits up to `wait_s` for one
+    (then redis-py raises `ConnectionError("No connection available.")`), where redis-py's default pool refuses it
+    at once with "Too many connections", which reads as Redis being away."""
+    pool = {"connection_pool_class": redis.asyncio.BlockingConnectionPool, "max_connections": max_connections}
+    return redis_async(url, **pool, timeout=wait_s, **kwargs)
+
+
+async def wait_for_redis(url: str, logger: logging.Logger, interval_s: float = 0.5) -> None:
+    """Block until Redis at `url` answers a PING, logging a warning every 10 tries (every 5 s): a process may start
+    before its Redis."""
+    failures = 0
+    probe = redis_async(url, decode_responses=False)
+    try:
+        while True:
+            try:
+                await probe.ping()
+                return
+            except REDIS_AWAY as exc:  # a refusal (a wrong password) is raised
+                failures += 1
+                if failures % 10 == 1:
+                    logger.warning("waiting for Redis at %s (%s); check --redis-url", redacted(url), exc)
+                await asyncio.sleep(interval_s)
+    finally:
+        await probe.aclose()
+
+
 class _SentinelRedis(redis.asyncio.Redis):
     """A client of the primary that also closes its connections to the sentinels."""
 

@@ -85,25 +85,29 @@ def open_store(host: str, world_size: int, timeout_s: float) -> Any:
 
 
 def join_group(spec: TransferGroup, rank: int, host: str, store: Any = None) -> Any:
-    """Join the transfer group as `rank` (blocks until every rank has; at most `spec.timeout_s`).
+    """Join the transfer group as `rank` (blocks until every rank has; at most `spec.join_timeout_s`, else
+    `spec.timeout_s`; the group's collectives then time out after `spec.timeout_s`).
 
     `host`: this process's own address (gloo binds there). `store`: the trainer passes the one it opened; the
     other ranks connect to `spec.master_addr:spec.master_port`. Returns the process group (its `broadcast`).
     Raises what torch raises when a peer does not come (a `DistStoreError` or `RuntimeError` naming a timeout).
     """
     timeout = datetime.timedelta(seconds=spec.timeout_s)
+    joining = datetime.timedelta(seconds=spec.join_timeout_s or spec.timeout_s)
     dist: Any = torch.distributed
     if store is None:
-        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout=timeout)
+        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout=joining)
     prefixed = dist.PrefixStore(f"rollout-svc/{spec.token}/", store)
-    if spec.backend == "nccl":
+    if spec.backend == "nccl":  # NCCL connects at its first collective: one timeout for both
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
     options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
+    options._timeout = joining  # gloo connects the full mesh here, within this
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return dist.ProcessGroupGloo(prefixed, rank, spec.world_size, options)
+    group = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, options)
+    group.set_timeout(timeout)  # the collectives' own
+    return group
 
 
 class BucketBuffers:
