@@ -121,6 +121,18 @@ class WeightSyncError(RolloutError):
         super().__init__(f"weight sync to version {version} failed: {message}" + (f" ({named})" if named else ""))
 
 
+class ControlStateMissingError(RolloutError):
+    """The control state hash is missing from Redis (it restarted without its data): the workers write back what they
+    last applied within a heartbeat interval. Nothing was written; retry then."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(
+            f"the control state {key} is missing from Redis (it restarted empty); the workers write it back within a "
+            "heartbeat interval: retry then"
+        )
+
+
 class AccessDeniedError(RolloutError):
     """Redis refused a command for lack of permission: the Redis user of this connection (its URL's `user:`) may
     not do `action`; the `role` user may (see `rollout_svc.connections.acl`). Nothing was written.

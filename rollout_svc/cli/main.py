@@ -600,9 +600,13 @@ def chaos(
     log_dir: Annotated[
         Path | None, typer.Option(help="Keep the logs here (default: a temporary folder, removed after a clean run).")
     ] = None,
+    syncs: Annotated[
+        bool, typer.Option(help="A trainer process syncs weights every 1-3 s (gloo), and the nemesis kills it.")
+    ] = True,
 ) -> None:
     """Jepsen-style soak: sessions and batches through echo workers while workers are killed (-9) and stalled past
-    their heartbeat TTL, Redis restarts, the fleet pauses and sessions are aborted; then the ledger is checked.
+    their heartbeat TTL, Redis restarts, the fleet pauses, sessions are aborted and the trainer that syncs weights is
+    killed mid-sync; then the ledger is checked (answers exactly once, versions on tokens committed ones).
     Ends with one JSON line {"requests", "faults", "violations", ...}; exits 1 if there are violations."""
     import random
 
@@ -610,7 +614,7 @@ def chaos(
 
     seed = random.randrange(10**6) if seed is None else seed
     try:
-        summary = run_chaos(ChaosConfig(minutes=minutes, seed=seed, workers=workers, log_dir=log_dir))
+        summary = run_chaos(ChaosConfig(minutes=minutes, seed=seed, workers=workers, log_dir=log_dir, syncs=syncs))
     except KeyboardInterrupt:
         typer.echo("chaos: interrupted; every child process was killed", err=True)
         raise typer.Exit(130) from None

@@ -40,17 +40,18 @@ from redis.exceptions import RedisError, ResponseError
 from rollout_svc.config import MAX_LEASE_S, Settings
 from rollout_svc.connections.acl import ADMIN, permission_denied
 from rollout_svc.connections.urls import next_message, retry_while_away
-from rollout_svc.control.scripts import CANCEL_LUA, ISSUE_LUA, RENEW_LEASE_LUA, RESEED_LUA
+from rollout_svc.control.scripts import CANCEL_LUA, COMMIT_LUA, ISSUE_LUA, RENEW_LEASE_LUA, RESEED_LUA
 from rollout_svc.dataplane.registry import Registry
 from rollout_svc.dataplane.streams import Entry, Placed, RequestStreams, Sweep
 from rollout_svc.errors import (
     AccessDeniedError,
     ControlCommandError,
+    ControlStateMissingError,
     ControlTimeoutError,
     InvalidRequestError,
     ProtocolError,
 )
-from rollout_svc.keys import Nudge, StateField
+from rollout_svc.keys import StateField
 from rollout_svc.protocol import ControlCommand, PauseMode, RolloutRequest, decode, encode, unrun_trajectory
 
 SLEEP_TAGS = ("weights", "kv_cache")  # vLLM's memory pools: asleep until both are woken
@@ -165,6 +166,7 @@ class ControlPlane:
         self._issue = redis.register_script(ISSUE_LUA)
         self._reseed = redis.register_script(RESEED_LUA)
         self._renew = redis.register_script(RENEW_LEASE_LUA)
+        self._commit = redis.register_script(COMMIT_LUA)
         self._cancel = redis.register_script(CANCEL_LUA)
         self._acks: PubSub | None = None  # subscribed to the acks channel from the first command on
         self._issuing = asyncio.Lock()  # one command at a time per plane: they share that subscription
@@ -176,7 +178,7 @@ class ControlPlane:
 
     async def load_scripts(self) -> None:
         """Load every script the control plane runs (its own, the registry's, the data plane's) once."""
-        for script in (self._issue, self._reseed, self._renew, self._cancel):
+        for script in (self._issue, self._reseed, self._renew, self._commit, self._cancel):
             script.sha = await self.redis.script_load(script.script)
         await self.registry.load_scripts()
         await self.streams.load_scripts()
@@ -280,19 +282,18 @@ class ControlPlane:
         """Record `version` as the fleet's committed weight version (loaded from `checkpoint`, "" for a broadcast)
         and nudge the workers: one whose version differs takes no work until it has this one. No barrier: the
         weight sync waited for its loads already, and resumes (a command, acknowledged) right after.
-        Raises `AccessDeniedError` if this connection's Redis user may not write the state (not `admin`)."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(
-            self.keys.state, mapping={StateField.WEIGHT_VERSION: str(version), StateField.WEIGHT_CHECKPOINT: checkpoint}
-        )
-        pipe.publish(self.keys.weights_channel, Nudge.WEIGHT_COMMIT)
-        pipe.publish(self.keys.control_channel, Nudge.COMMAND)
+        Raises `AccessDeniedError` if this connection's Redis user may not write the state (not `admin`), and
+        `ControlStateMissingError` if the state hash is missing (Redis restarted empty: the workers write it back
+        within a heartbeat; retry the sync then), committing nothing."""
+        args = [str(version), checkpoint, self.keys.weights_channel, self.keys.control_channel]
         try:
-            await pipe.execute()
+            committed = await self._commit(keys=[self.keys.state], args=args)
         except ResponseError as exc:
             if permission_denied(exc):
                 raise AccessDeniedError("commit_weights", ADMIN, str(exc)) from exc
             raise
+        if not committed:
+            raise ControlStateMissingError(self.keys.state)
 
     async def state(self) -> FleetState:
         """The desired state now (pauses whose lease lapsed are `lapsed`, not in force)."""

@@ -59,6 +59,20 @@ if redis.call('HEXISTS', state, lease_field) == 1 then redis.call('HSET', state,
 return 1
 """)
 
+# KEYS: [1] state hash. ARGV: [1] weight version, [2] checkpoint, [3] weights channel, [4] control channel. Commits
+# the version only into a state hash that exists: a Redis that restarted empty gets its state back from the workers
+# (the reseed) first, else the commit would create a state of one field (no epoch, no pauses, the version reset).
+# Returns 1 if committed, 0 if the state is missing.
+COMMIT_LUA = lua("""
+local state = KEYS[1]
+local version, checkpoint, weights_channel, control_channel = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+if redis.call('EXISTS', state) == 0 then return 0 end
+redis.call('HSET', state, '${StateField.WEIGHT_VERSION}', version, '${StateField.WEIGHT_CHECKPOINT}', checkpoint)
+redis.call('PUBLISH', weights_channel, '${Nudge.WEIGHT_COMMIT}')
+redis.call('PUBLISH', control_channel, '${Nudge.COMMAND}')
+return 1
+""")
+
 # KEYS: [1] state hash. ARGV: field/value pairs. A worker that finds the state missing (a Redis that forgot)
 # writes back what it last applied, unless another worker already has: a paused fleet does not silently resume.
 # HSETNX, not HSET (the same here, the hash being missing): a worker's Redis user may add state fields, not change them.

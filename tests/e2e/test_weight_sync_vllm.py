@@ -106,7 +106,11 @@ async def test_a_keep_pause_across_a_sync_splits_the_generation_at_the_frozen_to
         [reference] = await client.generate([prompt], long)
         run = Streaming(client, [prompt], long)
         [before_sync] = await run.streamed(8, 120)  # generating, some tokens in
+        # Held frozen across the sync: its transfer runs outside the sync's own pause, long enough for a 96-token
+        # generation to end on a loaded machine before the load; frozen, it is in flight when the weights switch.
+        await client.pause("keep", holder="test")
         await sender.update(perturbed.items(), version=old + 1, pause_mode="keep")
+        await client.resume(holder="test")
         [split] = await run.task
         [(v0, zero), (v1, cut)] = split.weight_versions
         assert (v0, zero, v1) == (old, 0, old + 1), split.weight_versions

@@ -53,6 +53,7 @@ class ChaosConfig:
     fault_gap_s: tuple[float, float] = (0.5, 2.5)
     settle_s: float = 30.0
     log_dir: Path | None = None  # None: a temporary folder, removed after a clean run
+    syncs: bool = True  # a trainer syncs weights every 1-3 s (`chaos.syncs`), and the nemesis kills it
 
     def settings(self, redis_url: str) -> Settings:
         return Settings(
@@ -105,7 +106,10 @@ class ChaosFleet:
         self.redis = PrivateRedis(self.redis_url, log_dir / "redis")
         self.redis_process: subprocess.Popen[bytes] | None = None
         self.engine = EngineSettings(
-            engine="echo", max_num_seqs=config.capacity, echo_token_delay_s=config.token_delay_s
+            engine="echo",
+            max_num_seqs=config.capacity,
+            echo_token_delay_s=config.token_delay_s,
+            echo_preload_weight_transfer=config.syncs,  # torch imported at start: a replacement joins a sync at once
         )
         self.slots = [Slot(f"w{i}", f"w{i}") for i in range(config.workers)]
         self.processes: list[subprocess.Popen[bytes]] = []  # every child ever started

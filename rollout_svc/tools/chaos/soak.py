@@ -18,6 +18,8 @@ Redis restart and one pause at a time.
                  the last second of writes), leave it down 0.5-2 s, start it again from its files
   pause          pause in turn in each mode (keep, abort, wait) for 0.3-2 s, then resume (retried until acked)
   abort_session  abort(session_id=...) of a session with a turn in flight; its driver starts a new session
+  kill_sender    SIGKILL the trainer that syncs weights every 1-3 s (`rollout_svc.tools.chaos.syncs`), whatever it is
+                 doing (its pause must lapse by itself); another starts 0.5-2 s later. With `--no-syncs`, no trainer.
 
 At the end the load stops, the faults under way finish (stalled workers continue, Redis is up, the fleet
 resumed), the calls in flight return (each bounded by its timeout), and the run waits (bounded) for the queues to
@@ -62,6 +64,7 @@ from rollout_svc.tools.chaos.fleet import (
     worker_errors,
 )
 from rollout_svc.tools.chaos.ledger import Answer, Ledger, Submitted, Verdict, check
+from rollout_svc.tools.chaos.syncs import SYNC_DEADLINE_S, Syncer
 
 FAULT_KINDS = ("kill", "stall", "redis_restart", "pause", "abort_session")
 PAUSE_MODES: tuple[PauseMode, ...] = ("keep", "abort", "wait")
@@ -201,10 +204,12 @@ class Nemesis:
         ledger: Ledger,
         journal: Journal,
         config: ChaosConfig,
+        syncer: Syncer | None = None,
     ) -> None:
         self.fleet, self.operator, self.load, self.ledger, self.journal = fleet, operator, load, ledger, journal
-        self.config, self.rng = config, random.Random(f"{config.seed}-nemesis")
-        self.counts: Counter[str] = Counter({kind: 0 for kind in FAULT_KINDS})
+        self.config, self.rng, self.syncer = config, random.Random(f"{config.seed}-nemesis"), syncer
+        self.kinds = FAULT_KINDS + (("kill_sender",) if syncer is not None else ())
+        self.counts: Counter[str] = Counter({kind: 0 for kind in self.kinds})
         self.details: Counter[str] = Counter()  # pause modes, Redis signals, replacement ids
         self.anomalies: list[str] = []  # control commands that failed or timed out, faults that failed half-way
         self._redis_busy = self._pausing = False
@@ -216,6 +221,7 @@ class Nemesis:
             "redis_restart": self._redis_restart,
             "pause": self._pause,
             "abort_session": self._abort_session,
+            "kill_sender": self._kill_sender,
         }
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -234,7 +240,7 @@ class Nemesis:
     def _draw(self) -> str | None:
         """The next kind from a shuffled deck of every kind, skipping (and keeping) those that cannot run now."""
         if not self._deck:
-            self._deck = list(FAULT_KINDS)
+            self._deck = list(self.kinds)
             self.rng.shuffle(self._deck)
         for kind in self._deck:
             if self._possible(kind):
@@ -249,6 +255,8 @@ class Nemesis:
             return not self._redis_busy
         if kind == "pause":
             return not self._pausing
+        if kind == "kill_sender":
+            return self.syncer is not None and self.syncer.process is not None
         return bool(self.load.current)
 
     def _free_slots(self) -> list[Slot]:
@@ -338,6 +346,11 @@ class Nemesis:
                 self.journal("resume", f"gave up after {RESUME_PERSIST_S:g} s: the fleet may stay paused")
                 return
             await asyncio.sleep(0.5)
+
+    async def _kill_sender(self) -> None:
+        assert self.syncer is not None
+        self._record("kill_sender", "trainer")
+        await self.syncer.kill(self.rng)
 
     async def _abort_session(self) -> None:
         session_id = self.load.pick_session(self.rng)
@@ -487,18 +500,32 @@ async def _soak(config: ChaosConfig, fleet: ChaosFleet, journal: Journal) -> tup
     await fleet.start()
     journal("fleet", f"Redis and {config.workers} workers up: {', '.join(s.worker_id for s in fleet.slots)}")
     ledger = Ledger(journal.started_at)
+    syncer = Syncer(fleet, journal) if config.syncs else None
     async with RolloutClient(fleet.settings) as client, RolloutClient(fleet.settings) as operator:
         load = Load(client, ledger, journal, config)
-        nemesis = Nemesis(fleet, operator, load, ledger, journal, config)
+        nemesis = Nemesis(fleet, operator, load, ledger, journal, config, syncer)
         supervisor = asyncio.create_task(fleet.supervise(journal))
         try:
+            if syncer is not None:
+                await syncer.start()
             failed_drivers = await _drive(load, nemesis, config, journal)
+            if syncer is not None:  # one more sync, then no trainer: its pause, if it held one, lapses
+                await syncer.finish(timeout_s=2 * SYNC_DEADLINE_S)
             end = await settle(fleet, operator, config, journal)
         finally:
             supervisor.cancel()
+            if syncer is not None:
+                await syncer.stop()
         client_stats = {"retries": client.stats.retries, "duplicates": client.stats.duplicates}
-    verdict = check(ledger, failed_drivers + fleet.crashes + end.violations)
-    return _summary(config, ledger, load, nemesis, verdict, end, client_stats, journal), verdict
+    sync_violations: list[dict[str, Any]] = []
+    if syncer is not None:
+        syncer.check_versions(ledger)
+        sync_violations = syncer.violations
+    verdict = check(ledger, failed_drivers + fleet.crashes + end.violations + sync_violations)
+    summary = _summary(config, ledger, load, nemesis, verdict, end, client_stats, journal)
+    if syncer is not None:
+        summary["syncs"] = dict(syncer.counts)
+    return summary, verdict
 
 
 async def _drive(load: Load, nemesis: Nemesis, config: ChaosConfig, journal: Journal) -> list[dict[str, Any]]:
@@ -550,7 +577,7 @@ def _summary(
         "requests": len(ledger.submitted),
         "answered": ledger.answered,
         "outcomes": dict(verdict.outcomes),
-        "faults": dict(nemesis.counts),
+        "faults": dict(nemesis.counts),  # kill_sender: the trainer's; its syncs under "syncs"
         "violations": verdict.violations[:JSON_VIOLATIONS],
         "violations_total": len(verdict.violations),
         "calls": load.calls,
