@@ -313,7 +313,7 @@ class WeightSender:
             if pause is not None:  # every bucket went out while the fleet served: pause now, for the loads
                 received = await self.plane.await_barrier(sync_id, RECEIVED, names, self.timeout_s)
                 dead += received.dead
-                failed = {w: why for w, why in received.failures.items() if w not in received.dead}
+                failed = received.live_failures
                 names = received.ok
                 if names:
                     await pause.hold()
@@ -421,5 +421,5 @@ class _Pause:
 
 
 def _report(version: int, transport: Literal["broadcast", "checkpoint"], outcome: BarrierOutcome) -> SyncReport:
-    stale = {w: why for w, why in outcome.failures.items() if w not in outcome.dead}
+    stale = outcome.live_failures
     return SyncReport(version=version, transport=transport, loaded=outcome.ok, stale=stale, dead=list(outcome.dead))

@@ -6,13 +6,17 @@ field and nudge through `keys.lua` placeholders (`'${StateField.EPOCH}'`), never
 
 from rollout_svc.keys import lua
 
-# Shared by the scripts that write pause holders: the Redis clock in unix ms, and the pruning of every pause whose
-# lease lapsed (its holder field and lease go; a `lapsed:{holder}` field keeps when, for `status`).
-_LEASES = lua("""
+# Redis' clock in unix ms, for the scripts that compare or write times (leases, tombstones).
+_CLOCK = lua("""
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
+""")
+
+# Shared by the scripts that write pause holders: the clock, and the pruning of every pause whose lease lapsed (its
+# holder field and lease go; a `lapsed:{holder}` field keeps when, for `status`).
+_LEASES = _CLOCK + lua("""
 local function prune_lapsed(state, now)
   local lease_prefix = '${StateField.LEASE_PREFIX}'
   local fields = redis.call('HGETALL', state)
@@ -84,13 +88,12 @@ return 1
 """)
 
 # KEYS: [1] tombstones. ARGV: [1] ttl ms, [2] cancel channel, then request ids. Expired tombstones are pruned.
-CANCEL_LUA = lua("""
+CANCEL_LUA = _CLOCK + lua("""
 local tombstones = KEYS[1]
 local ttl_ms, channel = tonumber(ARGV[1]), ARGV[2]
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', tombstones, '-inf', now_ms)
-for i = 3, #ARGV do redis.call('ZADD', tombstones, now_ms + ttl_ms, ARGV[i]) end
+local now = now_ms()
+redis.call('ZREMRANGEBYSCORE', tombstones, '-inf', now)
+for i = 3, #ARGV do redis.call('ZADD', tombstones, now + ttl_ms, ARGV[i]) end
 redis.call('PUBLISH', channel, '${Nudge.CANCEL}')
 return #ARGV - 2
 """)

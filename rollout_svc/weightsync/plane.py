@@ -54,6 +54,11 @@ class BarrierOutcome:
         return sorted(w for w, outcome in self.arrived.items() if outcome == OK)
 
     @property
+    def live_failures(self) -> dict[str, str]:
+        """The members that lived and did not reach the barrier in good order, with why (the dead left out)."""
+        return {w: why for w, why in self.failures.items() if w not in self.dead}
+
+    @property
     def failures(self) -> dict[str, str]:
         """Every member that did not reach the barrier in good order, with why."""
         failed = {w: outcome for w, outcome in self.arrived.items() if outcome != OK}
