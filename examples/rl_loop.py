@@ -215,7 +215,7 @@ async def rl_loop(settings: Settings, model: Any, args: argparse.Namespace) -> L
     rng = random.Random(args.seed)
     rewards_per_step: list[float] = []
     async with RolloutClient(settings, max_staleness=1) as client, WeightSender(settings=settings) as sender:
-        workers = await client.world_size()
+        workers = len(await client.workers())
         if workers == 0:
             raise SystemExit(
                 f"rl_loop: no live worker at {settings.redis_url}: start some with "

@@ -1,5 +1,5 @@
 """`python -m rollout_svc`: the same as the `rollout-svc` command."""
 
-from rollout_svc.cli.main import app
+from rollout_svc.cli import main
 
-app()
+main()

@@ -100,6 +100,18 @@ class EngineSettings(BaseModel):
     tool_call_parser: str = Field(
         "hermes", description="vLLM tool-call parser for tool_choice=auto ('' for none): hermes, llama3_json, ..."
     )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="vLLM: GPUs one model replica's layers are split over (tensor parallel ranks)"
+    )
+    pipeline_parallel_size: int = Field(1, ge=1, description="vLLM: pipeline stages of one model replica")
+    data_parallel_size: int = Field(
+        1, ge=1, description="vLLM: model replicas in this worker's engine, each tensor x pipeline parallel"
+    )
+    enable_lora: bool = Field(False, description="vLLM: serve LoRA adapters (`rollout-svc adapter load`)")
+    max_loras: int = Field(
+        4, ge=1, description="vLLM: LoRA adapters (versions count apiece) in one batch; more wait for a slot"
+    )
+    max_lora_rank: int = Field(16, ge=1, description="vLLM: the largest LoRA rank an adapter may have")
     weight_transfer_backend: Literal["none", "nccl"] = Field(
         "none",
         description="vLLM's native weight transfer, for a trainer-led broadcast (SkyRL's /init_weight_transfer_engine"
@@ -115,9 +127,25 @@ class EngineSettings(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _parallel_only_on_vllm(self) -> EngineSettings:
+        if self.engine != "vllm" and self.gpus > 1:
+            raise ValueError(
+                f"tensor, pipeline and data parallel sizes are vLLM's: the {self.engine} engine runs one rank "
+                "(leave them at 1; the sim engine's --sim-engines runs several simulated GPUs)"
+            )
+        return self
+
     @property
     def capacity(self) -> int:
-        return self.max_num_seqs or (64 if self.engine == "vllm" else 1024)  # sim: vLLM's max_num_seqs on H100
+        """Sequences the worker runs at once: `max_num_seqs` per data-parallel replica (vLLM schedules each)."""
+        per_replica = self.max_num_seqs or (64 if self.engine == "vllm" else 1024)  # sim: vLLM's on H100
+        return per_replica * self.data_parallel_size
+
+    @property
+    def gpus(self) -> int:
+        """Devices (ranks) one worker's engine spans: tensor x pipeline x data parallel size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
     def vllm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `workers.engine.vllm_engine_args` (all but `model`)."""
@@ -125,11 +153,16 @@ class EngineSettings(BaseModel):
             "dtype": self.dtype,
             "max_model_len": self.max_model_len,
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
-            "max_num_seqs": self.capacity,
+            "max_num_seqs": self.max_num_seqs or 64,
             "seed": self.seed,
         }
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) > 1:
+                kwargs[name] = getattr(self, name)
         if self.enable_sleep_mode is not None:
             kwargs["enable_sleep_mode"] = self.enable_sleep_mode
+        if self.enable_lora:
+            kwargs |= {"enable_lora": True, "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank}
         if self.weight_transfer_backend != "none":
             kwargs["weight_transfer_config"] = {"backend": self.weight_transfer_backend}
         return kwargs
@@ -299,6 +332,12 @@ class Settings(BaseSettings):
         pattern=r"^[A-Za-z0-9_.-]{1,64}$",
         description="workers: the shard (worker group) this worker joins; its keys share one Redis Cluster hash tag",
     )
+    model_name: str = Field(
+        "",
+        pattern=r"^([A-Za-z0-9][A-Za-z0-9._\-]{0,127})?$",
+        description="the served model name: what a worker serves and a client or `serve` addresses; each has keys, "
+        "queues and control state of its own, so several models share one Redis ('': the fleet's default model)",
+    )
     cache_dir: Path = Field(default_factory=default_cache_dir)
     redis_data_dir: Path | None = Field(
         None, description="up's private Redis: where its append-only file lives (default: <cache_dir>/redis/<port>)"
@@ -336,7 +375,14 @@ class Settings(BaseSettings):
 
     @property
     def keys(self) -> Keys:
-        return Keys(self.key_prefix, self.shard)
+        """This model's keys: under `key_prefix`, or `{key_prefix}:model:{model_name}` for a named model."""
+        prefix = f"{self.key_prefix}:model:{self.model_name}" if self.model_name else self.key_prefix
+        return Keys(prefix, self.shard)
+
+    @property
+    def models_key(self) -> str:
+        """The set of named models whose workers registered (`{key_prefix}:models`; untagged, one per deployment)."""
+        return f"{self.key_prefix}:models"
 
     def copy_with(self, **fields: Any) -> Settings:
         """These settings with `fields` replaced (deployment or concern fields, flat), validated. Raises

@@ -22,6 +22,16 @@ class InvalidRequestError(RolloutError, ValueError):
     recoverable = False
 
 
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model or LoRA adapter the fleet does not serve (HTTP 404, as vLLM answers). Load the
+    adapter first (`rollout-svc adapter load`), or name one `rollout-svc adapter list` or `/v1/models` shows."""
+
+    def __init__(self, name: str, known: list[str] | None = None) -> None:
+        self.name = name
+        served = f"; served: {', '.join(known)}" if known else ""
+        super().__init__(f"the model `{name}` does not exist (no base model or loaded adapter of that name){served}")
+
+
 class ProtocolError(RolloutError):
     """A message could not be decoded: not msgpack, unknown type, or another schema version."""
 

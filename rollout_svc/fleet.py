@@ -111,6 +111,11 @@ class Fleet:
         self.links: dict[str, ShardLink] = {}
         self._lock = asyncio.Lock()
 
+    async def named_models(self) -> list[str]:
+        """The named models whose workers registered in this deployment (`Settings.model_name`; `models_key`)."""
+        members: Any = await self.router.smembers(self.settings.models_key)
+        return sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
+
     async def refresh(self) -> list[str]:
         """Connect to every registered shard (and the settings' own); returns the names found. Raises the Redis error
         if no shard at all can be reached."""
@@ -286,6 +291,21 @@ class FleetControl:
     async def reset_prefix_cache(self, reset_running_requests: bool = False, *, timeout_s: float | None = None) -> int:
         return await self._all(lambda c: c.reset_prefix_cache(reset_running_requests, timeout_s=timeout_s))
 
+    async def load_adapter(
+        self, name: str, path: str, *, version: int | None = None, timeout_s: float | None = None
+    ) -> int:
+        """`ControlPlane.load_adapter` in every shard, at one version (default: the newest any shard had + 1)."""
+        await self.fleet.refresh()
+        if version is None:
+            newest = await self.fleet.each(lambda link: link.control.newest_adapter_version(name))
+            version = max(newest.values(), default=0) + 1
+        chosen = version
+        await self.fleet.each(lambda link: link.control.load_adapter(name, path, version=chosen, timeout_s=timeout_s))
+        return chosen
+
+    async def unload_adapter(self, name: str, *, timeout_s: float | None = None) -> int:
+        return await self._all(lambda c: c.unload_adapter(name, timeout_s=timeout_s))
+
     async def next_weight_version(self, version: int | None = None) -> int:
         """The version a weight sync commits: `version`, or the committed one plus one. Raises
         `InvalidRequestError` for a version not above the committed one (tokens' versions only ever grow)."""
@@ -296,9 +316,9 @@ class FleetControl:
             raise InvalidRequestError(f"weight version {version} is not above the committed version {committed}")
         return version
 
-    async def commit_weights(self, version: int, checkpoint: str = "") -> None:
+    async def commit_weights(self, version: int, checkpoint: str = "", digest: str = "") -> None:
         await self.fleet.refresh()
-        await self.fleet.each(lambda link: link.control.commit_weights(version, checkpoint))
+        await self.fleet.each(lambda link: link.control.commit_weights(version, checkpoint, digest))
 
     async def state(self) -> FleetState:
         """The desired state, as the first shard (by name) that answers holds it (every command writes all)."""

@@ -24,6 +24,9 @@ EPOCH_FIELD = b"e"  # the control epoch when the request was first enqueued (abo
 DELIVERIES_FIELD = b"d"  # deliveries before this entry was requeued (a dead worker had it), absent if none
 COST_FIELD = b"c"  # the work the request brings, in tokens (`RolloutRequest.cost_tokens`), absent if unknown
 FREE_SUFFIX = ":free"  # `Keys.loads`: field WORKER_ID + this holds "free-slots at-ms"
+# The largest cost placement counts for one request, in tokens: a load is summed in Lua numbers (doubles, exact to
+# 2^53) and kept with HINCRBY (64-bit integers), so a request asking for 10^30 tokens must not reach either as such.
+MAX_COST = 1 << 40
 
 
 # Weight-sync barrier phases (`Keys.weight_barrier`) and the value a worker writes there when a phase went well.
@@ -62,10 +65,23 @@ class StateField:
     SLEEP_MODE = "sleep_mode"  # the pause mode a sleep applies to in-flight requests
     WEIGHT_VERSION = "weight_version"  # the committed weight version
     WEIGHT_CHECKPOINT = "weight_checkpoint"  # the checkpoint it was loaded from ("": a broadcast)
+    WEIGHT_DIGEST = "weight_digest"  # a broadcast version's digest (`weightsync.transfer.weights_digest`), else ""
     HOLDER_PREFIX = "pause:"  # field pause:{holder} = its pause mode, one per holder of a pause
     LEASE_PREFIX = "lease:"  # field lease:{holder} = when its pause lapses (unix ms, Redis' clock); none: held
     LAPSED_PREFIX = "lapsed:"  # field lapsed:{holder} = when a leased pause of it lapsed (unix ms), kept for `status`
     AWAKE_PREFIX = "awake:"  # field awake:{tag} = 1, per memory pool a partial wake-up restored
+    ADAPTER_PREFIX = "adapter:"  # field adapter:{name} = "{version}:{path}", per LoRA adapter loaded fleet-wide
+    ADAPTER_LAST_PREFIX = "adapter_last:"  # field adapter_last:{name} = its newest version ever (kept on unload)
+
+    @staticmethod
+    def adapter(name: str) -> str:
+        """The field of a LoRA adapter the fleet holds (`adapter:{name}`)."""
+        return StateField.ADAPTER_PREFIX + name
+
+    @staticmethod
+    def adapter_last(name: str) -> str:
+        """The field of an adapter's newest version ever given (`adapter_last:{name}`): versions only go up."""
+        return StateField.ADAPTER_LAST_PREFIX + name
 
     @staticmethod
     def holder(name: str) -> str:
@@ -116,6 +132,7 @@ class Nudge:
     WEIGHT_MANIFEST = b"manifest"  # ... a broadcast's tensors were announced
     WEIGHT_LOAD = b"load"  # ... a staged sync's members may load what they received (the fleet is paused)
     WEIGHT_COMMIT = b"commit"  # ... a weight version was committed
+    CATCH_UP = b"catch-up"  # ... a stale worker asks a peer for the committed version (`Keys.weight_catch_ups`)
 
 
 class ScriptReply:
@@ -152,6 +169,7 @@ _MODULE_NAMES = {
     "DELIVERIES_FIELD": DELIVERIES_FIELD,
     "COST_FIELD": COST_FIELD,
     "FREE_SUFFIX": FREE_SUFFIX,
+    "MAX_COST": str(MAX_COST),
     "JOINED": JOINED,
     "LOADED": LOADED,
     "OK": OK,
@@ -334,7 +352,7 @@ class Keys:
         return f"{self.tagged}:cancel"
 
     # --- weight sync ------------------------------------------------------------------------------------------
-    # The committed weight version (and the checkpoint it came from) are fields of `state`.
+    # The committed weight version (and the checkpoint it came from, or its digest) are fields of `state`.
 
     @property
     def weight_sync(self) -> str:
@@ -353,6 +371,16 @@ class Keys:
     def weight_load(self, sync_id: str) -> str:
         """String: written once the fleet is paused for a staged sync (`WeightSyncOrder.staged`): load now."""
         return f"{self.tagged}:weight-sync:{sync_id}:load"
+
+    @property
+    def weight_catch_ups(self) -> str:
+        """Hash: one field per stale worker catching up from a peer (`workers.catch_up`), its msgpack
+        `CatchUpOrder`; the worker deletes it once done."""
+        return f"{self.tagged}:weight-catch-ups"
+
+    def weight_catch_up_answer(self, catch_up_id: str) -> str:
+        """String, with TTL: a peer's answer to a catch-up order (msgpack `CatchUpAnswer`)."""
+        return f"{self.tagged}:weight-catch-up:{catch_up_id}"
 
     @property
     def weights_channel(self) -> str:

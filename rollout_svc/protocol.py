@@ -25,6 +25,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rollout_svc.errors import InvalidRequestError, ProtocolError
+from rollout_svc.keys import MAX_COST
 from rollout_svc.wire import ENVELOPE, WireModel, encode_envelope
 
 SCHEMA_VERSION = 1
@@ -46,8 +47,10 @@ ErrorCode = Literal[
     "undecodable",  # the entry could not be decoded
     "engine_error",  # the engine failed on this request
     "shard_unavailable",  # the Redis primary of the request's shard stayed unreachable past redis_outage_s
+    "unknown_adapter",  # the request names a LoRA adapter its worker does not hold (never loaded, or unloaded)
 ]
-TokenId = Annotated[int, Field(ge=0)]
+INT64_MAX = 2**63 - 1  # the largest integer MessagePack (and vLLM's int64 tensors) carry signed
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 TopLogprob = tuple[int, str, float]  # (token id, its text, logprob)
 PromptLogprob = tuple[int, str, float, int]  # (token id, its text, logprob, rank: 1 is the most likely)
 
@@ -95,14 +98,14 @@ class SamplingParams(_Message):
 
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="0 or -1: no top-k")
+    top_k: int = Field(0, ge=-1, le=INT64_MAX, description="0 or -1: no top-k")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    max_tokens: int = Field(16, ge=1)
-    min_tokens: int = Field(0, ge=0)
+    max_tokens: int = Field(16, ge=1, le=INT64_MAX)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
@@ -150,6 +153,7 @@ class Continuation(_Message):
     weight_versions: list[WeightSpan] = Field(default_factory=list)
     top_logprobs: list[list[TopLogprob]] | None = None
     tokens: list[str] | None = None  # each token's text, where the attempt had them (asked for logprobs)
+    adapter_versions: list[WeightSpan] = Field(default_factory=list)  # as weight_versions, of the request's adapter
 
 
 class RolloutRequest(_Message):
@@ -166,6 +170,9 @@ class RolloutRequest(_Message):
     (SkyRL's `generate` calls `/detokenize` after each, which `serve` then answers without a worker).
     `expected_tokens`: the output tokens it is expected to make (`sample` sets it from the prompt's earlier groups,
     `client/expected.py`); placement counts it in place of `max_tokens` (`cost_tokens`). None: unknown.
+    `adapter`: the LoRA adapter to generate with, by the name it was loaded under (`ControlPlane.load_adapter`),
+    at its newest version when the attempt starts; None: the base model. A worker that does not hold it answers
+    `unknown_adapter`, never the base model.
     """
 
     request_id: str = Field(min_length=1)
@@ -185,6 +192,7 @@ class RolloutRequest(_Message):
     stream: bool = False
     text_as_detokenized: bool = False
     expected_tokens: int | None = Field(None, ge=1)
+    adapter: str | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RolloutRequest:
@@ -217,7 +225,8 @@ class RolloutRequest(_Message):
             text = self.prompt if self.prompt is not None else "".join(m.content or "" for m in self.messages or ())
             prompt = len(text) // 4 + 1
         output = self.sampling_params.max_tokens
-        return prompt + (output if self.expected_tokens is None else min(output, self.expected_tokens))
+        total = prompt + (output if self.expected_tokens is None else min(output, self.expected_tokens))
+        return min(total, MAX_COST)  # a max_tokens of 10^30 is valid input, not a load to sum in Lua
 
     @property
     def original_request_id(self) -> str:
@@ -271,6 +280,11 @@ class Trajectory(_Message):
     in order (a keep-pause across a weight sync gives two); `weight_version` is the version of the last token
     (of the engine, for a trajectory without tokens). `staleness` is set by the client: the committed version when
     it received the trajectory minus the version of its first token (None until then).
+    Adapters: a request that named one has `adapter` (its name) and `adapter_versions`, the adapter's versions the
+    completion spanned, as `weight_versions` (a new version never cuts a running attempt: only a retry can move to
+    one); `adapter_version` is the last one's. `adapter_staleness`, set by the client as `staleness` is: the adapter's
+    newest version when it received the trajectory minus the version of its first token; `max_staleness` bounds it
+    as it bounds `staleness`.
 
     Asked for (`sampling_params.logprobs = k`): `top_logprobs[i]` lists up to k `(token_id, token, logprob)` of the
     most likely tokens at position i, best first, and `tokens[i]` is the text of `completion_token_ids[i]`. Asked for
@@ -306,6 +320,14 @@ class Trajectory(_Message):
     content: str | None = None
     prompt_logprobs: list[list[PromptLogprob]] | None = None
     cached_tokens: int = 0
+    adapter: str | None = None
+    adapter_versions: list[WeightSpan] = Field(default_factory=list)
+    adapter_staleness: int | None = None
+
+    @property
+    def adapter_version(self) -> int | None:
+        """The adapter version of the last token (None: no adapter, or no attempt ran)."""
+        return self.adapter_versions[-1][0] if self.adapter_versions else None
 
 
 class TrajectoryChunk(_Message):
@@ -342,6 +364,8 @@ def unrun_trajectory(request: RolloutRequest, cause: AbortCause, worker_id: str 
         interruptions=prior.interruptions if prior else 0,
         weight_versions=list(prior.weight_versions) if prior else [],
         weight_version=prior.weight_versions[-1][0] if prior and prior.weight_versions else 0,
+        adapter=request.adapter,
+        adapter_versions=list(prior.adapter_versions) if prior else [],
         worker_id=worker_id,
         queue_time_s=max(0.0, time.time() - request.submitted_at),
     )
@@ -460,6 +484,27 @@ class WeightManifest(_Message):
         return sum(self.bucket_nbytes)
 
 
+class CatchUpOrder(_Message):
+    """A stale worker (`learner`) asks `peer`, which serves the committed `version`, to send it over the transfer
+    group `group` (`Keys.weight_catch_ups`): the peer is rank 0, the learner's engine ranks follow; the learner's
+    rollout process listens at the group's rendezvous."""
+
+    catch_up_id: str
+    version: int
+    learner: str
+    peer: str
+    group: TransferGroup
+    issued_at: float = Field(default_factory=time.time)
+
+
+class CatchUpAnswer(_Message):
+    """The peer's answer (`Keys.weight_catch_up_answer`): the manifest of what it sends, or why it refuses."""
+
+    catch_up_id: str
+    manifest: WeightManifest | None = None
+    refused: str = ""
+
+
 Request = RolloutRequest | TokenizeRequest | DetokenizeRequest
 Result = Trajectory | ErrorResult | TokenizeResult  # a request's answer; a TrajectoryChunk comes before it
 _TYPES: dict[str, type[_Message]] = {
@@ -475,6 +520,8 @@ _TYPES: dict[str, type[_Message]] = {
         ControlCommand,
         WeightSyncOrder,
         WeightManifest,
+        CatchUpOrder,
+        CatchUpAnswer,
     )
 }
 
@@ -568,6 +615,9 @@ class WorkerStatus(BaseModel):
     is the control epoch it has applied (its acknowledgement); `pause_mode` the mode it is paused in ("" when
     not paused); `memory_released` whether sleeping freed engine memory (never on CPU). `fenced_results`
     counts results it dropped because their request had been requeued while it was presumed dead.
+    `tensor_parallel_size` x `pipeline_parallel_size` x `data_parallel_size` = `weight_ranks`: the devices (GPUs)
+    its engine spans, each a rank of a weight transfer (1 for the echo and sim engines). `adapters`: the LoRA
+    adapters it holds, newest version of each, as `name@version` joined by commas (`adapter_versions` parses it).
     """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
@@ -575,6 +625,7 @@ class WorkerStatus(BaseModel):
     state: WorkerLabel = "serving"
     engine: str = ""
     model: str = ""
+    weight_digest: str = ""
     capacity: int = 0
     in_flight: int = 0
     served: int = 0
@@ -592,6 +643,16 @@ class WorkerStatus(BaseModel):
     error_epoch: int = 0
     error: str = ""
     weight_ranks: int = 1
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    adapters: str = ""
+
+    @property
+    def adapter_versions(self) -> dict[str, int]:
+        """`adapters` parsed: name -> the newest version it holds."""
+        pairs = (item.rpartition("@") for item in self.adapters.split(",") if item)
+        return {name: int(version) for name, _, version in pairs}
 
     def to_hash(self) -> dict[str, str]:
         """The heartbeat hash's fields: every value as a string (bools as 1/0)."""

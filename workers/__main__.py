@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import logging
 import signal
 import sys
@@ -19,6 +20,7 @@ from workers.worker import Worker, default_worker_id
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m workers", description="Run one rollout-svc worker (one engine).")
     p.add_argument("--redis-url", help="Redis URL (env ROLLOUT_REDIS_URL; default redis://127.0.0.1:6379/0)")
+    p.add_argument("--model-name", help="the served model name (env ROLLOUT_MODEL_NAME; default: the fleet's model)")
     p.add_argument("--worker-id", help="stable id (default: host-pid-random)")
     p.add_argument("--drain-timeout-s", type=float, default=5.0, help="on stop: let in-flight requests finish")
     p.add_argument("--log-level", default="INFO")
@@ -29,7 +31,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_engine(settings: Settings) -> Engine:
-    """The engine `settings.engine` describes (the real vLLM one by default; the model prepared if none is named)."""
+    """The engine `settings.engine` describes (the real vLLM one by default; the model prepared if none is named),
+    answering to `settings.model_name` where one is given (in its heartbeat, `status`, `/v1/models`)."""
+    engine = _engine(settings)
+    if settings.model_name:
+        engine.model_name = settings.model_name
+    return engine
+
+
+def _engine(settings: Settings) -> Engine:
     engine = settings.engine
     if engine.engine == "echo":
         return EchoEngine(
@@ -66,7 +76,9 @@ def start_metrics(port: int, host: str) -> WorkerMetrics | None:
 
 async def serve(args: argparse.Namespace) -> None:
     settings = Settings(
-        engine=EngineSettings.from_args(args), **({"redis_url": args.redis_url} if args.redis_url else {})
+        engine=EngineSettings.from_args(args),
+        **({"redis_url": args.redis_url} if args.redis_url else {}),
+        **({"model_name": args.model_name} if args.model_name else {}),
     )
     workers = [
         Worker(
@@ -81,10 +93,20 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: [worker.stop() for worker in workers])
+    loop.add_signal_handler(signal.SIGUSR1, log_tasks)
     results = await asyncio.gather(*(worker.run() for worker in workers), return_exceptions=True)
     for result in results:
         if isinstance(result, BaseException):
             raise result
+
+
+def log_tasks() -> None:
+    """`kill -USR1 PID`: log where each of the worker's tasks is waiting (a worker that looks stuck)."""
+    out = io.StringIO()
+    for task in asyncio.all_tasks():
+        print(f"--- task {task.get_name()}", file=out)
+        task.print_stack(limit=12, file=out)
+    logging.getLogger("rollout_svc.worker").warning("asyncio tasks on SIGUSR1:\n%s", out.getvalue())
 
 
 def replica_ids(worker_id: str | None, engine: EngineSettings) -> list[str | None]:

@@ -1,10 +1,11 @@
 """Brings one worker to the fleet's desired control state: the worker's side of the control plane.
 
 Level-triggered: `converge()` reads the state hash and the commands logged since the last one it saw, applies
-the one-shot commands (abort, prefix-cache reset) in epoch order, then moves the engine to the desired level
-(paused in a mode, asleep, serving). It returns True once everything is applied, and the worker acknowledges
-the epoch; it returns False while in-flight requests must finish first (pause `wait`, or aborted requests
-still returning their partial output), and the worker calls it again when one finishes or a nudge arrives.
+the one-shot commands (abort, prefix-cache reset) in epoch order, loads and unloads LoRA adapters, then moves the
+engine to the desired level (paused in a mode, asleep, serving). It returns True once everything is applied, and
+the worker acknowledges the epoch; it returns False while in-flight requests must finish first (pause `wait`, or
+aborted requests still returning their partial output), and the worker calls it again when one finishes or a
+nudge arrives.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Converger:
         self._engine_asleep = False
         self._woken: set[str] = set()
         self._awaiting: set[InFlight] = set()  # aborted by a command, must return before the ack
+        self._adapter_failed: set[tuple[str, int]] = set()  # (name, version) whose load failed here: not retried
 
     def restart(self) -> None:
         """A new incarnation: converge from scratch (the engine keeps its pause state)."""
@@ -94,6 +96,8 @@ class Converger:
 
     async def _apply(self, desired: FleetState) -> bool:
         try:
+            if not desired.sleeping and (desired.adapters or self.state.adapters.current):
+                await self._adapters(desired)
             if desired.sleeping:
                 return await self._sleep(desired)
             if self._engine_asleep:
@@ -117,6 +121,17 @@ class Converger:
             log.exception("applying control epoch %d failed", desired.epoch)
             self.state.fail(desired.epoch, f"{type(exc).__name__}: {exc}")
             return True
+
+    async def _adapters(self, desired: FleetState) -> None:
+        """Load the adapters the fleet holds and this engine lacks, drop the others. A failed load fails this epoch
+        here (the issuer's `ControlCommandError` names this worker and why) and is not tried again for that
+        version: the trainer loads a fixed one as a new version."""
+        wanted = {n: s for n, s in desired.adapters.items() if (n, s.version) not in self._adapter_failed}
+        root = self.control.settings.weight_sync.checkpoint_root
+        errors = await self.state.adapters.apply(wanted, self.engine, root)
+        if errors:
+            self._adapter_failed |= {(name, wanted[name].version) for name in errors}
+            self.state.fail(desired.epoch, "; ".join(errors.values()))
 
     async def _pause(self, mode: PauseMode) -> bool:
         """Stop taking; keep freezes in-flight requests, abort cuts them, wait lets them finish first."""

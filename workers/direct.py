@@ -4,7 +4,8 @@ Used by the "service vs direct vLLM: token-identical" test and by the throughput
 (service tok/s / direct tok/s). From the command line:
 
     python -m workers.direct --model DIR --prompts-file IN.json --out OUT.json [--dtype float32]
-        [--max-tokens N] [--temperature 0] [--sequential] [any engine setting of `python -m workers`]
+        [--max-tokens N] [--temperature 0] [--sequential] [--lora-path DIR --enable-lora]
+        [any engine setting of `python -m workers`]
 
 IN.json is a JSON list of prompts, each a list of token ids. OUT.json gets
 `{"outputs": [{"completion_token_ids": [...], "logprobs": [...]}, ...], "output_tokens": N,
@@ -27,14 +28,19 @@ from workers.engine import sampled_logprobs, shutdown_llm, vllm_engine_args
 
 
 async def run_prompts(
-    llm: Any, prompts: list[list[int]], sampling_params: Any, sequential: bool, max_tokens: int | None = None
+    llm: Any,
+    prompts: list[list[int]],
+    sampling_params: Any,
+    sequential: bool,
+    max_tokens: int | None = None,
+    lora_request: Any = None,
 ) -> dict[str, Any]:
     """Generate one completion per prompt on a started `AsyncLLM`; return the OUT.json dict.
 
     `sampling_params` is a `vllm.SamplingParams` with `logprobs=0, flat_logprobs=True, output_kind=FINAL_ONLY`.
     `sequential` awaits each prompt before sending the next; otherwise all are in flight at once (continuous
     batching). `max_tokens` overrides the params' own. `elapsed_s` is wall-clock seconds for the generation
-    alone, not the engine's startup.
+    alone, not the engine's startup. `lora_request`: a vLLM `LoRARequest` every prompt runs with.
     """
     if max_tokens is not None:
         sampling_params.max_tokens = max_tokens
@@ -42,7 +48,8 @@ async def run_prompts(
 
     async def one(index: int, prompt: list[int]) -> dict[str, Any]:
         # FINAL_ONLY: vLLM yields once, when the request is done.
-        finals = [final async for final in llm.generate(tokens_input(prompt), sampling_params, f"direct-{index}")]
+        stream = llm.generate(tokens_input(prompt), sampling_params, f"direct-{index}", lora_request=lora_request)
+        finals = [final async for final in stream]
         output = finals[-1].outputs[0]
         return {"completion_token_ids": list(output.token_ids), "logprobs": sampled_logprobs(output)}
 
@@ -70,16 +77,19 @@ async def run_direct(
     ignore_eos: bool = False,
     sequential: bool = False,
     warmup: bool = False,
+    lora_path: str | None = None,
     **engine_settings: Any,
 ) -> dict[str, Any]:
     """Start an AsyncLLM from `vllm_engine_args(model, **engine_settings)`, run `prompts`, shut it down.
 
     `warmup` first runs the first two prompts for 4 tokens, untimed: what the benchmark's service side does
     too, so first-call costs (kernel set-up, the prefix cache of those two prompts) fall alike on both.
-    Returns `run_prompts`' dict. The caller's entry point needs an `if __name__ == "__main__":` guard
-    (vLLM spawns its engine core).
+    `lora_path`: every prompt runs with the LoRA adapter in that directory (`LoRARequest("direct", 1, lora_path)`;
+    the engine needs `enable_lora`). Returns `run_prompts`' dict. The caller's entry point needs an
+    `if __name__ == "__main__":` guard (vLLM spawns its engine core).
     """
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -96,7 +106,8 @@ async def run_direct(
     try:
         if warmup:
             await run_prompts(llm, prompts[:2], sampling_params.clone(), sequential=False, max_tokens=4)
-        return await run_prompts(llm, prompts, sampling_params, sequential)
+        lora = None if lora_path is None else LoRARequest(lora_name="direct", lora_int_id=1, lora_path=lora_path)
+        return await run_prompts(llm, prompts, sampling_params, sequential, lora_request=lora)
     finally:
         shutdown_llm(llm)
         del llm  # collected while vLLM's globals exist (see shutdown_llm)
@@ -113,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     parser.add_argument("--sequential", action="store_true", help="one prompt at a time, else all at once")
     parser.add_argument("--warmup", action="store_true", help="first run 2 prompts for 4 tokens, untimed")
+    parser.add_argument("--lora-path", help="run every prompt with this LoRA adapter (needs --enable-lora)")
     args = parser.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # the dtype line
     engine = EngineSettings.from_args(args)
@@ -128,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
             ignore_eos=args.ignore_eos,
             sequential=args.sequential,
             warmup=args.warmup,
+            lora_path=args.lora_path,
             **engine.vllm_kwargs(),
         )
     )

@@ -12,7 +12,7 @@ from typing import Any
 
 from rollout_svc.errors import InvalidRequestError
 from rollout_svc.protocol import PauseMode, PromptLogprob, SamplingParams, TransferGroup, WeightManifest
-from workers.engine import Completion, OnDelta
+from workers.engine import Completion, OnDelta, ParallelSizes
 
 
 class _EchoRun:
@@ -36,11 +36,13 @@ class EchoEngine:
 
     Weight sync is real up to the model: it joins the transfer group (gloo, in a thread), receives every announced
     bucket, and "loads" them by keeping their SHA-256 (`weights_digest`); a checkpoint is read whole the same way.
+    It sends what it loaded to a late peer, and catches up from one, as vLLM's worker extension does.
     Its output does not depend on the weights. `load_delay_s` stands in for a slow load.
     """
 
     memory_released = False
     weight_ranks = 1
+    parallel = ParallelSizes()
 
     def __init__(
         self,
@@ -55,8 +57,11 @@ class EchoEngine:
         self.max_model_len, self.token_delay_s, self.load_delay_s = max_model_len, token_delay_s, load_delay_s
         self.preload_weight_transfer = preload_weight_transfer
         self.weights_digest = ""
+        self.adapters: dict[int, str] = {}  # lora_id -> the adapter's engine name
         self._end: Any = None  # a rollout_svc.weightsync.transfer.ReceivingEnd, made at the first join
-        self._received: list[Any] | None = None  # (name, tensor) pairs received and not yet loaded
+        self._peer_end: Any = None  # ... for catching up from a peer
+        self._loaded_end: Any = None  # the end whose receive was loaded last (None: a checkpoint, or nothing)
+        self._received: dict[str, list[Any] | None] = {"trainer": None, "peer": None}  # received, not yet loaded
         self._runs: dict[str, _EchoRun] = {}
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -74,7 +79,10 @@ class EchoEngine:
         params: SamplingParams,
         prior: Sequence[int] = (),
         on_delta: OnDelta | None = None,
+        lora_id: int | None = None,
     ) -> Completion:
+        if lora_id is not None and lora_id not in self.adapters:
+            raise InvalidRequestError(f"no adapter was loaded under id {lora_id}")
         if len(prompt_token_ids) + len(prior) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(prompt_token_ids) + len(prior)} tokens; this model's context is {self.max_model_len}"
@@ -184,6 +192,13 @@ class EchoEngine:
         await self.resume()
         return True
 
+    async def add_adapter(self, name: str, lora_id: int, path: str) -> None:
+        """Holds the adapter's name (it generates as without one: the queue's adapter handling is what it tests)."""
+        self.adapters[lora_id] = name
+
+    async def remove_adapter(self, lora_id: int) -> None:
+        self.adapters.pop(lora_id, None)
+
     async def reset_prefix_cache(self, reset_running_requests: bool) -> bool:
         return True
 
@@ -229,18 +244,24 @@ class EchoEngine:
         if self._end is not None:
             self._end.leave()
 
-    async def receive_weights(self, manifest: WeightManifest) -> dict[str, float]:
+    async def receive_weights(self, manifest: WeightManifest) -> dict[str, Any]:
         if self._end is None:
             raise RuntimeError("not in a weight transfer group: join one first")
-        started = time.perf_counter()
-        self._received = None
-        self._received = await asyncio.to_thread(self._end.receive, manifest)
-        return {"receive_s": time.perf_counter() - started}
+        end = self._end
 
-    async def load_received(self) -> dict[str, float]:
+        def receive() -> tuple[list[Any], str]:
+            tensors = end.receive(manifest)
+            return tensors, end.received.digest
+
+        started = time.perf_counter()
+        self._received["trainer"] = None
+        self._received["trainer"], digest = await asyncio.to_thread(receive)
+        return {"receive_s": time.perf_counter() - started, "digest": digest}
+
+    async def load_received(self, source: str = "trainer") -> dict[str, float]:
         import torch
 
-        tensors, self._received = self._received, None
+        tensors, self._received[source] = self._received[source], None
         if tensors is None:
             raise RuntimeError("no weights were received to load")
         started = time.perf_counter()
@@ -250,13 +271,36 @@ class EchoEngine:
             digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         await asyncio.sleep(self.load_delay_s)
         self.weights_digest = digest.hexdigest()
+        self._loaded_end = self._end if source == "trainer" else self._peer_end
+        self._loaded_end.hold()
         return {"load_s": time.perf_counter() - started}
+
+    async def serve_weights(self, spec: TransferGroup, host: str) -> dict[str, float]:
+        end = self._loaded_end
+        if end is None or end.held is None:
+            raise RuntimeError("no loaded weights are held here to send")
+        return {"send_s": await asyncio.to_thread(end.serve, spec, host)}
+
+    async def receive_from_peer(self, spec: TransferGroup, first_rank: int, host: str, manifest: WeightManifest) -> str:
+        module = await asyncio.to_thread(importlib.import_module, "rollout_svc.weightsync.transfer")
+        if self._peer_end is None:
+            self._peer_end = module.ReceivingEnd()
+        end = self._peer_end
+
+        def catch_up() -> tuple[list[Any], str]:
+            tensors = end.catch_up(spec, first_rank, host, manifest)
+            return tensors, end.received.digest
+
+        self._received["peer"] = None
+        self._received["peer"], digest = await asyncio.to_thread(catch_up)
+        return str(digest)
 
     async def load_checkpoint(self, path: str) -> dict[str, float]:
         started = time.perf_counter()
         data = await asyncio.to_thread((Path(path) / "model.safetensors").read_bytes)
         await asyncio.sleep(self.load_delay_s)
         self.weights_digest = hashlib.sha256(data).hexdigest()
+        self._loaded_end = None
         return {"load_s": time.perf_counter() - started}
 
     async def engine_weight_op(self, op: str, info: dict[str, Any]) -> None:

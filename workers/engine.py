@@ -7,7 +7,7 @@ import gc
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from rollout_svc.errors import EngineDeadError, InvalidRequestError
 from rollout_svc.protocol import (
@@ -22,6 +22,12 @@ from workers.dtype import engine_dtype
 from workers.weight_extension import WORKER_EXTENSION
 
 RECEIVE_POLL_S = 0.05  # how often a receive in vLLM's worker processes is polled
+# ... at most, where the engine's ranks are processes of their own (tensor or pipeline parallel): each poll is a
+# message on vLLM's shared-memory queue, after which every rank's main thread spins (sched_yield) for vLLM's 1 s
+# `busy_loop_s`; polled every 50 ms they spun throughout, and on CPUs the receive threads beside them starved (a
+# TP=3 receive of SmolLM2's 540 MB took minutes and timed out). Polls back off from RECEIVE_POLL_S to this.
+MULTIPROC_RECEIVE_POLL_S = 1.5
+ReceivedFrom = Literal["trainer", "peer"]
 
 if TYPE_CHECKING:  # vllm is imported lazily: a worker running EchoEngine must not pay its import
     from vllm import RequestOutput
@@ -56,6 +62,20 @@ class Completion:
 OnDelta = Callable[[Completion], Awaitable[None]]
 
 
+@dataclass(frozen=True)
+class ParallelSizes:
+    """An engine's parallelism, vLLM's: `tensor` x `pipeline` ranks per model replica, `data` replicas."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """Devices (GPUs) the engine spans, each a rank of a weight transfer."""
+        return self.tensor * self.pipeline * self.data
+
+
 class Engine(Protocol):
     """One engine replica. A worker calls `start` once, then many `generate` calls concurrently.
 
@@ -80,10 +100,21 @@ class Engine(Protocol):
         params: SamplingParams,
         prior: Sequence[int] = (),
         on_delta: OnDelta | None = None,
+        lora_id: int | None = None,
     ) -> Completion:
         """Generate after `prompt_token_ids + prior` (`prior`: what an interrupted attempt generated); the
         Completion holds the new tokens only. `on_delta`, if given, is awaited with each batch of new tokens as the
-        engine makes them (vLLM's delta outputs), before the final Completion is returned."""
+        engine makes them (vLLM's delta outputs), before the final Completion is returned. `lora_id`: with the
+        LoRA adapter `add_adapter` loaded under that id (None: the base model)."""
+        ...
+
+    async def add_adapter(self, name: str, lora_id: int, path: str) -> None:
+        """Load the LoRA adapter in directory `path` (peft's format; the caller checked it is allowed) as `name`,
+        for requests that give `lora_id`. Raises what the engine raises (LoRA not enabled, rank too large)."""
+        ...
+
+    async def remove_adapter(self, lora_id: int) -> None:
+        """Unload an adapter `add_adapter` loaded (no request runs on it any more)."""
         ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -117,7 +148,8 @@ class Engine(Protocol):
 
     # --- weight sync (the receiving end; see rollout_svc.weightsync.transfer and workers.weight_receiver) ---
 
-    weight_ranks: int  # ranks it takes in a weight transfer group (vLLM: tensor x pipeline parallel size)
+    weight_ranks: int  # ranks it takes in a weight transfer group (vLLM: tensor x pipeline x data parallel size)
+    parallel: ParallelSizes  # how its ranks split (1, 1, 1 but for vLLM)
 
     async def join_weight_group(self, spec: TransferGroup, first_rank: int, host: str) -> None:
         """Join the trainer's transfer group (blocks until every rank has; raises on its timeout)."""
@@ -125,15 +157,29 @@ class Engine(Protocol):
 
     async def leave_weight_group(self) -> None: ...
 
-    async def receive_weights(self, manifest: WeightManifest) -> dict[str, float]:
+    async def receive_weights(self, manifest: WeightManifest) -> dict[str, Any]:
         """Receive the announced buckets from rank 0 into buffers this engine keeps, generating on meanwhile with the
-        weights it has; nothing is loaded (`load_received` does, once every bucket arrived). Returns seconds spent
-        receiving. Raises what the transfer raises (a peer gone): then nothing is kept to load."""
+        weights it has; nothing is loaded (`load_received` does, once every bucket arrived). Returns
+        `{"receive_s": seconds receiving, "digest": of what arrived (`weightsync.transfer.weights_digest`)}`.
+        Raises what the transfer raises (a peer gone): then nothing is kept to load."""
         ...
 
-    async def load_received(self) -> dict[str, float]:
-        """Load what the last `receive_weights` received (the caller paused the engine). Returns seconds loading.
-        Raises `RuntimeError` if nothing was received since the last load."""
+    async def load_received(self, source: ReceivedFrom = "trainer") -> dict[str, float]:
+        """Load what the last `receive_weights` (source trainer; the caller paused the engine) or
+        `receive_from_peer` (source peer; the worker is stale, it has no work) received. Returns seconds loading.
+        Raises `RuntimeError` if nothing was received since the last load. What was loaded is then held, to serve."""
+        ...
+
+    async def serve_weights(self, spec: TransferGroup, host: str) -> dict[str, float]:
+        """Send the version loaded last from a transfer (held on the CPU) to a late peer, as rank 0 of `spec`,
+        generating on meanwhile; returns once sent (seconds sending). Raises `RuntimeError` if none is held (one
+        loaded from a checkpoint is not), and what the transfer raises (the peer did not come, or went)."""
+        ...
+
+    async def receive_from_peer(self, spec: TransferGroup, first_rank: int, host: str, manifest: WeightManifest) -> str:
+        """Receive `manifest`'s buckets from a peer (rank 0 of `spec`; this engine's ranks from `first_rank`) into
+        buffers of their own; nothing is loaded (`load_received("peer")`). Returns the digest of what arrived
+        (`weightsync.transfer.weights_digest`). Raises what the transfer raises."""
         ...
 
     async def load_checkpoint(self, path: str) -> dict[str, float]:
@@ -198,6 +244,11 @@ def vllm_engine_args(
     }
     if current_platform.is_cpu():
         settings["enable_chunked_prefill"] = False
+    ranks = int(extra.get("tensor_parallel_size", 1)) * int(extra.get("pipeline_parallel_size", 1))
+    if ranks > 1:
+        # Processes of its own, not Ray's actors: a worker is one process tree wherever it runs (`up`, compose, a
+        # Ray actor holding a bundle of TP x PP GPUs); vLLM would pick Ray whenever Ray is initialized.
+        settings["distributed_executor_backend"] = "mp"
     return AsyncEngineArgs(**(settings | extra))
 
 
@@ -276,7 +327,9 @@ class VLLMEngine:
         done = await engine.generate("r1", ids, SamplingParams(temperature=0, max_tokens=32))
         await engine.close()                       # joins the engine-core process
 
-    `capacity` is `max_num_seqs`; the remaining arguments are those of `vllm_engine_args`.
+    `capacity` is `max_num_seqs` per data-parallel replica; the remaining arguments are those of `vllm_engine_args`
+    (`tensor_parallel_size`, `pipeline_parallel_size`, `data_parallel_size` among them: the engine's ranks, each of
+    which joins a weight transfer, `weight_ranks`).
     """
 
     def __init__(
@@ -284,16 +337,20 @@ class VLLMEngine:
     ) -> None:
         self.model_name = Path(model).name
         self.tool_call_parser = tool_call_parser
-        self.capacity = max_num_seqs
-        self.memory_released = False  # known once started: sleep frees memory only where sleep mode is on
-        self.weight_ranks = int(engine_settings.get("tensor_parallel_size", 1)) * int(
-            engine_settings.get("pipeline_parallel_size", 1)
+        self.parallel = ParallelSizes(
+            int(engine_settings.get("tensor_parallel_size", 1)),
+            int(engine_settings.get("pipeline_parallel_size", 1)),
+            int(engine_settings.get("data_parallel_size", 1)),
         )
+        self.capacity = max_num_seqs * self.parallel.data
+        self.memory_released = False  # known once started: sleep frees memory only where sleep mode is on
+        self.weight_ranks = self.parallel.ranks
         # vLLM's native weight transfer (`engine_weight_op`): `weight_transfer_config={"backend": "nccl"}`, or none
         self.weight_transfer_backend = str((engine_settings.get("weight_transfer_config") or {}).get("backend", ""))
         self._engine_kwargs: dict[str, Any] = {"max_num_seqs": max_num_seqs, **engine_settings}
         self._model = model
         self._llm: AsyncLLM | None = None
+        self._adapters: dict[int, Any] = {}  # lora_id -> vLLM's LoRARequest
 
     async def start(self) -> None:
         """Start the engine-core process and load the model (~15 s on CPU, plus ~5 s to import vLLM).
@@ -320,8 +377,10 @@ class VLLMEngine:
         params: SamplingParams,
         prior: Sequence[int] = (),
         on_delta: OnDelta | None = None,
+        lora_id: int | None = None,
     ) -> Completion:
         """Run one request to completion, after `prompt_token_ids + prior`; the Completion holds the new tokens.
+        `lora_id`: with that adapter (`add_adapter`), vLLM's `lora_request`.
 
         With `on_delta` the request runs with vLLM's delta outputs (`RequestOutputKind.DELTA`) and each step's new
         tokens are awaited through it as they come; the final Completion still holds every new token.
@@ -346,7 +405,8 @@ class VLLMEngine:
             # FINAL_ONLY: the stream yields once, at the end (an abort's final output holds the tokens so far);
             # DELTA: once per step, each output holding that step's new tokens. On cancellation vLLM's generator
             # aborts the request.
-            async for output in llm.generate(tokens_input(prompt), sampling, request_id):
+            lora = None if lora_id is None else self._adapters[lora_id]
+            async for output in llm.generate(tokens_input(prompt), sampling, request_id, lora_request=lora):
                 final = output
                 if on_delta is not None:
                     delta = _completion(prompt, output, params.logprobs, delta=True, prompt_k=params.prompt_logprobs)
@@ -372,6 +432,22 @@ class VLLMEngine:
     async def abort(self, request_id: str) -> None:
         """Abort a running request; its `generate` returns with finish reason `abort`. Unknown ids are ignored."""
         await self._running().abort(request_id)
+
+    async def add_adapter(self, name: str, lora_id: int, path: str) -> None:
+        """`AsyncLLM.add_lora(LoRARequest(name, lora_id, path))`; needs the engine started with `enable_lora`."""
+        from vllm.lora.request import LoRARequest
+
+        if not self._engine_kwargs.get("enable_lora"):
+            raise InvalidRequestError("this worker's engine runs without LoRA: start it with --enable-lora")
+        request = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
+        if not await self._running().add_lora(request):
+            raise RuntimeError(f"vLLM did not load adapter {name} from {path}")
+        self._adapters[lora_id] = request
+
+    async def remove_adapter(self, lora_id: int) -> None:
+        """`AsyncLLM.remove_lora(lora_id)`."""
+        self._adapters.pop(lora_id, None)
+        await self._running().remove_lora(lora_id)
 
     async def pause(self, mode: PauseMode) -> None:
         """`AsyncLLM.pause_generation(mode=mode, clear_cache=False)`: the prefix cache survives a pause (a kept
@@ -438,25 +514,45 @@ class VLLMEngine:
     async def leave_weight_group(self) -> None:
         await self._running().collective_rpc("rollout_leave_group")
 
-    async def receive_weights(self, manifest: WeightManifest) -> dict[str, float]:
+    async def receive_weights(self, manifest: WeightManifest) -> dict[str, Any]:
         """Receive in vLLM's worker processes, in a thread of theirs (`rollout_receive_start`), so the engine goes on
         stepping; polled every `RECEIVE_POLL_S` (each poll is a utility call between two steps). Returns the first
-        rank's seconds receiving; raises `RuntimeError` with the first failing rank's error."""
-        llm = self._running()
-        await llm.collective_rpc("rollout_receive_start", args=(manifest.model_dump(),))
+        rank's seconds receiving and digest; raises `RuntimeError` with the first failing rank's error."""
+        await self._running().collective_rpc("rollout_receive_start", args=(manifest.model_dump(),))
+        received = await self._job("receive")
+        return {"receive_s": received["seconds"], "digest": received["digest"]}
+
+    async def load_received(self, source: ReceivedFrom = "trainer") -> dict[str, float]:
+        """`reload_weights(weights_iterator=...)` of what every engine rank received (the engine is paused)."""
+        job = "receive" if source == "trainer" else "catch-up"
+        results = await self._running().collective_rpc("rollout_load_received", args=(job,))
+        return dict(results[0])
+
+    async def serve_weights(self, spec: TransferGroup, host: str) -> dict[str, float]:
+        """The first engine rank sends (`rollout_serve_start`, a thread of vLLM's worker process), polled."""
+        await self._running().collective_rpc("rollout_serve_start", args=(spec.model_dump(), host))
+        return {"send_s": (await self._job("serve"))["seconds"]}
+
+    async def receive_from_peer(self, spec: TransferGroup, first_rank: int, host: str, manifest: WeightManifest) -> str:
+        """Every engine rank receives (`rollout_catch_up_start`, a thread of vLLM's worker process), polled."""
+        args = (spec.model_dump(), first_rank, host, manifest.model_dump())
+        await self._running().collective_rpc("rollout_catch_up_start", args=args)
+        return str((await self._job("catch-up"))["digest"])
+
+    async def _job(self, job: str) -> dict[str, Any]:
+        """Poll `job` on every engine rank until each ended; the first rank's outcome. Raises `RuntimeError` with
+        the first failing rank's error."""
+        llm, interval = self._running(), RECEIVE_POLL_S
         while True:
-            polls = await llm.collective_rpc("rollout_receive_poll")
+            polls = await llm.collective_rpc("rollout_poll", args=(job,))
             failed = [p["error"] for p in polls if p.get("error")]
             if failed:
-                raise RuntimeError(f"receiving weights failed: {failed[0]}")
+                raise RuntimeError(f"weight {job} failed: {failed[0]}")
             if all(p["done"] for p in polls):
-                return {"receive_s": float(polls[0]["receive_s"])}
-            await asyncio.sleep(RECEIVE_POLL_S)
-
-    async def load_received(self) -> dict[str, float]:
-        """`reload_weights(weights_iterator=...)` of what every engine rank received (the engine is paused)."""
-        results = await self._running().collective_rpc("rollout_load_received")
-        return dict(results[0])
+                return dict(polls[0])
+            await asyncio.sleep(interval)
+            if self.weight_ranks > 1:
+                interval = min(2 * interval, MULTIPROC_RECEIVE_POLL_S)
 
     async def load_checkpoint(self, path: str) -> dict[str, float]:
         """`reload_weights(weights_path=path)` on every engine rank."""

@@ -30,6 +30,7 @@ from rollout_svc.protocol import (
     reply_address,
     unrun_trajectory,
 )
+from workers.adapters import AdapterRef
 from workers.engine import Completion, Engine, joined
 from workers.inflight import AbortRules, InFlight, InFlightIndex
 from workers.metrics import WorkerMetrics
@@ -137,6 +138,7 @@ class RequestServer:
             text=result.text,
             interruptions=result.interruptions + 1,
             weight_versions=result.weight_versions,
+            adapter_versions=result.adapter_versions,
             top_logprobs=result.top_logprobs,
             tokens=result.tokens,
         )
@@ -186,6 +188,8 @@ class RequestServer:
             return self._error(request, "deadline_exceeded", "the deadline passed before a worker took the request")
         try:
             return await self._dispatch(request, record, taken_at)
+        except UnknownAdapter as exc:
+            return self._error(request, "unknown_adapter", str(exc))
         except InvalidRequestError as exc:
             return self._error(request, "invalid_request", str(exc))
         except EngineDeadError:
@@ -223,14 +227,23 @@ class RequestServer:
             return unrun_trajectory(request, record.abort_cause, self.state.worker_id).model_copy(
                 update={"prompt_token_ids": prompt}
             )
+        adapter = None
+        if request.adapter is not None and (adapter := self.state.adapters.acquire(request.adapter)) is None:
+            raise UnknownAdapter(
+                f"this worker holds no adapter {request.adapter} (loaded adapters: "
+                f"{self.state.adapters.summary() or 'none'}); load it with `rollout-svc adapter load`"
+            )
         started = time.time()
         record.in_engine, record.start_version = True, self.state.weight_version
         record.entered_at = time.monotonic()
         chunks = ChunkSender(self, request, len(prior_ids)) if request.stream else None
         try:
-            completion = await self.engine.generate(request.request_id, prompt, params, prior_ids, chunks)
+            lora_id = None if adapter is None else adapter.lora_id
+            completion = await self.engine.generate(request.request_id, prompt, params, prior_ids, chunks, lora_id)
         finally:
             record.in_engine = False
+            if adapter is not None:
+                await self.state.adapters.release(adapter, self.engine)
         self.served += 1
         aborted = completion.finish_reason == "abort"
         tokens, logprobs, text = completion.completion_token_ids, completion.logprobs, completion.text
@@ -279,6 +292,8 @@ class RequestServer:
             # a retry's engine prompt goes on with the earlier attempt's tokens: the request's prompt is the part
             prompt_logprobs=None if completion.prompt_logprobs is None else completion.prompt_logprobs[: len(prompt)],
             cached_tokens=completion.cached_tokens,
+            adapter=request.adapter,
+            adapter_versions=adapter_spans(prior.adapter_versions if prior else [], adapter, len(prior_ids), tokens),
         )
 
     async def _prompt(self, request: RolloutRequest) -> list[int]:
@@ -360,6 +375,21 @@ class ChunkSender:
         self.offset += len(part.completion_token_ids)
         self.last_sent, self.first = self.clock(), False
         await self.server.send_chunk(self.request.reply_to, chunk)
+
+
+class UnknownAdapter(InvalidRequestError):
+    """The request names an adapter this worker does not hold (answered with code `unknown_adapter`)."""
+
+
+def adapter_spans(
+    prior: list[tuple[int, int]], adapter: AdapterRef | None, kept: int, tokens: list[int]
+) -> list[tuple[int, int]]:
+    """The `(adapter version, first token index)` spans of a completion: those of its earlier attempts, then this
+    attempt's version from its first token (`kept`: the tokens before it) if it made any and the version differs."""
+    spans = list(prior)
+    if adapter is not None and (not spans or spans[-1][0] != adapter.version) and (len(tokens) > kept or not spans):
+        spans.append((adapter.version, kept))
+    return spans
 
 
 def weight_spans(prior: list[tuple[int, int]], record: InFlight, total: int) -> list[tuple[int, int]]:

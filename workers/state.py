@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rollout_svc.protocol import PauseMode, WorkerLabel, WorkerStatus
+from workers.adapters import AdapterTable
 
 if TYPE_CHECKING:
     from workers.engine import Engine
@@ -28,6 +29,7 @@ class WorkerState:
     label: WorkerLabel = "starting"
     applied_epoch: int = 0
     weight_version: int = 0
+    weight_digest: str = ""  # of the weights loaded, as received (`weightsync.transfer.weights_digest`; "": not known)
     committed_version: int = 0  # the fleet's committed weight version, as this worker last read it
     pause_mode: PauseMode | None = None
     sleep_level: int = 0
@@ -35,6 +37,7 @@ class WorkerState:
     error: str = ""
     fenced_results: int = 0
     resumed: asyncio.Event = field(default_factory=asyncio.Event)  # set while it takes rollout requests
+    adapters: AdapterTable = field(default_factory=AdapterTable)  # the LoRA adapters its engine holds
 
     @property
     def worker_id(self) -> str:
@@ -62,6 +65,7 @@ class WorkerState:
             in_flight=in_flight,
             served=served,
             weight_version=self.weight_version,
+            weight_digest=self.weight_digest,
             host=socket.gethostname(),
             pid=os.getpid(),
             started_at=started_at,
@@ -75,6 +79,10 @@ class WorkerState:
             error_epoch=self.error_epoch,
             error=self.error,
             weight_ranks=engine.weight_ranks,
+            tensor_parallel_size=engine.parallel.tensor,
+            pipeline_parallel_size=engine.parallel.pipeline,
+            data_parallel_size=engine.parallel.data,
+            adapters=self.adapters.summary(),
         )
 
     def fail(self, epoch: int, message: str) -> None:

@@ -7,23 +7,27 @@ sync here), and records the switch in every in-flight request, at the token it h
 spans are exact across a keep-pause.
 
 A worker whose version differs from the committed one takes no work (the converger labels it `stale`). If the
-committed version came from a checkpoint, it loads that checkpoint on its own; otherwise it waits for the next
-broadcast, which includes it (the trainer sends to every live worker).
+committed version came from a checkpoint, it loads that checkpoint on its own; if from a broadcast, it catches up
+from a live peer that holds it (`workers.catch_up`); from vLLM's own transfer engine, it waits for the next sync,
+which includes it (the trainer sends to every live worker). Loads are one at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
 from rollout_svc.config import Settings
+from rollout_svc.connections.urls import REDIS_AWAY
 from rollout_svc.control.plane import ControlPlane
 from rollout_svc.errors import EngineDeadError, InvalidRequestError
 from rollout_svc.keys import JOINED, LOADED, OK, RECEIVED
 from rollout_svc.protocol import RolloutRequest, WeightSyncOrder
 from rollout_svc.weightsync.plane import WeightSyncPlane, advertise_address, checkpoint_dir
-from workers.engine import Engine
+from workers.catch_up import PeerCatchUp
+from workers.engine import Engine, ReceivedFrom
 from workers.inflight import InFlightIndex
 from workers.state import WorkerState
 
@@ -32,7 +36,13 @@ JOIN_GRACE_S = 5.0  # beyond the group's own timeout, before a join that never r
 
 
 class WeightReceiver:
-    """Follows sync orders for one worker; `step()` runs on every nudge and every heartbeat interval."""
+    """Follows sync orders for one worker; `step()` runs on every nudge and every heartbeat interval.
+
+    A sync is followed in a task of its own, so that the steps meanwhile still answer peers' catch-up orders: a sync
+    whose trainer died before announcing its tensors holds this worker until a newer order replaces it or its timeout
+    passes, and a late worker should not wait that long for a peer. `wake` is called when a followed sync ends (the
+    next step looks for a newer order at once).
+    """
 
     def __init__(
         self,
@@ -43,27 +53,64 @@ class WeightReceiver:
         state: WorkerState,
         index: InFlightIndex,
         on_version: Callable[[], None],
+        wake: Callable[[], None] = lambda: None,
     ) -> None:
         self.settings, self.plane, self.control, self.engine = settings, plane, control, engine
-        self.state, self.index, self._on_version = state, index, on_version
+        self.state, self.index, self._on_version, self._wake = state, index, on_version, wake
+        self._following: asyncio.Task[None] | None = None  # the sync order being followed
+        self._failure: Exception | None = None  # met while following (an engine that died, a bug): raised by `step`
         self.host = advertise_address(settings)
         self._handled: str | None = None  # the last sync order followed
         self._group_id: str | None = None  # the transfer group the engine is in
         self._refused: tuple[int, str] | None = None  # a committed checkpoint that failed to load here
+        self._loading = asyncio.Lock()  # one load at a time: a sync's, a checkpoint catch-up's, a peer catch-up's
+        self.peers = PeerCatchUp(settings, plane, engine, state, self.host, self._load_from_peer)
 
     async def step(self) -> None:
-        """Follow a new sync order naming this worker; then, if still behind the committed version, catch up."""
+        """Follow a new sync order naming this worker; answer peers' catch-up orders; then, if still behind the
+        committed version, catch up (from its checkpoint, or in the background from a peer)."""
+        self.peers.check()
+        if self._failure is not None:
+            raise self._failure
         order = await self.plane.order()
-        if order is not None and order.sync_id != self._handled and self.state.worker_id in order.members:
-            self._handled = order.sync_id
-            await self._follow(order)
+        following = self._following is not None and not self._following.done()
+        named = order is not None and order.sync_id != self._handled and self.state.worker_id in order.members
+        if named and not following and order is not None:
+            self._handled, following = order.sync_id, True
+            self._following = asyncio.create_task(self._follow_guarded(order), name=f"sync {order.sync_id}")
+        await self.peers.serve_orders()
+        if following:
+            return  # the sync decides this worker's version meanwhile
         desired = await self.control.state()
         self.state.committed_version = desired.weight_version
         syncing = order is not None and order.version > desired.weight_version  # loaded, not yet committed
         if syncing and order is not None and order.version == self.state.weight_version:
             return
-        if self.state.weight_version != desired.weight_version and desired.weight_checkpoint:
+        if self.state.weight_version == desired.weight_version:
+            return
+        if desired.weight_checkpoint:
             await self._catch_up(desired.weight_version, desired.weight_checkpoint)
+        elif desired.weight_digest:
+            self.peers.learn(desired.weight_version, desired.weight_digest)
+
+    async def close(self) -> None:
+        if self._following is not None:
+            self._following.cancel()
+            with contextlib.suppress(BaseException):
+                await self._following
+        await self.peers.close()
+
+    async def _follow_guarded(self, order: WeightSyncOrder) -> None:
+        """`_follow` as a task: Redis away fails this sync here (the trainer's barrier names this worker) and the steps
+        go on; anything else (an engine that died) is raised by the next step, which stops the worker."""
+        try:
+            await self._follow(order)
+        except REDIS_AWAY as exc:
+            log.warning("weight sync %s: Redis failed (%s); this sync is lost here", order.sync_id, exc)
+        except Exception as exc:
+            self._failure = exc
+        finally:
+            self._wake()
 
     async def _follow(self, order: WeightSyncOrder) -> None:
         worker_id = self.state.worker_id
@@ -100,8 +147,9 @@ class WeightReceiver:
         if manifest is None:
             await self.plane.arrive(order.sync_id, transferred, worker_id, "the tensors were never announced")
             return
+        self.peers.held = None  # the engine may receive into the buffers holding the version it serves peers
         try:
-            await self.engine.receive_weights(manifest)  # generating on meanwhile, unless the trainer paused first
+            received = await self.engine.receive_weights(manifest)  # generating on, unless the trainer paused first
         except EngineDeadError:
             raise
         except Exception as exc:
@@ -117,18 +165,36 @@ class WeightReceiver:
                     "nothing loaded, version %d kept", order.sync_id, self.state.weight_version,
                 )  # fmt: skip
                 return
-        await self.plane.arrive(order.sync_id, LOADED, worker_id, await self._load_received(order.version))
+        outcome = await self._load_received(order.version, str(received.get("digest", "")))
+        if outcome == OK:
+            self.peers.held = manifest
+        await self.plane.arrive(order.sync_id, LOADED, worker_id, outcome)
 
-    async def _load_received(self, version: int) -> str:
-        """Load what was received (the fleet is paused), then reset and switch (`_loaded`): "ok", or why not."""
-        try:
-            await self.engine.load_received()
-        except EngineDeadError:
-            raise
-        except Exception as exc:
-            log.exception("loading weight version %d failed", version)
-            return f"loading failed: {type(exc).__name__}: {exc}"
-        return await self._loaded(version)
+    async def _load_received(self, version: int, digest: str, source: ReceivedFrom = "trainer") -> str:
+        """Load what was received (the fleet is paused, or this worker is stale; `digest`: of what arrived), then
+        reset and switch (`_loaded`): "ok", or why not."""
+        async with self._loading:
+            try:
+                await self.engine.load_received(source)
+            except EngineDeadError:
+                raise
+            except Exception as exc:
+                log.exception("loading weight version %d failed", version)
+                return f"loading failed: {type(exc).__name__}: {exc}"
+            return await self._loaded(version, digest)
+
+    async def _load_from_peer(self, version: int) -> str:
+        """Load the committed `version` a peer sent (`PeerCatchUp`): "ok", why not, or "" if it is no longer
+        wanted (a sync brought this worker to it, or further, meanwhile; another version was committed)."""
+        desired = await self.control.state()
+        if desired.weight_version != version:
+            return f"version {desired.weight_version} was committed meanwhile"
+        order = await self.plane.order()
+        if self.state.weight_version == version:
+            return ""
+        if order is not None and order.version > version and self.state.weight_version == order.version:
+            return ""  # loaded by the sync in progress: the trainer's sync wins
+        return await self._load_received(version, desired.weight_digest, "peer")
 
     async def _engine_op(self, order: WeightSyncOrder) -> str:
         """Run the order's `EngineWeightOp` on the engine (for `init`, with this worker's rank offset; `finish` then
@@ -152,13 +218,19 @@ class WeightReceiver:
         except Exception as exc:
             log.warning("vLLM's weight transfer call %s failed: %s", op.op, exc)
             return f"vLLM's {op.op} failed: {type(exc).__name__}: {exc}"
-        return await self._loaded(order.version) if op.op == "finish" else OK
+        if op.op != "finish":
+            return OK
+        self.peers.held = None  # vLLM's transfer engine loaded it: nothing is held to send
+        return await self._loaded(order.version)
 
     async def _load_checkpoint(self, path: str, version: int) -> str:
         """Load a checkpoint under the checkpoint root as `version`: "ok", or why not."""
         try:
             resolved = checkpoint_dir(self.settings.weight_sync.checkpoint_root, path)
-            await self.engine.load_checkpoint(str(resolved))
+            self.peers.held = None
+            async with self._loading:
+                await self.engine.load_checkpoint(str(resolved))
+                return await self._loaded(version)
         except EngineDeadError:
             raise
         except InvalidRequestError as exc:
@@ -167,11 +239,11 @@ class WeightReceiver:
         except Exception as exc:
             log.exception("loading checkpoint %s failed", path)
             return f"loading the checkpoint failed: {type(exc).__name__}: {exc}"
-        return await self._loaded(version)
 
-    async def _loaded(self, version: int) -> str:
+    async def _loaded(self, version: int, digest: str = "") -> str:
         """After a load: reset the prefix cache (running requests too: their KV was computed by the old
-        weights) and switch to `version`. "ok", or why not (then this worker stays at its old version: stale)."""
+        weights) and switch to `version` (`digest`: of what was received, "" for a checkpoint). "ok", or why not
+        (then this worker stays at its old version: stale)."""
         try:
             reset = await self.engine.reset_prefix_cache(True)
         except EngineDeadError:
@@ -183,10 +255,10 @@ class WeightReceiver:
         if not reset:
             log.error("weight version %d loaded, but the prefix cache reset failed (%s): stale", version, why)
             return f"the prefix cache reset failed: {why}"
-        self._switch(version)
+        self._switch(version, digest)
         return OK
 
-    def _switch(self, version: int) -> None:
+    def _switch(self, version: int, digest: str) -> None:
         """From now on this engine generates with `version`: every request in it records the token it reached.
 
         The engine is paused (a sync pauses first), so what it generated before is all it has reported: vLLM's
@@ -198,7 +270,7 @@ class WeightReceiver:
             kept = len(continuation.token_ids) if continuation else 0
             made = self.engine.output_tokens(record.request.request_id) or 0
             record.version_marks.append((version, kept + made))
-        self.state.weight_version = version
+        self.state.weight_version, self.state.weight_digest = version, digest
         self._on_version()
 
     async def _catch_up(self, version: int, path: str) -> None:

@@ -79,8 +79,7 @@ class Worker:
         drain_timeout_s: float = 5.0,
         metrics: WorkerMetrics | None = None,
     ) -> None:
-        self.settings, self.engine = settings, engine
-        self.drain_timeout_s = drain_timeout_s
+        self.settings, self.engine, self.drain_timeout_s = settings, engine, drain_timeout_s
         self.keys = settings.keys
         self.state = WorkerState(worker_id or default_worker_id())
         self.index = InFlightIndex(engine)
@@ -88,8 +87,7 @@ class Worker:
         self.metrics = metrics  # None: nothing is counted
         if metrics is not None:
             metrics.watch(self.state, self.index)
-        self._stopping = asyncio.Event()
-        self._slot_freed = asyncio.Event()
+        self._stopping, self._slot_freed = asyncio.Event(), asyncio.Event()
         self._wake = asyncio.Event()  # a nudge, a reconnect, or a stop: the control loop converges
         self._weights_wake = asyncio.Event()  # a weights nudge, a reconnect, or a stop: the weights loop looks
         self._cancel_nudged = False
@@ -140,8 +138,9 @@ class Worker:
         self.converger = Converger(self.control, self.engine, self.index, self.state, self.rules, self._stop_taking)
         self.weight_plane = WeightSyncPlane(self.redis, self.settings)
         self.receiver = WeightReceiver(
-            self.settings, self.weight_plane, self.control, self.engine, self.state, self.index, self._wake.set
-        )
+            self.settings, self.weight_plane, self.control, self.engine, self.state, self.index, self._wake.set,
+            self._weights_wake.set,
+        )  # fmt: skip
         self.publisher = Publisher(
             self.streams, self.state, self.settings.results_ttl_s, self._release, self._load_after
         )
@@ -162,6 +161,7 @@ class Worker:
             await self._stopping.wait()
             await self._shutdown()
         finally:
+            await self.receiver.close()
             await self.engine.close()
             await self._take_redis.aclose()
             await self._beat_redis.aclose()
@@ -205,6 +205,8 @@ class Worker:
         only logged: the shard's own keys are elsewhere, and the next registration or reconcile adds it again."""
         try:
             await self._router.sadd(self.keys.shards, self.keys.shard)
+            if self.settings.model_name:  # where `serve` and `status` find the named models
+                await self._router.sadd(self.settings.models_key, self.settings.model_name)
         except (*REDIS_ERRORS, ResponseError) as exc:
             log.warning("could not add shard %s to the shard set (%s)", self.keys.shard, exc)
 
@@ -454,6 +456,7 @@ class Worker:
         heartbeat is refused at the next beat, and the worker comes back as a new incarnation."""
         await self._ensure_groups()
         await self._announce_shard()
+        await self.reaper.requeue_orphans(self.worker_id)
         records = self.index.records()
         pending = {
             stream: await self.streams.pending_ids(stream, self.worker_id, len(records) + 1000)

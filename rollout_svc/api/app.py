@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
+from rollout_svc.api.adapters import adapter_router
 from rollout_svc.api.admin import admin_router
 from rollout_svc.api.auth import Auth
 from rollout_svc.api.batches import batch_router
@@ -55,6 +56,7 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         await client.close()
+        await served.close()
         await batches.close()
 
     app = FastAPI(
@@ -68,6 +70,7 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     app.add_middleware(lane.middleware)  # added before the metrics middleware: inside it, so its requests count
     metrics = install_metrics(app, client)
     generation = Generation(client, metrics, settings.client.request_timeout_s)
+    generation.client_for = served.client_for
     data = [auth.data_dependency()]
     detokenized = DetokenizedTexts()
 
@@ -85,27 +88,33 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
 
     @app.get("/v1/models", dependencies=data)
     async def models() -> dict[str, Any]:
-        """OpenAI's model list: the served model names."""
-        names = await served.models()
-        created = int(time.time())
-        return {
-            "object": "list",
-            "data": [{"id": n, "object": "model", "created": created, "owned_by": "rollout-svc"} for n in names],
-        }
+        """OpenAI's model list: the served model names, then the LoRA adapters the fleet holds as vLLM lists them
+        (`parent`: the base model, `root`: the adapter's directory)."""
+        names, created = await served.models(), int(time.time())
+        data = [{"id": n, "object": "model", "created": created, "owned_by": "rollout-svc"} for n in names]
+        named = await served.named()
+        default = next((n for n in names if n not in named), None)
+        for name, (model_name, spec) in sorted((await served.adapters()).items()):
+            entry = {"id": name, "object": "model", "created": created, "owned_by": "rollout-svc"}
+            data.append(entry | {"root": spec.path, "parent": model_name or default, "version": spec.version})
+        return {"object": "list", "data": data}
 
     @app.post("/v1/chat/completions", dependencies=data)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI's chat completions (streaming too); `X-Session-ID` (or `session_id`) pins a conversation to one
         worker, named in the `X-Worker-ID` response header."""
-        model = await served.check(body.model)
-        plan = chat_plan(body, model, session_header(request, body.session_id), settings.api.api_default_max_tokens)
+        target = await served.resolve(body.model)
+        session = session_header(request, body.session_id)
+        plan = chat_plan(body, target.name, session, settings.api.api_default_max_tokens)
+        plan.adapter, plan.model_name = target.adapter, target.model_name
         return await generation.respond(request, plan)
 
     @app.post("/v1/completions", dependencies=data)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI's (legacy) completions: a text or token-id prompt, or a batch of them, in order."""
-        model = await served.check(body.model)
-        plan = completion_plan(body, model, session_header(request, body.session_id))
+        target = await served.resolve(body.model)
+        plan = completion_plan(body, target.name, session_header(request, body.session_id))
+        plan.adapter, plan.model_name = target.adapter, target.model_name
         return await generation.respond(request, plan)
 
     @app.post("/tokenize", dependencies=data)
@@ -155,5 +164,6 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     control = [] if settings.api.open_control else [auth.admin_dependency()]  # open: loopback only (`serve`)
     app.include_router(control_router(client, inflight), dependencies=control)
     app.include_router(weights_router(client), dependencies=control)
+    app.include_router(adapter_router(client), dependencies=control)
     app.include_router(admin_router(client), dependencies=[auth.admin_dependency()])
     return app

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -32,10 +32,11 @@ class Generation:
 
     def __init__(self, client: RolloutClient, metrics: Any, timeout_s: float) -> None:
         self.client, self.metrics, self.timeout_s = client, metrics, timeout_s
+        self.client_for: Callable[[str], RolloutClient] = lambda _: client  # a named model's client (`served.py`)
 
     def _events(self, plan: Plan) -> AsyncGenerator[tuple[int, TrajectoryChunk | Trajectory], None]:
         sessions = [plan.session_id] * len(plan.prompts) if plan.session_id else None
-        return self.client.stream(
+        return self.client_for(plan.model_name).stream(
             plan.prompts,
             plan.params,
             sessions,
@@ -44,6 +45,7 @@ class Generation:
             tools=plan.tools,
             parse_tool_calls=plan.parse_tool_calls,
             chat_template_kwargs=plan.chat_template_kwargs,
+            adapter=plan.adapter,
             timeout_s=self.timeout_s,
         )
 

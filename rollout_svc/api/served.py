@@ -1,12 +1,14 @@
-"""What every generation route checks first: the model asked for against the live workers' (`ServedModels`), and the
-request's session (`session_header`)."""
+"""What every generation route checks first: the model asked for against the live workers' and the fleet's LoRA
+adapters (`ServedModels`), and the request's session (`session_header`)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from fastapi import Request
 
+from rollout_svc.client.fleet_calls import AdapterSpec
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.openai.errors import APIError
 from rollout_svc.protocol import WorkerStatus
@@ -23,6 +25,16 @@ def session_header(request: Request, body_session: str | None) -> str | None:
     return session
 
 
+@dataclass(frozen=True)
+class Target:
+    """What a request's `model` names: `name`, to answer with; the LoRA `adapter` (None: a base model); the named
+    model whose workers run it (`model_name`, "": the default model)."""
+
+    name: str
+    adapter: str | None
+    model_name: str
+
+
 class ServedModels:
     """The live workers, read from Redis at most once per `ttl_s`, and the model names served: `served_model_names`,
     or every model a live worker has reported (the model folder's name) since this process started, kept while no
@@ -35,6 +47,27 @@ class ServedModels:
         self._workers: list[WorkerStatus] = []
         self._read_at = float("-inf")
         self._seen: set[str] = set()  # models live workers reported, kept after they died
+        self._named: list[str] = []  # named models (`Settings.model_name`), each with queues of its own
+        self._named_read_at = float("-inf")
+        self._clients: dict[str, RolloutClient] = {}  # named model -> its client
+
+    async def named(self) -> list[str]:
+        """The named models of the deployment (their workers registered them), read at most once per `ttl_s`."""
+        if time.monotonic() - self._named_read_at > self.ttl_s:
+            self._named, self._named_read_at = await self.client.named_models(), time.monotonic()
+        return self._named
+
+    def client_for(self, model_name: str) -> RolloutClient:
+        """The client of named model `model_name` ("": the fleet's default model, this app's own client)."""
+        if not model_name:
+            return self.client
+        if model_name not in self._clients:
+            self._clients[model_name] = RolloutClient(self.client.settings, model_name=model_name)
+        return self._clients[model_name]
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
 
     async def workers(self) -> list[WorkerStatus]:
         if time.monotonic() - self._read_at > self.ttl_s:
@@ -43,14 +76,31 @@ class ServedModels:
         return self._workers
 
     async def models(self) -> list[str]:
+        """The default model's names (configured, or what its workers reported), then the named models."""
+        named = await self.named()
         if self.served:
-            return self.served
+            return [*self.served, *(n for n in named if n not in self.served)]
         await self.workers()
-        return sorted(self._seen)
+        return [*sorted(self._seen - set(named)), *named]
+
+    async def adapters(self) -> dict[str, tuple[str, AdapterSpec]]:
+        """The LoRA adapters every model holds now, name -> (the named model holding it, "" for the default model;
+        its spec). Read at every call: an unloaded one must answer 404 at once."""
+        held = {name: ("", spec) for name, spec in (await self.client.adapters()).items()}
+        for model_name in await self.named():
+            for name, spec in (await self.client_for(model_name).adapters()).items():
+                held.setdefault(name, (model_name, spec))
+        return held
 
     async def check(self, model: str | None) -> str:
-        """The model name to answer with. Raises `APIError` 404 for a model not served, 503 while no model is known
-        (no name configured, and no worker has been live since this process started)."""
+        """The model name to answer with (`resolve`'s `name`); its errors."""
+        return (await self.resolve(model)).name
+
+    async def resolve(self, model: str | None) -> Target:
+        """What a request's `model` names, read once: the name to answer with (None: the first served), the LoRA
+        adapter it names (vLLM's convention: `model=<adapter name>`), and the named model whose workers run it.
+        Raises `APIError` 404 for a model not served, 503 while no model is known (no name configured, and no
+        worker has been live since this process started)."""
         names = await self.models()
         if not names:
             raise APIError(
@@ -59,13 +109,15 @@ class ServedModels:
                 "`rollout-svc worker` or `rollout-svc up` (or name the model with ROLLOUT_SERVED_MODEL_NAME)",
                 code="no_worker",
             )
-        if model is None:
-            return names[0]
-        if model not in names:
+        model = names[0] if model is None else model
+        if model in names:
+            return Target(model, None, model if model in await self.named() else "")
+        adapters = await self.adapters()
+        if model not in adapters:
             raise APIError(
                 404,
-                f"The model `{model}` does not exist; this server serves {', '.join(names)}",
+                f"The model `{model}` does not exist; this server serves {', '.join([*names, *sorted(adapters)])}",
                 param="model",
                 code="model_not_found",
             )
-        return model
+        return Target(model, model, adapters[model][0])

@@ -121,7 +121,8 @@ def data_router(
     async def generate(body: GenerateBody, request: Request) -> JSONResponse:
         """vLLM's token-in, token-out generate (SkyRL's `generate` and `sample`): `n` samples of `token_ids` as one
         group; `X-Session-ID` (or `session_id`) pins the session to one worker."""
-        model = await served.check(body.model)
+        target = await served.resolve(body.model)
+        model = target.name
         params, n = generate_params(body)
         session = session_header(request, body.session_id)
         external = body.request_id or uuid.uuid4().hex
@@ -134,6 +135,7 @@ def data_router(
             group_ids=[ours[0]] * n if n > 1 else None,
             timeout_s=generation.timeout_s,
             text_as_detokenized=True,
+            adapter=target.adapter,
         )
         inflight.ids.setdefault(external, []).extend(ours)
         try:

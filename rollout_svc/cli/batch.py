@@ -12,13 +12,10 @@ from typing import Annotated, Any
 import typer
 
 from rollout_svc.batch.jobs import submit_batch
+from rollout_svc.cli.common import DEFAULT_REDIS_URL, RedisUrl
 from rollout_svc.config import Settings
 
 batch_app = typer.Typer(no_args_is_help=True, help="Offline batch rollouts: OpenAI Batch JSONL files run as RQ jobs.")
-RedisUrl = Annotated[
-    str, typer.Option("--redis-url", envvar="ROLLOUT_REDIS_URL", help="Redis URL (env ROLLOUT_REDIS_URL).")
-]
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 POLL_S = 0.5
 
 

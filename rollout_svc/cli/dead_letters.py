@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
+from rollout_svc.cli.common import DEFAULT_REDIS_URL, RedisUrl
 from rollout_svc.config import Settings
 from rollout_svc.keys import DEFAULT_SHARD
 
@@ -22,10 +23,6 @@ dead_letters_app = typer.Typer(
     no_args_is_help=True,
     help="Dead letters (requests no worker could serve: undecodable, or over max_deliveries): list, replay.",
 )
-RedisUrl = Annotated[
-    str, typer.Option("--redis-url", envvar="ROLLOUT_REDIS_URL", help="Redis URL (env ROLLOUT_REDIS_URL).")
-]
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 Shard = Annotated[str, typer.Option(help="The shard (worker group) whose dead letters these are; `status` lists them.")]
 
 

@@ -19,7 +19,9 @@ from urllib.parse import urlparse
 import typer
 from redis.exceptions import RedisError
 
+from rollout_svc.cli.adapters import adapter_app
 from rollout_svc.cli.batch import batch_app, batch_worker
+from rollout_svc.cli.common import DEFAULT_REDIS_URL, RedisUrl, TimeoutS, run_on_fleet
 from rollout_svc.cli.dead_letters import dead_letters_app
 from rollout_svc.cli.engine_options import engine_options
 from rollout_svc.config import EngineSettings, Settings
@@ -42,11 +44,8 @@ app.add_typer(acl_app, name="acl")
 app.add_typer(batch_app, name="batch")
 app.command("batch-worker")(batch_worker)
 app.add_typer(dead_letters_app, name="dead-letters")
+app.add_typer(adapter_app, name="adapter")
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-RedisUrl = Annotated[
-    str, typer.Option("--redis-url", envvar="ROLLOUT_REDIS_URL", help="Redis URL (env ROLLOUT_REDIS_URL).")
-]
 PrivateRedisUrl = Annotated[
     str | None,
     typer.Option("--redis-url", envvar="ROLLOUT_REDIS_URL", help="Redis to use (default: a private one)."),
@@ -66,6 +65,14 @@ def _logging(level: str = "INFO") -> None:
 @engine_options
 def up(
     redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    model_name: Annotated[
+        str,
+        typer.Option(
+            envvar="ROLLOUT_MODEL_NAME",
+            help="The served model name of these workers: a group of their own (queues, pauses, syncs) beside other "
+            "models' groups in the same Redis (run `up` once per model). Default: the fleet's model.",
+        ),
+    ] = "",
     workers: Annotated[int, typer.Option(min=1, help="Worker processes (engine replicas).")] = 2,
     api_port: Annotated[int | None, typer.Option(help="Also serve the HTTP API on this port.")] = None,
     log_dir: Annotated[Path | None, typer.Option(help="Write each process's log here.")] = None,
@@ -109,7 +116,17 @@ def up(
             "(starts one here). Needs pip install 'rollout-svc[ray]'; the Redis URL must reach every Ray node.",
         ),
     ] = None,
-    gpus_per_worker: Annotated[float, typer.Option(min=0, help="With --ray: GPUs per worker.")] = 0,
+    gpus_per_worker: Annotated[
+        float | None,
+        typer.Option(
+            min=0,
+            help="With --ray: GPUs per worker (default: the engine's tensor x pipeline x data parallel size where the "
+            "cluster has GPUs, none where it has none).",
+        ),
+    ] = None,
+    gpu_resource: Annotated[
+        str, typer.Option(help="With --ray: the Ray resource counted as GPUs (a custom one stands in for GPUs).")
+    ] = "GPU",
     cpus_per_worker: Annotated[float, typer.Option(min=0, help="With --ray: CPUs per worker.")] = 1,
     placement: Annotated[
         Placement, typer.Option(help="With --ray: pack the workers onto few nodes, or spread them over many.")
@@ -156,9 +173,9 @@ def up(
         acl_file = Settings().cache_dir / f"redis-acl-{urlparse(redis_url).port or 6379}.json"
     if engine.engine == "vllm" and engine.model is None and ray_address is None:  # Ray workers prepare their own
         engine = engine.model_copy(update={"model": str(_prepare_default_model(Settings(redis_url=redis_url)))})
-    group = _ray_group(ray_address, workers, gpus_per_worker, cpus_per_worker, placement, log_dir)
+    group = _ray_group(ray_address, workers, gpus_per_worker, cpus_per_worker, placement, log_dir, gpu_resource)
     cluster = LocalCluster(
-        Settings(redis_url=redis_url, redis_data_dir=redis_data_dir),
+        Settings(redis_url=redis_url, redis_data_dir=redis_data_dir, model_name=model_name),
         0 if group is not None else workers,
         engine,
         api_port=api_port,
@@ -187,7 +204,7 @@ def up(
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
-    except RuntimeError as exc:  # no Redis could be started, a child keeps exiting, ...: said plainly
+    except (RuntimeError, ValueError) as exc:  # no Redis started, a child keeps exiting, too few GPUs: said plainly
         typer.echo(f"rollout-svc up: {exc}", err=True)
         raise typer.Exit(1) from None
     finally:
@@ -233,7 +250,13 @@ def _check_redis_cluster(redis_url: str, primaries: int, acl: bool, ray_address:
 
 
 def _ray_group(
-    address: str | None, workers: int, gpus: float, cpus: float, placement: Placement, log_dir: Path | None
+    address: str | None,
+    workers: int,
+    gpus: float | None,
+    cpus: float,
+    placement: Placement,
+    log_dir: Path | None,
+    gpu_resource: str,
 ) -> RayWorkerGroup | None:
     """With --ray, the worker group `up` will start (exit 2 if Ray is missing or a bundle would be empty)."""
     if address is None:
@@ -242,7 +265,9 @@ def _ray_group(
 
     try:
         import_ray()
-        return RayWorkerGroup(workers, gpus, cpus, placement.value, ray_address=address, log_dir=log_dir)
+        return RayWorkerGroup(
+            workers, gpus, cpus, placement.value, ray_address=address, log_dir=log_dir, gpu_resource=gpu_resource
+        )
     except (ImportError, ValueError) as exc:
         typer.echo(f"rollout-svc up: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -344,6 +369,9 @@ def status(
         typer.echo(json.dumps(report, indent=2))
         return
     _print_status(report)
+    for name, named in report["named_models"].items():
+        typer.echo(f"\nmodel {name} (workers, queues and control state of its own):")
+        _print_status(named)
 
 
 def _print_status(report: dict) -> None:
@@ -351,15 +379,17 @@ def _print_status(report: dict) -> None:
     from rich.table import Table
 
     columns = (
-        "worker", "state", "epoch", "engine", "model", "in flight", "work (tokens)", "capacity", "served",
-        "weight version",
+        "worker", "state", "epoch", "engine", "model", "GPUs (TPxPPxDP)", "in flight", "work (tokens)", "capacity",
+        "served", "weight version", "adapters",
     )  # fmt: skip
-    workers = Table(*columns)
+    gpus = sum(w["weight_ranks"] for w in report["workers"])
+    workers = Table(*columns, title=f"{len(report['workers'])} worker processes, {gpus} GPUs (ranks)")
     for w in report["workers"]:
+        layout = f"{w['tensor_parallel_size']}x{w['pipeline_parallel_size']}x{w['data_parallel_size']}"
         workers.add_row(
-            w["worker_id"], w["state"], str(w["applied_epoch"]), w["engine"], w["model"], str(w["in_flight"]),
-            str(report["loads"].get(w["worker_id"], 0)), str(w["capacity"]), str(w["served"]),
-            str(w["weight_version"]),
+            w["worker_id"], w["state"], str(w["applied_epoch"]), w["engine"], w["model"],
+            f"{w['weight_ranks']} ({layout})", str(w["in_flight"]), str(report["loads"].get(w["worker_id"], 0)),
+            str(w["capacity"]), str(w["served"]), str(w["weight_version"]), w.get("adapters", "") or "-",
         )  # fmt: skip
     streams = Table("stream", "length", "queued", "pending")
     for name, depth in report["streams"].items():
@@ -377,10 +407,12 @@ def _print_status(report: dict) -> None:
     for holder, when in report["lapsed_pauses"].items():
         ago = f"{now - when:.0f} s ago ({time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))})"
         fleet += f"; the pause of {holder} lapsed {ago}: its holder stopped renewing its lease (it died or hung)"
+    adapters = ", ".join(f"{name} v{a['version']}" for name, a in report.get("adapters", {}).items())
     console = Console()
     console.print(
         f"{fleet}; control epoch {report['epoch']}; weight version {report['weight_version']}"
-        + (f" (from {report['weight_checkpoint']})" if report["weight_checkpoint"] else ""),
+        + (f" (from {report['weight_checkpoint']})" if report["weight_checkpoint"] else "")
+        + (f"; LoRA adapters: {adapters}" if adapters else ""),
         workers,
         streams,
         f"dead letters: {report['dead_letters']}",
@@ -389,9 +421,6 @@ def _print_status(report: dict) -> None:
 
 # --- control commands ----------------------------------------------------------------------------------------
 
-TimeoutS = Annotated[
-    float | None, typer.Option("--timeout-s", help="Wait this long for every live worker's ack (default 60 s).")
-]
 Holder = Annotated[str, typer.Option(help="Who holds the pause; resume releases only its own holder.")]
 
 
@@ -402,26 +431,8 @@ class PauseModeChoice(StrEnum):
 
 
 def _control(redis_url: str, what: str, command: Callable[[FleetControl], Awaitable[int]]) -> None:
-    """Run one control command; exit 1 naming the workers that did not ack (or failed), 2 if Redis is away."""
-
-    from rollout_svc.errors import AccessDeniedError, ControlCommandError, ControlTimeoutError, InvalidRequestError
-    from rollout_svc.fleet import Fleet, FleetControl
-
-    async def run() -> int:
-        fleet = Fleet(Settings(redis_url=redis_url))
-        try:
-            return await command(FleetControl(fleet))  # the issuer's verbs, in every shard
-        finally:
-            await fleet.close()
-
-    try:
-        epoch = asyncio.run(run())
-    except (ControlTimeoutError, ControlCommandError, InvalidRequestError, AccessDeniedError) as exc:
-        typer.echo(f"{what} failed: {exc}", err=True)
-        raise typer.Exit(1) from exc
-    except (OSError, RedisError) as exc:
-        typer.echo(f"cannot reach Redis at {redis_url}: {exc}; start a cluster with `rollout-svc up`", err=True)
-        raise typer.Exit(2) from exc
+    """Run one control command (`run_on_fleet`'s exit codes) and say which epoch every live worker acknowledged."""
+    epoch = run_on_fleet(redis_url, what, command)
     typer.echo(f"{what}: control epoch {epoch}, acknowledged by every live worker")
 
 

@@ -106,6 +106,7 @@ class Connection:
         self.attempts: dict[str, Attempt] = {}  # request id -> the attempt awaited (or being cancelled) under it
         self.stats = ClientStats()
         self.committed_version = 0  # the fleet's committed weight version, read with every batch of results
+        self.adapters: dict[str, int] = {}  # adapter -> its newest version, read likewise for those requests named
         self._request_numbers = itertools.count()
         self._closing = False
         self._closed = asyncio.Event()
@@ -216,6 +217,9 @@ class Connection:
 
     def _await(self, call: Call) -> list[Attempt]:
         attempts = [Attempt(call, i, request) for i, request in enumerate(call.requests)]
+        for request in call.requests:
+            if isinstance(request, RolloutRequest) and request.adapter is not None:
+                self.adapters.setdefault(request.adapter, 0)
         self.attempts.update((a.request.request_id, a) for a in attempts)
         return attempts
 
@@ -389,9 +393,10 @@ class Connection:
                 last_id = b"0-0"
                 self._reread.discard(link.name)
             try:
-                records, committed = await link.streams.read_results(
-                    results, last_id, done_ids, self.settings.read_block_ms, link.keys.state
+                records, committed, adapters = await link.streams.read_results(
+                    results, last_id, done_ids, self.settings.read_block_ms, link.keys.state, sorted(self.adapters)
                 )
+                self.adapters.update(adapters)
                 done_ids, failures = [], 0
                 link.away_since = None
                 self.committed_version = max(self.committed_version, committed)
@@ -441,7 +446,7 @@ class Connection:
         call, index, now = attempt.call, attempt.index, time.time()
         request = call.requests[index]
         if index in call.cutting:  # cut by a completion target: whatever came is final
-            final = call.merged(index, result, **cut_fields(request, result))
+            final = self._adapter_staleness(call.merged(index, result, **cut_fields(request, result)))
             if final.staleness is not None:
                 self.stats.staleness[final.staleness] += 1
             return final
@@ -452,7 +457,7 @@ class Connection:
             # Not enqueued (Redis away): it ends with what its request had generated.
             self._resubmit(call, index, retry, lambda: call.end_with_partial(index))
             return None
-        final = call.merged(index, result, **final_fields(request, result))
+        final = self._adapter_staleness(call.merged(index, result, **final_fields(request, result)))
         if final.staleness is not None:
             self.stats.staleness[final.staleness] += 1
         regenerations = call.regenerations.get(index, 0)
@@ -464,6 +469,13 @@ class Connection:
         # Not enqueued (Redis away): the caller gets the stale trajectory, marked.
         self._resubmit(call, index, again, lambda: call.set(index, final))
         return None
+
+    def _adapter_staleness(self, final: Trajectory) -> Trajectory:
+        """`final` with its `adapter_staleness`: its adapter's newest version as last read minus its first token's."""
+        newest = self.adapters.get(final.adapter or "", 0)
+        if not final.adapter_versions or not newest:
+            return final
+        return final.model_copy(update={"adapter_staleness": max(0, newest - final.adapter_versions[0][0])})
 
     def _resubmit(self, call: Call, index: int, request: RolloutRequest, failed: Callable[[], None]) -> None:
         """Await position `index` of `call` under `request` from now on (a retry, or a regeneration), and enqueue it

@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rollout_svc.client.connection import Connection
+from rollout_svc.control.adapters import AdapterSpec
 from rollout_svc.control.plane import DEFAULT_HOLDER, FleetState
+from rollout_svc.errors import ModelNotFoundError
 from rollout_svc.protocol import PauseMode, WorkerStatus
 
 
@@ -99,6 +101,31 @@ class FleetCalls:
         """The fleet's desired control state: epoch, pause holders and mode, sleep level."""
         return await (await self._connect()).control.state()
 
+    # --- LoRA adapters ----------------------------------------------------------------------------------
+
+    async def load_adapter(
+        self, name: str, path: str, *, version: int | None = None, timeout_s: float | None = None
+    ) -> int:
+        """Load the LoRA adapter in directory `path` (peft's `save_pretrained` output, under the workers'
+        checkpoint root) as `name` on every worker, or a new version of `name`: requests on the old version finish
+        on it, new ones take the new one, nothing pauses. Returns the version (default: the newest + 1) once every
+        live worker loaded it. Raises `ControlCommandError` naming each worker whose load failed and why."""
+        return await (await self._connect()).control.load_adapter(name, path, version=version, timeout_s=timeout_s)
+
+    async def unload_adapter(self, name: str, *, timeout_s: float | None = None) -> int:
+        """Drop adapter `name` fleet-wide (requests running on it finish); requests for it then raise
+        `ModelNotFoundError`. Returns the epoch."""
+        return await (await self._connect()).control.unload_adapter(name, timeout_s=timeout_s)
+
+    async def adapters(self) -> dict[str, AdapterSpec]:
+        """The adapters the fleet holds: name -> its newest version and directory."""
+        return (await self.fleet_state()).adapters
+
+    async def _check_adapter(self, name: str | None) -> None:
+        """Raise `ModelNotFoundError` unless the fleet holds adapter `name` (None: the base model, always)."""
+        if name is not None and name not in (held := await self.adapters()):
+            raise ModelNotFoundError(name, sorted(held))
+
     # --- sessions and fleet -----------------------------------------------------------------------------
 
     async def finish_session(self, session_id: str) -> bool:
@@ -113,6 +140,12 @@ class FleetCalls:
         """Live workers (heartbeat not expired), sorted by id, with their control state (`state`, `applied_epoch`)."""
         return await (await self._connect()).registry.live_workers()
 
+    async def named_models(self) -> list[str]:
+        """The named models whose workers ever registered in this deployment (`Settings.model_name`; each has queues
+        and control state of its own: address one with `RolloutClient(settings, model_name=...)`)."""
+        return await (await self._connect()).fleet.named_models()
+
     async def world_size(self) -> int:
-        """Number of live engine replicas."""
-        return len(await self.workers())
+        """GPUs (ranks) behind the live workers: each worker's tensor x pipeline x data parallel size, summed (1 per
+        echo or sim engine). `len(await workers())` counts worker processes."""
+        return sum(w.weight_ranks for w in await self.workers())

@@ -84,6 +84,7 @@ def retry_of(
         text=result.text,
         interruptions=result.interruptions + 1,
         weight_versions=result.weight_versions,
+        adapter_versions=result.adapter_versions,
         top_logprobs=result.top_logprobs,
         tokens=result.tokens,
     )
@@ -134,12 +135,13 @@ def regeneration_of(
     new_attempt: NewAttempt,
 ) -> RolloutRequest | None:
     """`request` (the caller's) to generate again, from scratch, because `result` (its final trajectory, `staleness`
-    set) is staler than `limits.max_staleness`; None if the caller gets `result` as it is: fresh enough, no limit,
-    policy `mark`, not a rollout request, `regenerations` (of this position so far) at `limits.max_abort_retries`,
-    or its deadline (unix s) not after `now`. The regeneration is `request` under the id and `reply_to` `new_attempt`
-    gives."""
+    and `adapter_staleness` set) is staler than `limits.max_staleness` (its weights or its adapter); None if the
+    caller gets `result` as it is: fresh enough, no limit, policy `mark`, not a rollout request, `regenerations` (of
+    this position so far) at `limits.max_abort_retries`, or its deadline (unix s) not after `now`. The regeneration
+    is `request` under the id and `reply_to` `new_attempt` gives."""
     limit = limits.max_staleness
-    if limit is None or result.staleness is None or result.staleness <= limit:
+    stalest = max((s for s in (result.staleness, result.adapter_staleness) if s is not None), default=None)
+    if limit is None or stalest is None or stalest <= limit:
         return None
     if limits.stale_policy != "regenerate" or not isinstance(request, RolloutRequest):
         return None

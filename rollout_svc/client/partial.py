@@ -52,6 +52,7 @@ def continued_fields(index: int, trajectory: Trajectory, request_id: str) -> dic
         text=trajectory.text,
         interruptions=trajectory.interruptions,
         weight_versions=trajectory.weight_versions,
+        adapter_versions=trajectory.adapter_versions,
         top_logprobs=trajectory.top_logprobs,
         tokens=trajectory.tokens,
     )

@@ -17,18 +17,16 @@ from rollout_svc.client.fleet_calls import FleetCalls
 from rollout_svc.client.lifecycle import error_trajectory
 from rollout_svc.client.partial import check_target, continued_fields
 from rollout_svc.client.steps import StepReport, step_report
+from rollout_svc.client.token_calls import TokenCalls
 from rollout_svc.config import Settings
 from rollout_svc.connections.urls import warn_if_evicting
 from rollout_svc.errors import GenerationError, InvalidRequestError, RequestTimeoutError
 from rollout_svc.protocol import (
     ChatMessage,
-    DetokenizeRequest,
     ErrorResult,
     Request,
     RolloutRequest,
     SamplingParams,
-    TokenizeRequest,
-    TokenizeResult,
     Trajectory,
     TrajectoryChunk,
     as_sampling_params,
@@ -43,7 +41,7 @@ Prompt = Sequence[int] | str | Sequence[dict[str, Any] | ChatMessage]
 IdsPrompt = Sequence[int] | Trajectory
 
 
-class RolloutClient(FleetCalls):
+class RolloutClient(FleetCalls, TokenCalls):
     """Async client of the rollout service. Holds only its settings, so it pickles (to Ray actors, say).
 
     Example (start a local cluster first: `rollout-svc up --workers 2 --engine vllm`)::
@@ -150,6 +148,7 @@ class RolloutClient(FleetCalls):
         cut_after_s: float | None = None,
         timeout_s: float | None = None,
         raise_on_error: bool = False,
+        adapter: str | None = None,
     ) -> list[Trajectory]:
         """Generate one completion per prompt; returns trajectories in input order.
 
@@ -171,6 +170,8 @@ class RolloutClient(FleetCalls):
                 `finish_reason="abort"`, `abort_cause="deadline"`).
             raise_on_error: raise `GenerationError` on the first failed request instead of returning a
                 trajectory with `finish_reason == "error"` for it.
+            adapter: the LoRA adapter to generate with, by the name it was loaded under (`load_adapter`), at its
+                newest version (`Trajectory.adapter_versions` says which); None: the base model.
 
         Retries after an abort are token-exact for greedy sampling without penalties; with penalties, a
         `seed` or stop strings that span the cut, the continuation may differ from an uninterrupted run.
@@ -179,9 +180,12 @@ class RolloutClient(FleetCalls):
             InvalidRequestError: bad prompts, sampling params or target (nothing was sent).
             QueueFullError: the requests stream is over its admission limit (nothing was sent).
             RequestTimeoutError: some requests got no result in time (`.completed` holds the rest).
+            ModelNotFoundError: the fleet holds no adapter named `adapter` (nothing was sent).
         """
         check_target(completion_target, cut_after_s)
-        requests = await self._ids_requests(prompt_token_ids, sampling_params, session_ids, group_ids, timeout_s)
+        requests = await self._ids_requests(
+            prompt_token_ids, sampling_params, session_ids, group_ids, timeout_s, adapter=adapter
+        )
         results = await self._run(requests, timeout_s, target=(completion_target, cut_after_s))
         return self._trajectories(requests, results, raise_on_error)
 
@@ -196,6 +200,7 @@ class RolloutClient(FleetCalls):
         cut_after_s: float | None = None,
         timeout_s: float | None = None,
         raise_on_error: bool = False,
+        adapter: str | None = None,
     ) -> AsyncIterator[tuple[int, Trajectory]]:
         """`generate`, yielding `(index, trajectory)` in completion order instead of a list in input order.
 
@@ -209,7 +214,9 @@ class RolloutClient(FleetCalls):
         With a completion target, the cut ones are yielded last (once their workers answered the cut).
         """
         check_target(completion_target, cut_after_s)
-        requests = await self._ids_requests(prompt_token_ids, sampling_params, session_ids, group_ids, timeout_s)
+        requests = await self._ids_requests(
+            prompt_token_ids, sampling_params, session_ids, group_ids, timeout_s, adapter=adapter
+        )
         target = (completion_target, cut_after_s)
         async for index, event in self._events(requests, timeout_s, raise_on_error, chunks=False, target=target):
             assert isinstance(event, Trajectory)
@@ -228,6 +235,7 @@ class RolloutClient(FleetCalls):
         chat_template_kwargs: dict[str, Any] | None = None,
         timeout_s: float | None = None,
         raise_on_error: bool = False,
+        adapter: str | None = None,
     ) -> AsyncGenerator[tuple[int, TrajectoryChunk | Trajectory], None]:
         """Generate with tokens streamed back as they are made: yields `(index, TrajectoryChunk)` as each prompt's
         worker sends its new tokens (a few at a time: `stream_interval_s`), then `(index, Trajectory)`
@@ -255,6 +263,7 @@ class RolloutClient(FleetCalls):
             tools=tools,
             parse_tool_calls=parse_tool_calls,
             chat_template_kwargs=chat_template_kwargs,
+            adapter=adapter,
         )
         async for event in self._events(requests, timeout_s, raise_on_error, chunks=chunks):
             yield event
@@ -319,6 +328,7 @@ class RolloutClient(FleetCalls):
         timeout_s: float | None = None,
         raise_on_error: bool = False,
         expected_lengths: bool = True,
+        adapter: str | None = None,
     ) -> list[list[Trajectory]]:
         """Draw `n` samples of each prompt (a group): returns B lists of n trajectories, in input order.
 
@@ -331,8 +341,8 @@ class RolloutClient(FleetCalls):
         whole (`generate`'s; continue a cut sample with `generate`, which keeps its group id). `expected_lengths`:
         each request carries its prompt's expected output length, learned from this client's earlier groups of it
         (`self.expected_lengths`), which placement by cost counts in place of `max_tokens`, and the groups are
-        enqueued longest expected first (`client/expected.py`); the result is in input order either way. Same errors
-        as `generate`.
+        enqueued longest expected first (`client/expected.py`); the result is in input order either way. `adapter`
+        and the errors are `generate`'s.
         """
         if n < 1:
             raise InvalidRequestError(f"n must be >= 1, got {n}")
@@ -340,6 +350,7 @@ class RolloutClient(FleetCalls):
             raise InvalidRequestError(f"group_placement must be 'spread' or 'pack', got {group_placement!r}")
         check_target(completion_target, cut_after_s)
         params = as_sampling_params(sampling_params)
+        await self._check_adapter(adapter)
         connection = await self._connect()
         requests, groups, learned = [], [], self.expected_lengths
         order = learned.order(prompt_token_ids, by_length=expected_lengths)
@@ -350,7 +361,7 @@ class RolloutClient(FleetCalls):
             for j in range(n):
                 seeded = params if params.seed is None else params.model_copy(update={"seed": params.seed + j})
                 fields = {"prompt_token_ids": list(prompt), "group_id": group_id, "sampling_params": seeded}
-                fields["expected_tokens"] = expected
+                fields |= {"expected_tokens": expected, "adapter": adapter}
                 requests.append(self._build(RolloutRequest, i, timeout_s, connection, session_id=session_id, **fields))
         try:
             results = await self._run(requests, timeout_s, target=(completion_target, cut_after_s))
@@ -372,13 +383,15 @@ class RolloutClient(FleetCalls):
         *,
         timeout_s: float | None = None,
         raise_on_error: bool = False,
+        adapter: str | None = None,
     ) -> list[Trajectory]:
         """Generate the next assistant turn of each conversation (OpenAI-style `{"role", "content"}` dicts).
 
         The worker applies the model's chat template; `Trajectory.prompt_token_ids` are the ids it used.
-        Same errors as `generate`.
+        `adapter` and the errors are `generate`'s.
         """
         params = as_sampling_params(sampling_params)
+        await self._check_adapter(adapter)
         sessions = _per_prompt(session_ids, len(conversations), "session_ids")
         connection = await self._connect()
         requests = [
@@ -390,6 +403,7 @@ class RolloutClient(FleetCalls):
                 messages=list(c),
                 session_id=sessions[i],
                 sampling_params=params,
+                adapter=adapter,
             )
             for i, c in enumerate(conversations)
         ]
@@ -408,11 +422,12 @@ class RolloutClient(FleetCalls):
         chat_template_kwargs: dict[str, Any] | None = None,
         timeout_s: float | None = None,
         text_as_detokenized: bool = False,
+        adapter: str | None = None,
     ) -> list[RolloutRequest]:
         """The validated rollout requests of `stream`'s arguments, not sent: for `run`. `request_ids`: B ids of your
         own (unique across the fleet; a batch job uses `batch:{id}:{custom_id}`), default fresh ones. Their
         deadline runs from now. `text_as_detokenized`: each trajectory's text as `detokenize` would give it (see
-        `RolloutRequest`). Raises `InvalidRequestError`."""
+        `RolloutRequest`). `adapter`: `generate`'s. Raises `InvalidRequestError`, `ModelNotFoundError`."""
         return await self._prompt_requests(
             prompts,
             sampling_params,
@@ -424,6 +439,7 @@ class RolloutClient(FleetCalls):
             parse_tool_calls=parse_tool_calls,
             chat_template_kwargs=chat_template_kwargs,
             text_as_detokenized=text_as_detokenized,
+            adapter=adapter,
         )
 
     async def _prompt_requests(
@@ -470,6 +486,7 @@ class RolloutClient(FleetCalls):
         session_ids: Sequence[str | None] | None,
         group_ids: Sequence[str | None] | None,
         timeout_s: float | None,
+        adapter: str | None = None,
     ) -> list[RolloutRequest]:
         """`_generation_requests` of `generate`'s prompts: token ids, or trajectories to continue (their session and
         group unless the caller names others)."""
@@ -484,7 +501,7 @@ class RolloutClient(FleetCalls):
                 groups[i] = groups[i] or fields[-1].pop("group_id")
             else:
                 fields.append({"prompt_token_ids": list(prompt)})
-        return await self._generation_requests(fields, sampling_params, sessions, groups, timeout_s)
+        return await self._generation_requests(fields, sampling_params, sessions, groups, timeout_s, adapter=adapter)
 
     async def _generation_requests(
         self,
@@ -506,6 +523,7 @@ class RolloutClient(FleetCalls):
             params = [as_sampling_params(sampling_params)] * len(prompts)  # type: ignore[arg-type]
         sessions = _per_prompt(session_ids, len(prompts), "session_ids")
         groups = _per_prompt(group_ids, len(prompts), "group_ids")
+        await self._check_adapter(extra.get("adapter"))
         connection = await self._connect()
         return [
             self._build(
@@ -618,57 +636,6 @@ class RolloutClient(FleetCalls):
             assert isinstance(request, RolloutRequest)
             return error_trajectory(request, result)
         return result
-
-    # --- tokens -----------------------------------------------------------------------------------------
-
-    async def tokenize(
-        self, texts: Sequence[str], add_special_tokens: bool = True, *, timeout_s: float | None = None
-    ) -> list[list[int]]:
-        """Token ids of each text, from a worker's tokenizer (the client needs none). Served while paused."""
-        connection = await self._connect()
-        requests = [
-            self._build(TokenizeRequest, i, timeout_s, connection, text=t, add_special_tokens=add_special_tokens)
-            for i, t in enumerate(texts)
-        ]
-        return [r.token_ids for r in await self._token_results(requests, timeout_s)]
-
-    async def apply_chat_template(
-        self,
-        conversations: Sequence[Sequence[dict[str, Any]]],
-        *,
-        tools: list[dict[str, Any]] | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ) -> list[list[int]]:
-        """Prompt token ids of each conversation under the model's chat template, with a generation prompt (unless
-        `chat_template_kwargs` says otherwise: `add_generation_prompt`, `continue_final_message`, `chat_template`).
-        `tools`: OpenAI's function tools, for the template."""
-        connection, template = await self._connect(), {"tools": tools, "chat_template_kwargs": chat_template_kwargs}
-        requests = [
-            self._build(TokenizeRequest, i, timeout_s, connection, messages=list(c), **template)
-            for i, c in enumerate(conversations)
-        ]
-        return [r.token_ids for r in await self._token_results(requests, timeout_s)]
-
-    async def detokenize(
-        self, token_ids: Sequence[Sequence[int]], skip_special_tokens: bool = True, *, timeout_s: float | None = None
-    ) -> list[str]:
-        """Text of each list of token ids, from a worker's tokenizer."""
-        connection = await self._connect()
-        requests = [
-            self._build(
-                DetokenizeRequest, i, timeout_s, connection, token_ids=list(t), skip_special_tokens=skip_special_tokens
-            )
-            for i, t in enumerate(token_ids)
-        ]
-        return [r.text for r in await self._token_results(requests, timeout_s)]
-
-    async def _token_results(self, requests: Sequence[Request], timeout_s: float | None) -> list[TokenizeResult]:
-        results = await self._run(requests, timeout_s)
-        for result in results:
-            if isinstance(result, ErrorResult):
-                raise GenerationError(result.request_id, result.code, result.message, result.recoverable)
-        return results
 
 
 def _event(event: int | tuple[int, TrajectoryChunk | None]) -> tuple[int, TrajectoryChunk | None]:

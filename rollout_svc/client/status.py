@@ -16,16 +16,22 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
     Returns `{"paused": bool, "pause_mode": "keep"|"abort"|"wait"|None, "pause_holders": {holder: mode},
     "pause_leases": {holder: when its pause lapses, unix s}, "lapsed_pauses": {holder: when its leased pause lapsed},
     "sleep_level": n, "epoch": n, "weight_version": n (committed), "weight_checkpoint": path or None,
+    "adapters": {name: {"version": n, "path": directory}} (the LoRA adapters the fleet holds),
     "workers": [WorkerStatus dict], "loads": {worker id: tokens of work it holds (what placement shares by)},
     "streams": {name: {length, pending, queued}}, "dead_letters": n,
-    "shards": [name], "unreachable_shards": [name]}`: every reachable shard's workers, streams and dead letters,
+    "shards": [name], "unreachable_shards": [name], "model_name": this model's name ("": the default),
+    "named_models": {name: the same report of that named model} (from the default model's report only)}`: every
+    reachable shard's workers, streams and dead letters,
     and the control state as the first shard that answers holds it (every command writes it in all). Each worker's
     `state` is starting, serving, paused, sleeping, draining or stale (its weights are not the committed ones), and
     `applied_epoch` the control epoch it acknowledged (right after a command returns, every worker's is >= it).
     """
     fleet = Fleet(settings)
+    named: list[str] = []
     try:
         shards = await fleet.refresh()
+        if not settings.model_name:
+            named = await fleet.named_models()
         desired = await FleetControl(fleet).state()
         by_shard = await FleetRegistry(fleet).live_workers_by_shard()
         workers = sorted_workers(by_shard)
@@ -56,10 +62,13 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
         "epoch": desired.epoch,
         "weight_version": desired.weight_version,
         "weight_checkpoint": desired.weight_checkpoint or None,
+        "adapters": {name: {"version": s.version, "path": s.path} for name, s in sorted(desired.adapters.items())},
         "workers": [w.model_dump() for w in workers],
         "loads": {w.worker_id: loads.get(w.worker_id, 0) for w in workers},
         "streams": depths,
         "dead_letters": dead_letters,
         "shards": shards,
         "unreachable_shards": sorted(unreachable),
+        "model_name": settings.model_name,
+        "named_models": {name: await fleet_status(settings.copy_with(model_name=name)) for name in named},
     }

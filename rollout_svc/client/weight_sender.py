@@ -51,7 +51,10 @@ class SyncReport:
     `pack_s` packing the buckets, `load_s` the wait for every load and prefix-cache reset after the transfer (after
     the load order, for a transfer outside the pause), `total_s` the whole `update` call. `loaded`: workers now
     serving `version`; `stale`: live workers that failed (with why; they take no work until a later sync includes
-    them); `dead`: left out, dead. `paused_during_transfer`: the fleet was paused before the transfer."""
+    them); `dead`: left out, dead. `paused_during_transfer`: the fleet was paused before the transfer. `digest`:
+    a broadcast version's digest (`weightsync.transfer.weights_digest`), committed with it: a worker that catches
+    up from a peer checks what it got against it. `ranks`: the broadcast's receiving ranks (each worker's tensor x
+    pipeline x data parallel size, summed; the transfer group is these and the trainer's rank 0)."""
 
     version: int
     transport: Literal["broadcast", "checkpoint"]
@@ -70,6 +73,8 @@ class SyncReport:
     attempts: int = 1
     group_rebuilt: bool = False
     paused_during_transfer: bool = False
+    digest: str = ""
+    ranks: int = 0
 
     @property
     def gb_per_s(self) -> float:
@@ -211,7 +216,7 @@ class WeightSender:
                     raise WeightSyncError(version, f"not committed: {lapsed}; the old version stays committed", {
                         w: "loaded, not committed: stale until the next sync" for w in report.loaded
                     })  # fmt: skip
-                await self.control.commit_weights(version, path or "")
+                await self.control.commit_weights(version, path or "", report.digest)
             finally:
                 await pause.release()
             report.pause_s, report.paused_s, report.total_s = pause.pause_s, pause.paused_s, time.monotonic() - started
@@ -299,7 +304,7 @@ class WeightSender:
             manifest = WeightManifest(sync_id=sync_id, version=version, bucket_nbytes=sizes, buckets=buckets)
             await self.plane.announce(manifest)
             try:
-                pack_s, transfer_s = await asyncio.to_thread(
+                pack_s, transfer_s, digest = await asyncio.to_thread(
                     self._send, self._group, buckets, sizes, tensors, self._buffers
                 )
             except Exception as exc:  # a peer died mid-transfer: the group is broken
@@ -325,6 +330,8 @@ class WeightSender:
             report.dead = sorted(set(report.dead) | set(dead))
             report.bytes, report.buckets = sum(sizes), len(sizes)
             report.join_s, report.pack_s, report.transfer_s = join_s, pack_s, transfer_s
+            report.digest = digest
+            report.ranks = sum(self._group.members.values()) if self._group is not None else 0
             report.load_s = time.monotonic() - loading
             report.attempts, report.group_rebuilt = attempt, rebuilt
             if outcome.dead or outcome.missing or failed:
@@ -364,13 +371,14 @@ class WeightSender:
         sizes: list[int],
         tensors: list[tuple[str, torch.Tensor]],
         buffers: BucketBuffers,
-    ) -> tuple[float, float]:
+    ) -> tuple[float, float, str]:
         """Pack, then broadcast every bucket from rank 0 (runs in a thread). Returns (seconds packing, seconds from
-        the first bucket to the last). A bucket holding one contiguous tensor is sent from the tensor's own memory;
+        the first bucket to the last, the digest of what was sent; computed after the last bucket went out, while
+        the workers finish receiving). A bucket holding one contiguous tensor is sent from the tensor's own memory;
         the others are packed into buffers kept from the last sync (no page faults)."""
         import torch
 
-        from rollout_svc.weightsync.transfer import fill_into
+        from rollout_svc.weightsync.transfer import fill_into, weights_digest
 
         started = time.perf_counter()
         device = tensors[0][1].device if group.spec.backend == "nccl" else torch.device("cpu")
@@ -386,7 +394,8 @@ class WeightSender:
         sending = time.perf_counter()
         for buffer in packed:
             group.process_group.broadcast(buffer, 0).wait()
-        return sending - started, time.perf_counter() - sending
+        sent = time.perf_counter()
+        return sending - started, sent - sending, weights_digest(packed)
 
 
 class _Pause:

@@ -12,8 +12,9 @@ Redis is the service's other door: whoever can write the state hash steers the f
 - `worker` (`python -m workers`): take, ack, publish results, heartbeats, reaping (the reap locks), dead letters,
   session pins; reads the state hash, the command log and the tombstones, and may only *add* missing fields to the
   state hash (HSETNX: the re-seed of a Redis that forgot, DESIGN.md section 4); reads the sync order and the
-  manifest and writes the weight-sync barriers; listens on the control, cancel and weights channels and announces
-  on the acks channel.
+  manifest and writes the weight-sync barriers and the peer catch-up orders and answers (workers send each other the
+  committed version); listens on the control, cancel and weights channels (it nudges a peer on the last) and
+  announces on the acks channel.
 - `admin` (the operator, `rollout-svc status` and the control commands, the trainer's `WeightSender`, the API):
   every key and channel under the prefix, every command but Redis' `@dangerous` ones.
 
@@ -93,9 +94,31 @@ def glob_escape(text: str) -> str:
 
 
 def roles(keys: Keys) -> dict[str, Role]:
-    """The three roles for the key names of `keys` (its prefix): {name: Role}, producer, worker, admin."""
-    k = Keys(glob_escape(keys.prefix), "*")  # every name below is a pattern; `*` stands for an id (and a shard)
-    return {PRODUCER: _producer(k), WORKER: _worker(k), ADMIN: _admin(k)}
+    """The three roles for the key names of `keys` (its prefix, the deployment's `key_prefix`): {name: Role},
+    producer, worker, admin. Producer and worker have the same rights on every named model's keys
+    (`{prefix}:model:{name}:...`, `Settings.model_name`) as on the default model's, and the worker may add its model
+    to the set of named models (`{prefix}:models`), which a producer may read."""
+    prefix = glob_escape(keys.prefix)
+    k = Keys(prefix, "*")  # every name below is a pattern; `*` stands for an id (and a shard)
+    named = Keys(f"{prefix}:model:*", "*")  # ... and here for a model's name too
+    models = f"{prefix}:models"
+    producer = _merged(_producer(k), _producer(named), Grant(("+smembers",), read_only=(models,)))
+    worker = _merged(_worker(k), _worker(named))
+    worker = Role(WORKER, Grant(worker.root.commands, (*worker.root.read_write, models), worker.root.read_only),
+                  worker.channels, worker.selectors)  # fmt: skip
+    return {PRODUCER: producer, WORKER: worker, ADMIN: _admin(k)}
+
+
+def _merged(default: Role, named: Role, *extra: Grant) -> Role:
+    """`default`'s rights and `named`'s (the same role over other key patterns) in one role; `extra` selectors added.
+    Each selector still holds keys of one type: the same selector of both, over both patterns."""
+
+    def both(a: Grant, b: Grant) -> Grant:
+        return Grant(a.commands, (*a.read_write, *b.read_write), (*a.read_only, *b.read_only))
+
+    selectors = tuple(both(a, b) for a, b in zip(default.selectors, named.selectors, strict=True))
+    channels = (*default.channels, *named.channels)
+    return Role(default.name, both(default.root, named.root), channels, (*selectors, *extra))
 
 
 def _producer(k: Keys) -> Role:
@@ -120,7 +143,8 @@ def _worker(k: Keys) -> Role:
     streams = (k.requests, k.pinned_requests("*"), k.token_requests, k.results("*"), k.dead)
     barriers = tuple(k.weight_barrier("*", phase) for phase in (JOINED, RECEIVED, LOADED))
     fleet = (k.session("*"), k.worker_sessions("*"), k.workers, k.worker("*"), k.reap_lock("*"), k.shards, k.loads)
-    read_write = (*streams, *fleet, *barriers)
+    catch_ups = (k.weight_catch_ups, k.weight_catch_up_answer("*"))  # peer catch-up, among workers
+    read_write = (*streams, *fleet, *barriers, *catch_ups)
     read_only = (k.state, k.commands, k.cancelled, k.weight_sync, k.weight_manifest("*"), k.weight_load("*"))
     return Role(
         WORKER,

@@ -17,6 +17,8 @@ The only module that spells the control keys' verbs (DESIGN.md section 4, "Contr
   next nudge or heartbeat, `state()`) leaves it out, so a dead holder's pause ends within its lease plus one
   heartbeat interval without anyone writing. The next command or renewal prunes it and records when it lapsed
   (`lapsed:{holder}`, for `status`).
+- LoRA adapters are fleet state too (`control.adapters`): `load_adapter` / `unload_adapter` are commands whose
+  acknowledgement means every live worker holds (or dropped) the adapter; a late worker loads them as it converges.
 - Cancel is not a command: a producer writes tombstones (`Keys.cancelled`, with a TTL) and nudges on
   `Keys.cancel_channel`; no barrier.
 - Under Redis ACL users (`connections.acl`) only `admin` may issue commands; a refusal raises `AccessDeniedError`.
@@ -40,6 +42,7 @@ from redis.exceptions import RedisError, ResponseError
 from rollout_svc.config import MAX_LEASE_S, Settings
 from rollout_svc.connections.acl import ADMIN, permission_denied
 from rollout_svc.connections.urls import next_message, retry_while_away
+from rollout_svc.control.adapters import AdapterSpec, check_adapter_name
 from rollout_svc.control.scripts import CANCEL_LUA, COMMIT_LUA, ISSUE_LUA, RENEW_LEASE_LUA, RESEED_LUA
 from rollout_svc.dataplane.registry import Registry
 from rollout_svc.dataplane.streams import Entry, Placed, RequestStreams, Sweep
@@ -49,6 +52,7 @@ from rollout_svc.errors import (
     ControlStateMissingError,
     ControlTimeoutError,
     InvalidRequestError,
+    ModelNotFoundError,
     ProtocolError,
 )
 from rollout_svc.keys import StateField
@@ -69,7 +73,8 @@ class FleetState:
     `holders` maps each pause holder whose pause is in force to its mode; `leases` maps those held under a lease to
     when it lapses, `lapsed` each holder whose leased pause lapsed (not renewed: its process died or hung) to when it
     did (unix seconds, Redis' clock). `sleep_level` 0 is awake; `awake_tags` are the memory pools a partial
-    `wake_up(tags)` restored (the fleet sleeps until all of `SLEEP_TAGS` are).
+    `wake_up(tags)` restored (the fleet sleeps until all of `SLEEP_TAGS` are). `adapters`: the LoRA adapters every
+    worker should hold, by name.
     """
 
     epoch: int = 0
@@ -81,6 +86,8 @@ class FleetState:
     awake_tags: frozenset[str] = frozenset()
     weight_version: int = 0
     weight_checkpoint: str = ""  # the checkpoint directory the committed version was loaded from ("": broadcast)
+    weight_digest: str = ""  # a broadcast version's digest (`weightsync.transfer.weights_digest`; "": none)
+    adapters: dict[str, AdapterSpec] = field(default_factory=dict)
 
     @property
     def paused(self) -> bool:
@@ -122,15 +129,18 @@ class FleetState:
             awake_tags=frozenset(k[len(awake) :] for k in values if k.startswith(awake)),
             weight_version=int(values.get(StateField.WEIGHT_VERSION, 0)),
             weight_checkpoint=values.get(StateField.WEIGHT_CHECKPOINT, ""),
+            weight_digest=values.get(StateField.WEIGHT_DIGEST, ""),
+            adapters={name: AdapterSpec.from_field(v) for name, v in prefixed(StateField.ADAPTER_PREFIX).items()},
         )
 
     def to_hash(self) -> dict[str, str]:
         fields = {StateField.EPOCH: str(self.epoch), StateField.SLEEP_LEVEL: str(self.sleep_level)}
         fields |= {StateField.SLEEP_MODE: self.sleep_mode, StateField.WEIGHT_VERSION: str(self.weight_version)}
-        fields |= {StateField.WEIGHT_CHECKPOINT: self.weight_checkpoint}
+        fields |= {StateField.WEIGHT_CHECKPOINT: self.weight_checkpoint, StateField.WEIGHT_DIGEST: self.weight_digest}
         fields |= {StateField.holder(holder): mode for holder, mode in self.holders.items()}
         fields |= {StateField.lease(holder): str(int(until * 1000)) for holder, until in self.leases.items()}
         fields |= {StateField.lapsed(holder): str(int(when * 1000)) for holder, when in self.lapsed.items()}
+        fields |= {StateField.adapter(name): spec.to_field() for name, spec in self.adapters.items()}
         return fields | {StateField.awake(tag): "1" for tag in self.awake_tags}
 
 
@@ -278,14 +288,58 @@ class ControlPlane:
         issue = _Issue("reset_prefix_cache", {"reset_running_requests": reset_running_requests})
         return await self._run(issue, timeout_s)
 
-    async def commit_weights(self, version: int, checkpoint: str = "") -> None:
-        """Record `version` as the fleet's committed weight version (loaded from `checkpoint`, "" for a broadcast)
-        and nudge the workers: one whose version differs takes no work until it has this one. No barrier: the
-        weight sync waited for its loads already, and resumes (a command, acknowledged) right after.
+    async def load_adapter(
+        self, name: str, path: str, *, version: int | None = None, timeout_s: float | None = None
+    ) -> int:
+        """Load the LoRA adapter in directory `path` (peft's format, under every worker's checkpoint root) as `name`
+        on every worker; again with a new directory, as a new version of `name` (the old version stays loaded
+        until the requests running on it finish; new requests take the new one; nothing pauses).
+
+        `version` (default: the newest one ever given + 1) must be above every earlier version of `name`. Returns
+        the version, once every live worker loaded it. Raises `InvalidRequestError` (a bad name or version),
+        `ControlCommandError` naming each worker whose load failed and why (a path outside its root, no
+        `adapter_config.json`, a rank above the engine's `max_lora_rank`, LoRA not enabled), `ControlTimeoutError`.
+        """
+        check_adapter_name(name)
+        if not path:
+            raise InvalidRequestError("load_adapter needs the adapter's directory (peft's save_pretrained output)")
+        newest = await self.newest_adapter_version(name)
+        version = newest + 1 if version is None else version
+        if version <= newest:
+            raise InvalidRequestError(f"adapter {name} has had version {newest}: a new one must be above it")
+        spec = AdapterSpec(version, str(path))
+        fields = {StateField.adapter(name): spec.to_field(), StateField.adapter_last(name): str(version)}
+        await self._run(
+            _Issue("load_adapter", {"name": name, "path": str(path), "version": version}, fields), timeout_s
+        )
+        return version
+
+    async def newest_adapter_version(self, name: str) -> int:
+        """The newest version `name` has ever had here (0: none), loaded now or not."""
+        current, last = await self.redis.hmget(self.keys.state, StateField.adapter(name), StateField.adapter_last(name))
+        value = current.decode() if isinstance(current, bytes) else current
+        return max(AdapterSpec.from_field(value).version if value else 0, int(last or 0))
+
+    async def unload_adapter(self, name: str, *, timeout_s: float | None = None) -> int:
+        """Drop the adapter `name` from every worker (each once nothing runs on it); requests for it then fail
+        with `unknown_adapter` (HTTP 404). Returns the epoch. Raises `ModelNotFoundError` if the fleet holds no
+        adapter of that name."""
+        check_adapter_name(name)
+        if not await self.redis.hexists(self.keys.state, StateField.adapter(name)):
+            raise ModelNotFoundError(name, sorted((await self.state()).adapters))
+        return await self._run(
+            _Issue("unload_adapter", {"name": name}, del_fields=[StateField.adapter(name)]), timeout_s
+        )
+
+    async def commit_weights(self, version: int, checkpoint: str = "", digest: str = "") -> None:
+        """Record `version` as the fleet's committed weight version (loaded from `checkpoint`, "" for a broadcast,
+        whose `digest` a late worker checks what it got from a peer against) and nudge the workers: one whose
+        version differs takes no work until it has this one. No barrier: the weight sync waited for its loads
+        already, and resumes (a command, acknowledged) right after.
         Raises `AccessDeniedError` if this connection's Redis user may not write the state (not `admin`), and
         `ControlStateMissingError` if the state hash is missing (Redis restarted empty: the workers write it back
         within a heartbeat; retry the sync then), committing nothing."""
-        args = [str(version), checkpoint, self.keys.weights_channel, self.keys.control_channel]
+        args = [str(version), checkpoint, self.keys.weights_channel, self.keys.control_channel, digest]
         try:
             committed = await self._commit(keys=[self.keys.state], args=args)
         except ResponseError as exc:

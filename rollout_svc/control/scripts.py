@@ -63,15 +63,17 @@ if redis.call('HEXISTS', state, lease_field) == 1 then redis.call('HSET', state,
 return 1
 """)
 
-# KEYS: [1] state hash. ARGV: [1] weight version, [2] checkpoint, [3] weights channel, [4] control channel. Commits
+# KEYS: [1] state hash. ARGV: [1] weight version, [2] checkpoint, [3] weights channel, [4] control channel, [5] the
+# version's digest ("" for a checkpoint). Commits
 # the version only into a state hash that exists: a Redis that restarted empty gets its state back from the workers
 # (the reseed) first, else the commit would create a state of one field (no epoch, no pauses, the version reset).
 # Returns 1 if committed, 0 if the state is missing.
 COMMIT_LUA = lua("""
 local state = KEYS[1]
-local version, checkpoint, weights_channel, control_channel = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local version, checkpoint, weights_channel, control_channel, digest = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 if redis.call('EXISTS', state) == 0 then return 0 end
-redis.call('HSET', state, '${StateField.WEIGHT_VERSION}', version, '${StateField.WEIGHT_CHECKPOINT}', checkpoint)
+redis.call('HSET', state, '${StateField.WEIGHT_VERSION}', version, '${StateField.WEIGHT_CHECKPOINT}', checkpoint,
+  '${StateField.WEIGHT_DIGEST}', digest)
 redis.call('PUBLISH', weights_channel, '${Nudge.WEIGHT_COMMIT}')
 redis.call('PUBLISH', control_channel, '${Nudge.COMMAND}')
 return 1

@@ -90,6 +90,23 @@ class Reaper:
                         moved += await self.requeue(entries)
         return moved
 
+    async def requeue_orphans(self, worker_id: str) -> int:
+        """After a Redis restart: requeue the entries of the shared streams and `worker_id`'s pinned stream that no
+        read will deliver (`RequestStreams.orphans`), under one reap lock per stream so that workers reconciling at
+        once do not each requeue them. Returns how many moved (and logs it)."""
+        moved = 0
+        for stream in (self.keys.requests, self.keys.pinned_requests(worker_id), self.keys.token_requests):
+            if not await self.registry.try_reap_lock(f"orphans:{stream}", worker_id, REAP_LOCK_TTL_S):
+                continue
+            try:
+                while entries := await self.streams.orphans(stream):
+                    moved += await self.requeue(entries)
+            finally:
+                await self.registry.release_reap_lock(f"orphans:{stream}", worker_id)
+        if moved:
+            log.warning("Redis brought back %d requests behind the consumer group (no read gets them): requeued", moved)
+        return moved
+
     async def requeue(self, entries: list[Entry]) -> int:
         """Put entries back in the queue (same payload, session and epoch; deliveries carried), ack the old ones.
 

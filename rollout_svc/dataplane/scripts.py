@@ -295,7 +295,11 @@ if ARGV[7] == '1' then
 end
 local function cost_of(fields)
   for i = 1, #fields, 2 do
-    if fields[i] == '${COST_FIELD}' then return tonumber(fields[i + 1]) end
+    if fields[i] == '${COST_FIELD}' then
+      local c = tonumber(fields[i + 1])  -- nil for garbage; nan fails every comparison
+      if not c or not (c >= 1) then return 1 end
+      return math.min(math.floor(c), ${MAX_COST})
+    end
   end
   return 1
 end

@@ -44,6 +44,7 @@ from rollout_svc.keys import (
     DELIVERIES_FIELD,
     EPOCH_FIELD,
     FREE_SUFFIX,
+    MAX_COST,
     PAYLOAD_FIELD,
     SESSION_FIELD,
     WORKERS_GROUP,
@@ -520,6 +521,22 @@ class RequestStreams:
         records: Any = await self.redis.xrange(stream, min=start, count=count)
         return [_entry(stream, entry_id, fields, delivered=0) for entry_id, fields in records]
 
+    async def orphans(self, stream: str, count: int = 1000) -> list[Entry]:
+        """Entries at or before the group's last-delivered id that no consumer holds pending: no `>` read will ever
+        deliver them. Normally there are none (an answered entry is acked and deleted in one script); a Redis that
+        replayed a transaction its append-only file had cut short (killed mid-write, then written to, then
+        restarted) brings such entries back behind the group."""
+        group = await self._group_info(stream)
+        if group is None:
+            return []
+        last = group["last-delivered-id"]
+        records: Any = await self.redis.xrange(stream, min="-", max=last, count=count)
+        if not records:
+            return []
+        pending: Any = await self.redis.xpending_range(stream, WORKERS_GROUP, records[0][0], last, count)
+        held = {item["message_id"] for item in pending}
+        return [_entry(stream, entry_id, fields, delivered=0) for entry_id, fields in records if entry_id not in held]
+
     async def pending_ids(self, stream: str, consumer: str, count: int) -> set[bytes]:
         """The ids of up to `count` entries of `stream` delivered to `consumer` and not acked (XPENDING)."""
         if await self._group_info(stream) is None:
@@ -589,19 +606,27 @@ class RequestStreams:
     # --- results and inspection -------------------------------------------------------------------------
 
     async def read_results(
-        self, stream: str, last_id: bytes, done_ids: list[bytes], block_ms: int, state: str
-    ) -> tuple[list[Any], int]:
+        self,
+        stream: str,
+        last_id: bytes,
+        done_ids: list[bytes],
+        block_ms: int,
+        state: str,
+        adapters: Sequence[str] = (),
+    ) -> tuple[list[Any], int, dict[str, int]]:
         """XDEL the results already consumed, XREAD new ones after `last_id`, and read the committed weight version
-        from the state hash `state` as it is right after they arrived (Redis runs a connection's commands in
-        order, so the HGET waits behind the blocking read): one round trip. Returns (records, committed)."""
+        (and the newest version of each of `adapters`) from the state hash `state` as it is right after they arrived
+        (Redis runs a connection's commands in order, so the HMGET waits behind the blocking read): one round trip.
+        Returns (records, committed, {adapter: its newest version, for those loaded})."""
         pipe = self.redis.pipeline(transaction=False)
         if done_ids:
             pipe.xdel(stream, *done_ids)
         pipe.xread({stream: last_id}, count=1000, block=block_ms)
-        pipe.hget(state, StateField.WEIGHT_VERSION)
+        pipe.hmget(state, [StateField.WEIGHT_VERSION, *(StateField.adapter(name) for name in adapters)])
         replies = await pipe.execute()
-        reply, committed = replies[-2], replies[-1]
-        return (reply[0][1] if reply else []), int(committed or 0)
+        reply, (committed, *held) = replies[-2], replies[-1]
+        versions = {name: _adapter_version(value) for name, value in zip(adapters, held, strict=True) if value}
+        return (reply[0][1] if reply else []), int(committed or 0), versions
 
     async def depth(self, stream: str) -> dict[str, int]:
         """Length (queued + in flight, since acked entries are deleted) and pending count of a requests stream."""
@@ -609,6 +634,11 @@ class RequestStreams:
         length = await self.redis.xlen(stream)
         pending = group["pending"] if group else 0
         return {"length": length, "pending": pending, "queued": max(0, length - pending)}
+
+
+def _adapter_version(field: bytes | str) -> int:
+    """The version in an `adapter:{name}` field's value (`{version}:{path}`)."""
+    return int((field.decode() if isinstance(field, bytes) else field).split(":", 1)[0])
 
 
 def _entry(stream: str, entry_id: bytes, fields: dict[bytes, bytes], delivered: int) -> Entry:
@@ -620,8 +650,20 @@ def _entry(stream: str, entry_id: bytes, fields: dict[bytes, bytes], delivered: 
         int(fields.get(DELIVERIES_FIELD, 0)) + delivered,
         session.decode() if session else None,
         int(fields.get(EPOCH_FIELD, 0)),
-        int(fields.get(COST_FIELD, 0)),
+        entry_cost(fields.get(COST_FIELD)),
     )
+
+
+def entry_cost(value: bytes | None) -> int:
+    """An entry's cost field as the take script counts it (`cost_of`): at most `MAX_COST`; 0 when absent (1 for
+    anything else that is not a positive number: the script's count for it)."""
+    if value is None:
+        return 0
+    try:
+        cost = float(value)
+    except ValueError:
+        return 1
+    return int(min(cost, MAX_COST)) if cost >= 1 else 1
 
 
 def _fields(flat: list[bytes]) -> dict[bytes, bytes]:

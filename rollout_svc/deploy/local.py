@@ -26,6 +26,7 @@ from rollout_svc.connections.topology import probe_cluster, redis_router_sync
 from rollout_svc.connections.urls import is_loopback, redacted, redis_sync
 from rollout_svc.deploy.processes import cpu_sets, die_with_parent, signal_group
 from rollout_svc.deploy.redis_cluster import RedisClusterServers, worker_shard
+from rollout_svc.keys import Keys
 
 log = logging.getLogger("rollout_svc.deploy.local")
 ACL_NEEDS_PRIVATE_REDIS = (
@@ -257,7 +258,7 @@ class LocalCluster:
     def _worker_children(self, env: dict[str, str]) -> list[_Child]:
         """One child per worker: `env` plus its CPU share (vLLM on CPUs), its shard and, under --acl, its URL."""
         children = []
-        binds = cpu_sets(self.worker_count)
+        binds = cpu_sets(self.worker_count, self.engine.gpus)
         for i, shard in enumerate(self.worker_shards()):
             worker_env = {**env, "ROLLOUT_SHARD": shard}
             if self.engine.engine == "vllm" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -275,7 +276,8 @@ class LocalCluster:
         """Create the ACL users in the private Redis, write their URLs, and go on as `admin` from here."""
         client = redis_sync(self.settings.redis_url)
         try:
-            self.credentials = create_users(client, self.settings.keys, self.settings.redis_url)
+            keys = Keys(self.settings.key_prefix)  # the deployment's: every model's keys (connections.acl.roles)
+            self.credentials = create_users(client, keys, self.settings.redis_url)
         finally:
             client.close()
         self.credentials.write(acl_file)

@@ -24,15 +24,18 @@ def die_with_parent(args: list[str], sig: signal.Signals = signal.SIGTERM) -> li
     return [sys.executable, "-c", _DIE_WITH_PARENT, str(int(sig)), *args]
 
 
-def cpu_sets(count: int) -> list[str]:
-    """Split this process's CPUs evenly among `count` engines, as VLLM_CPU_OMP_THREADS_BIND values ("0-1")."""
+def cpu_sets(count: int, ranks: int = 1) -> list[str]:
+    """Split this process's CPUs evenly among `count` engines of `ranks` ranks each (tensor x pipeline x data
+    parallel), as VLLM_CPU_OMP_THREADS_BIND values: "0-1" for one rank, "0|1|0" for three ranks on two CPUs (vLLM's
+    CPU backend binds rank i to the i-th `|`-separated set; with fewer CPUs than ranks, ranks share CPUs)."""
     cpus = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cpus) // max(1, count))
+    slots = max(1, count * ranks)
+    per = max(1, len(cpus) // slots)
     sets = []
-    for i in range(count):
-        chunk = cpus[(i * per) % len(cpus) :][:per]
+    for slot in range(slots):
+        chunk = cpus[(slot * per) % len(cpus) :][:per]
         sets.append(f"{chunk[0]}-{chunk[-1]}" if len(chunk) > 1 else str(chunk[0]))
-    return sets
+    return ["|".join(sets[i * ranks : (i + 1) * ranks]) for i in range(count)]
 
 
 def signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:

@@ -1,12 +1,13 @@
 """Ray worker groups (the optional extra `ray`): rollout workers as Ray actors on one placement group.
 
 `RayWorkerGroup` reserves one bundle per worker (`{"CPU": cpus_per_worker, "GPU": gpus_per_worker}`, PACK or
-SPREAD) and starts a `WorkerHost` actor on each. The actor runs `python -m workers` as its child process with the
-group's settings as `ROLLOUT_*` env vars and a stable worker id (`{name}-{i}`, so a replacement is the same slot),
-watches it and starts it again if it exits. An actor that dies is restarted by Ray on its bundle
-(`max_restarts=-1`); its child gets SIGTERM when the actor dies (PR_SET_PDEATHSIG), so it drains, requeues and
-deregisters, and the replacement waits for it before starting a worker under the same id. Workers need no ports:
-Redis is all that joins them.
+SPREAD; a worker whose engine spans GPUs, tensor x pipeline x data parallel, gets that many in its bundle, and Ray
+sets its `CUDA_VISIBLE_DEVICES`) and starts a `WorkerHost` actor on each. The actor runs `python -m workers` as its
+child process with the group's settings as `ROLLOUT_*` env vars and a stable worker id (`{name}-{i}`, so a
+replacement is the same slot), watches it and starts it again if it exits. An actor that dies is restarted by Ray on
+its bundle (`max_restarts=-1`); its child gets SIGTERM when the actor dies (PR_SET_PDEATHSIG), so it drains,
+requeues and deregisters, and the replacement waits for it before starting a worker under the same id. Workers need
+no ports: Redis is all that joins them.
 
 Ray is imported only inside the functions that use it: `import rollout_svc` never imports it.
 """
@@ -25,7 +26,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -53,14 +54,18 @@ def import_ray() -> Any:
     return ray
 
 
-def worker_bundles(num_workers: int, gpus_per_worker: float = 0, cpus_per_worker: float = 1) -> list[dict[str, float]]:
-    """One placement-group bundle per worker, zero entries left out. ValueError if a bundle would be empty
-    (Ray refuses all-zero bundles) or a count is negative."""
+def worker_bundles(
+    num_workers: int, gpus_per_worker: float = 0, cpus_per_worker: float = 1, gpu_resource: str = "GPU"
+) -> list[dict[str, float]]:
+    """One placement-group bundle per worker, zero entries left out; its GPUs counted under `gpu_resource` (Ray's
+    `GPU`, or a custom resource standing in for GPUs). ValueError if a bundle would be empty (Ray refuses all-zero
+    bundles) or a count is negative."""
     if num_workers < 1:
         raise ValueError(f"num_workers must be at least 1, not {num_workers}")
     if gpus_per_worker < 0 or cpus_per_worker < 0:
         raise ValueError(f"resources per worker cannot be negative: {cpus_per_worker} CPUs, {gpus_per_worker} GPUs")
-    bundle = {name: float(amount) for name, amount in (("CPU", cpus_per_worker), ("GPU", gpus_per_worker)) if amount}
+    amounts = (("CPU", cpus_per_worker), (gpu_resource, gpus_per_worker))
+    bundle = {name: float(amount) for name, amount in amounts if amount}
     if not bundle:
         raise ValueError("each worker needs cpus_per_worker > 0 or gpus_per_worker > 0: Ray refuses all-zero bundles")
     return [dict(bundle) for _ in range(num_workers)]
@@ -74,13 +79,13 @@ def placement_strategy(placement: str) -> str:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, not {placement!r}") from None
 
 
-def node_shares(bundle_nodes: list[str]) -> list[tuple[int, int]]:
-    """For each bundle, (its index among the bundles on its node, how many are on that node): its share of the
-    node's CPUs when engines run on CPUs."""
+def node_shares(bundle_nodes: list[str], ranks: int = 1) -> list[tuple[int, int, int]]:
+    """For each bundle, (its index among the bundles on its node, how many are on that node, the engine's ranks):
+    its share of the node's CPUs when engines run on CPUs (`cpu_sets`)."""
     counts, seen = Counter(bundle_nodes), Counter[str]()
     shares = []
     for node in bundle_nodes:
-        shares.append((seen[node], counts[node]))
+        shares.append((seen[node], counts[node], ranks))
         seen[node] += 1
     return shares
 
@@ -92,7 +97,9 @@ def is_loopback(redis_url: str) -> bool:
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """One slot as its actor sees it: the actor's process id, its worker child's (None while restarting)."""
+    """One slot as its actor sees it: the actor's process id, its worker child's (None while restarting), the
+    resources Ray assigned it (`ray.get_runtime_context().get_assigned_resources()`, from its bundle) and the
+    `CUDA_VISIBLE_DEVICES` Ray set for its GPUs ("" without)."""
 
     worker_id: str
     actor_pid: int
@@ -100,6 +107,8 @@ class WorkerInfo:
     alive: bool
     restarts: int
     node_ip: str
+    resources: dict[str, float] = field(default_factory=dict)
+    cuda_visible_devices: str = ""
 
 
 class WorkerHost:
@@ -108,7 +117,7 @@ class WorkerHost:
     `args` follow the interpreter (`-m workers ...`): the child runs under this node's Python, the actor's own.
     The child runs in its own process group (stopping it stops vLLM's engine-core process too) and gets SIGTERM
     if this actor's watcher thread dies (the actor is killed): it then drains and deregisters on its own.
-    `cpu_share` (index, count): bind the engine to its share of this node's CPUs, unless the node's environment
+    `cpu_share` (index, count, ranks): bind the engine to its share of this node's CPUs, unless the node's environment
     sets `VLLM_CPU_OMP_THREADS_BIND`. `pid_file` (a name in this node's temp folder) records the child, so that the
     actor Ray starts in place of a dead one waits for the old child to finish draining (at most
     `PREVIOUS_GRACE_S`, then SIGKILL): two processes never serve under one worker id.
@@ -123,13 +132,13 @@ class WorkerHost:
         args: list[str],
         env: dict[str, str],
         log_dir: str | None = None,
-        cpu_share: tuple[int, int] | None = None,
+        cpu_share: tuple[int, int, int] | None = None,
         pid_file: str | None = None,
     ) -> None:
         self.worker_id, self.args, self.env = worker_id, args, {**os.environ, **env}
         self.pid_path = Path(tempfile.gettempdir()) / "rollout-svc" / pid_file if pid_file else None
         if cpu_share is not None and CPU_BIND not in os.environ:
-            self.env[CPU_BIND] = cpu_sets(cpu_share[1])[cpu_share[0]]
+            self.env[CPU_BIND] = cpu_sets(cpu_share[1], cpu_share[2])[cpu_share[0]]
         self.log_path = Path(log_dir) / f"{worker_id}.log" if log_dir else None
         self.restarts = 0
         self._process: subprocess.Popen[bytes] | None = None
@@ -193,8 +202,14 @@ class WorkerHost:
     def info(self) -> WorkerInfo:
         process = self._process
         alive = process is not None and process.poll() is None
-        node_ip = import_ray().util.get_node_ip_address()
-        return WorkerInfo(self.worker_id, os.getpid(), process.pid if process else None, alive, self.restarts, node_ip)
+        ray = import_ray()
+        node_ip, resources = ray.util.get_node_ip_address(), {}
+        if ray.is_initialized():  # in an actor; outside one (unit tests) asking would start a Ray instance
+            with contextlib.suppress(AssertionError):  # Ray asserts it runs in a worker process
+                resources = ray.get_runtime_context().get_assigned_resources()
+        pid = process.pid if process else None
+        cuda = self.env.get("CUDA_VISIBLE_DEVICES", "")
+        return WorkerInfo(self.worker_id, os.getpid(), pid, alive, self.restarts, node_ip, dict(resources), cuda)
 
     def pid(self) -> int:
         """This actor's process id."""
@@ -242,6 +257,12 @@ class RayWorkerGroup:
     (None: `RAY_ADDRESS` or a new local instance; `auto`, `host:port`, `ray://host:port`, `local`) and `shutdown`
     calls `ray.shutdown()`. `log_dir`: a folder on each node for the workers' logs (default: the actors' logs,
     which Ray streams to the driver).
+
+    `gpus_per_worker`: None (the default) gives each bundle the engine's GPUs (`EngineSettings.gpus`: tensor x
+    pipeline x data parallel size) where the cluster has `gpu_resource`, and none where it has none (engines on
+    CPUs); a number is taken as given, and `start` refuses fewer than the engine spans (ValueError). `gpu_resource`:
+    Ray's `GPU` (Ray then sets each worker's `CUDA_VISIBLE_DEVICES`), or a custom resource that stands in for GPUs
+    (a node started with `resources={"fake_gpu": 4}`: the bundle arithmetic and replacement, on CPUs).
     """
 
     MAX_START_FAILURES = 3  # `wait_ready` gives up on a worker that exits this often before it is ready
@@ -249,7 +270,7 @@ class RayWorkerGroup:
     def __init__(
         self,
         num_workers: int,
-        gpus_per_worker: float = 0,
+        gpus_per_worker: float | None = None,
         cpus_per_worker: float = 1,
         placement: str = "pack",
         settings: Settings | None = None,
@@ -258,8 +279,12 @@ class RayWorkerGroup:
         ray_address: str | None = None,
         log_dir: str | Path | None = None,
         placement_timeout_s: float = 60.0,
+        gpu_resource: str = "GPU",
     ) -> None:
-        self.bundles = worker_bundles(num_workers, gpus_per_worker, cpus_per_worker)
+        # checked now, before any Ray call (a default GPU count, known at `start`, counts as none here: bundles of
+        # GPUs alone need gpus_per_worker); `start` computes them again
+        self.bundles = worker_bundles(num_workers, gpus_per_worker or 0, cpus_per_worker)
+        self.gpu_resource = gpu_resource
         self.strategy = placement_strategy(placement)
         self.num_workers, self.gpus_per_worker, self.cpus_per_worker = num_workers, gpus_per_worker, cpus_per_worker
         self.settings, self.engine = settings or Settings(), engine or EngineSettings()
@@ -268,6 +293,7 @@ class RayWorkerGroup:
         self.worker_ids = [f"{name}-{i}" for i in range(num_workers)]
         self.actors: list[Any] = []
         self.placement_group: Any = None
+        self.resolved_gpus = 0.0  # each worker's GPUs, once `start` resolved them
         self._owns_ray = False
 
     def __enter__(self) -> RayWorkerGroup:
@@ -289,12 +315,27 @@ class RayWorkerGroup:
             self._owns_ray = True
         self._warn_if_redis_unreachable(ray)
         try:
+            self.bundles = self._bundles(ray)
             self.placement_group = self._reserve(ray)
             host = ray.remote(WorkerHost)
             self.actors = [self._actor(host, i, share) for i, share in enumerate(self._cpu_shares())]
         except BaseException:
             self.shutdown()  # a failed start leaves nothing behind
             raise
+
+    def _bundles(self, ray: Any) -> list[dict[str, float]]:
+        """The bundles to reserve: `gpus_per_worker`, or by default the engine's GPUs where the cluster has them."""
+        gpus = self.gpus_per_worker
+        if gpus is None:
+            gpus = self.engine.gpus if ray.cluster_resources().get(self.gpu_resource, 0) > 0 else 0
+        elif 0 < gpus < self.engine.gpus:
+            raise ValueError(
+                f"a worker's engine spans {self.engine.gpus} GPUs (tensor x pipeline x data parallel size "
+                f"{self.engine.tensor_parallel_size} x {self.engine.pipeline_parallel_size} x "
+                f"{self.engine.data_parallel_size}) but gpus_per_worker is {gpus:g}: give it at least that many"
+            )
+        self.resolved_gpus = float(gpus)
+        return worker_bundles(self.num_workers, gpus, self.cpus_per_worker, self.gpu_resource)
 
     def _reserve(self, ray: Any) -> Any:
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -309,24 +350,28 @@ class RayWorkerGroup:
             )
         return group
 
-    def _cpu_shares(self) -> Sequence[tuple[int, int] | None]:
-        """vLLM on CPUs: each engine's share of its node's CPUs; otherwise none."""
-        if self.engine.engine != "vllm" or self.gpus_per_worker:
+    def _cpu_shares(self) -> Sequence[tuple[int, int, int] | None]:
+        """vLLM on CPUs: each engine's share of its node's CPUs (a set per rank); otherwise none."""
+        if self.engine.engine != "vllm" or self.resolved_gpus:
             return [None] * self.num_workers
         from ray.util.placement_group import placement_group_table
 
         nodes = placement_group_table(self.placement_group)["bundles_to_node_id"]
-        return node_shares([nodes[i] for i in range(self.num_workers)])
+        return node_shares([nodes[i] for i in range(self.num_workers)], self.engine.gpus)
 
-    def _actor(self, host: Any, i: int, cpu_share: tuple[int, int] | None) -> Any:
+    def _actor(self, host: Any, i: int, cpu_share: tuple[int, int, int] | None) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         engine = self.engine.model_copy(update={"seed": self.engine.seed + i})
         args = ["-m", "workers", "--worker-id", self.worker_ids[i], "--engine", engine.engine]
         args += engine.to_args()
+        if self.gpu_resource == "GPU":  # Ray sets CUDA_VISIBLE_DEVICES for these
+            gpus: dict[str, Any] = {"num_gpus": self.resolved_gpus}
+        else:
+            gpus = {"resources": {self.gpu_resource: self.resolved_gpus}} if self.resolved_gpus else {}
         options = host.options(
             num_cpus=self.cpus_per_worker,
-            num_gpus=self.gpus_per_worker,
+            **gpus,
             max_restarts=-1,  # Ray starts a dead actor again on its bundle, with these arguments
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
         )

@@ -101,9 +101,10 @@ class _Engine:
     async def generate(self, input_batch: dict[str, Any], model: str | None = None) -> dict[str, Any]:
         """SkyRL's `InferenceEngineInput` -> `InferenceEngineOutput`: token-id prompts (`prompt_token_ids`) or
         conversations (`prompts`), vLLM's `sampling_params`, `session_ids` pinning each to one worker. Raises
-        `ValueError` for what is not served (n > 1, as SkyRL's own client; multimodal features; a cache salt) and
-        `GenerationError` for a failed generation."""
-        self._check_model(model)
+        `ValueError` for what is not served (n > 1, as SkyRL's own client; multimodal features; a cache salt; a
+        `model` that is neither the fleet's model nor a loaded LoRA adapter) and `GenerationError` for a failed
+        generation. `model` naming a loaded adapter generates with it (vLLM's convention)."""
+        adapter = model if model and model != self.model_name else None
         token_ids, conversations = input_batch.get("prompt_token_ids"), input_batch.get("prompts")
         if (token_ids is None) == (conversations is None):
             raise ValueError("give exactly one of prompt_token_ids and prompts")
@@ -118,7 +119,7 @@ class _Engine:
         prompts = token_ids if token_ids is not None else conversations
         sessions = input_batch.get("session_ids")
         ids = [str(s) if s is not None else None for s in sessions] if sessions else None
-        trajectories = await self._run(prompts, params, ids)
+        trajectories = await self._run(prompts, params, ids, adapter)
         return {
             "responses": [t.text for t in trajectories],
             "response_ids": [t.completion_token_ids for t in trajectories],
@@ -131,8 +132,10 @@ class _Engine:
             "rollout_expert_indices": None,
         }
 
-    async def _run(self, prompts: Any, params: Any, sessions: list[str | None] | None) -> list[Any]:
-        requests = await self.client.rollout_requests(prompts, params, sessions)
+    async def _run(
+        self, prompts: Any, params: Any, sessions: list[str | None] | None, adapter: str | None = None
+    ) -> list[Any]:
+        requests = await self.client.rollout_requests(prompts, params, sessions, adapter=adapter)
         return await self.client.run(requests, raise_on_error=True)
 
     async def chat_completion(self, request_payload: dict[str, Any]) -> dict[str, Any]:

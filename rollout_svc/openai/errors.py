@@ -14,6 +14,7 @@ from rollout_svc.errors import (
     ControlCommandError,
     ControlTimeoutError,
     InvalidRequestError,
+    ModelNotFoundError,
     QueueFullError,
     RequestTimeoutError,
 )
@@ -60,6 +61,8 @@ def from_exception(exc: BaseException) -> APIError:
     """The API error for an exception a route let through (what the client library raised, or Redis)."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, ModelNotFoundError):
+        return APIError(404, str(exc), code="model_not_found", param="model")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), code="invalid_request")
     if isinstance(exc, QueueFullError):

@@ -48,6 +48,8 @@ class Plan:
     parse_tool_calls: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chunks: bool = True  # workers stream tokens (off when tool calls are made of the whole output)
+    adapter: str | None = None  # the LoRA adapter the request's `model` names (None: the base model)
+    model_name: str = ""  # the named model (`Settings.model_name`) whose workers run it ("": the default model)
 
 
 def sampling_params(
@@ -175,6 +177,8 @@ def _required_tools_schema(body: ChatCompletionRequest) -> dict[str, Any]:
 def raise_for(t: Trajectory) -> None:
     """An API error for a failed trajectory: bad input 400, a deadline 504, an engine failure 500."""
     if t.finish_reason == "error":
+        if t.error_code == "unknown_adapter":
+            raise APIError(404, t.error or "unknown adapter", param="model", code="model_not_found")
         if t.error_code == "invalid_request":
             raise APIError(400, t.error or "invalid request", code="invalid_request")
         if t.error_code == "deadline_exceeded":

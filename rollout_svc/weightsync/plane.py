@@ -12,6 +12,10 @@ A sync (DESIGN.md section 5) is coordinated in Redis, never over the transfer it
 - barrier `loaded`: each member writes "ok" once it loaded the weights and reset its prefix cache, or the error
   it met (then it is `stale`).
 
+Peer catch-up (`workers.catch_up`), without the trainer: a stale worker writes a `CatchUpOrder` naming a peer that
+serves the committed version (`Keys.weight_catch_ups`); the peer answers (`CatchUpAnswer`: the manifest it sends,
+or why not) and sends it over a transfer group of their own.
+
 A barrier waits for every member with a timeout; a member whose heartbeat expires meanwhile is dropped as dead,
 and the rest are named as missing. Every value is msgpack or a plain string: nothing is pickled.
 """
@@ -33,7 +37,7 @@ from rollout_svc.config import Settings
 from rollout_svc.dataplane.registry import Registry
 from rollout_svc.errors import InvalidRequestError, ProtocolError
 from rollout_svc.keys import OK, Nudge
-from rollout_svc.protocol import WeightManifest, WeightSyncOrder, decode, encode
+from rollout_svc.protocol import CatchUpAnswer, CatchUpOrder, WeightManifest, WeightSyncOrder, decode, encode
 
 BARRIER_POLL_S = 0.02  # how often a barrier re-reads its hash (a sync takes seconds; this is noise)
 LIVENESS_POLL_S = 0.5  # how often it checks that the members it waits for are alive
@@ -187,32 +191,67 @@ class WeightSyncPlane:
         return order if isinstance(order, WeightSyncOrder) else None
 
     async def manifest(self, sync_id: str, timeout_s: float) -> WeightManifest | None:
-        """Wait for the announcement of `sync_id`; None if it does not come within `timeout_s` seconds."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            data: Any = await self.redis.get(self.keys.weight_manifest(sync_id))
-            if data is not None:
-                manifest = decode(data)
-                if isinstance(manifest, WeightManifest):
-                    return manifest
-            await asyncio.sleep(BARRIER_POLL_S)
-        return None
+        """Wait for the announcement of `sync_id`; None if it did not come within `timeout_s` seconds, or a newer
+        sync order replaced this one (its trainer gave up on it, or died and another started)."""
+        data = await self._await_key(self.keys.weight_manifest(sync_id), sync_id, timeout_s)
+        manifest = None if data is None else decode(data)
+        return manifest if isinstance(manifest, WeightManifest) else None
 
     async def load_ordered(self, sync_id: str, timeout_s: float) -> bool:
         """Wait for the load order of staged sync `sync_id`: True once written; False if it did not come within
-        `timeout_s` seconds, or a newer sync order replaced this one (its trainer gave up on it, or died)."""
+        `timeout_s` seconds, or a newer sync order replaced this one."""
+        return await self._await_key(self.keys.weight_load(sync_id), sync_id, timeout_s) is not None
+
+    async def _await_key(self, key: str, sync_id: str | None, timeout_s: float) -> bytes | None:
+        """The value of `key` once written; None after `timeout_s` seconds, or once the sync order is no longer
+        `sync_id`'s (checked every `LIVENESS_POLL_S`; None: not checked)."""
         deadline = time.monotonic() + timeout_s
         next_order_check = time.monotonic() + LIVENESS_POLL_S
         while time.monotonic() < deadline:
-            if await self.redis.exists(self.keys.weight_load(sync_id)):
-                return True
-            if time.monotonic() >= next_order_check:
+            data: Any = await self.redis.get(key)
+            if data is not None:
+                return bytes(data)
+            if sync_id is not None and time.monotonic() >= next_order_check:
                 order = await self.order()
                 if order is not None and order.sync_id != sync_id:
-                    return False
+                    return None
                 next_order_check = time.monotonic() + LIVENESS_POLL_S
             await asyncio.sleep(BARRIER_POLL_S)
-        return False
+        return None
+
+    # --- peer catch-up ---------------------------------------------------------------------------------------
+
+    async def order_catch_up(self, order: CatchUpOrder) -> None:
+        """A stale worker's order to its peer (replacing any earlier one of it), and the nudge."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.keys.weight_catch_ups, order.learner, encode(order))
+        pipe.publish(self.keys.weights_channel, Nudge.CATCH_UP)
+        await pipe.execute()
+
+    async def catch_up_orders(self) -> list[CatchUpOrder]:
+        """The catch-up orders outstanding (ones this build cannot read are skipped)."""
+        found: Any = await self.redis.hgetall(self.keys.weight_catch_ups)
+        orders = []
+        for data in found.values():
+            try:
+                order = decode(data)
+            except ProtocolError:
+                continue
+            if isinstance(order, CatchUpOrder):
+                orders.append(order)
+        return orders
+
+    async def end_catch_up(self, learner: str) -> None:
+        await self.redis.hdel(self.keys.weight_catch_ups, learner)
+
+    async def answer_catch_up(self, answer: CatchUpAnswer) -> None:
+        await self.redis.set(self.keys.weight_catch_up_answer(answer.catch_up_id), encode(answer), ex=SYNC_KEYS_TTL_S)
+
+    async def catch_up_answer(self, catch_up_id: str, timeout_s: float) -> CatchUpAnswer | None:
+        """Wait for the peer's answer to `catch_up_id`; None if none came within `timeout_s` seconds."""
+        data = await self._await_key(self.keys.weight_catch_up_answer(catch_up_id), None, timeout_s)
+        answer = None if data is None else decode(data)
+        return answer if isinstance(answer, CatchUpAnswer) else None
 
     async def arrive(self, sync_id: str, phase: str, worker_id: str, outcome: str = OK) -> None:
         """Reach `phase` of `sync_id`: "ok", or the error this worker met."""

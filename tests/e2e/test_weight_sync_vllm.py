@@ -3,15 +3,18 @@
 One module fixture: two workers (one CPU core each) under a checkpoint root. Greedy float32 outputs are compared
 token for token: perturbed weights change them on both workers, the original weights restore them, a checkpoint
 of the perturbed weights gives the same output as their broadcast, and a keep-pause across a sync splits a
-generation exactly at the token it was frozen at.
+generation exactly at the token it was frozen at. The last test restarts one worker after a sync it missed: it
+catches up from its peer and generates exactly what the peer generates.
 """
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -19,7 +22,7 @@ from rollout_svc import RolloutClient
 from rollout_svc.client.weight_sender import WeightSender
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.model import prepare_model
-from tests.support import Streaming, vllm_workers
+from tests.support import Streaming, WorkerProcs, async_wait_until, vllm_workers
 
 pytestmark = pytest.mark.vllm
 
@@ -34,19 +37,27 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet(redis_url: str, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+def fleet_procs(
+    redis_url: str, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Settings, EngineSettings, WorkerProcs]]:
     root = tmp_path_factory.mktemp("checkpoints")
     settings = Settings(
         redis_url=redis_url,
         key_prefix="e2e-weights",
-        heartbeat_ttl_s=30,
-        request_timeout_s=600,
+        heartbeat_ttl_s=60,  # CI once saw this machine stall past 30 s: both workers' heartbeats lapsed mid-sync
+        request_timeout_s=300,
         control_timeout_s=120,
+        pause_lease_s=120,  # a sync's pause outlives a stall of this shared machine (CI saw one lapse 20 s)
         checkpoint_root=root,
     )
     engine = EngineSettings(model=str(model_dir), dtype="float32", max_num_seqs=16, kv_cache_memory_bytes=256 * MiB)
-    with vllm_workers(settings, engine, tmp_path_factory.mktemp("vllm-workers")):
-        yield settings
+    with vllm_workers(settings, engine, tmp_path_factory.mktemp("vllm-workers")) as procs:
+        yield settings, engine, procs
+
+
+@pytest.fixture(scope="module")
+def fleet(fleet_procs: tuple[Settings, EngineSettings, WorkerProcs]) -> Settings:
+    return fleet_procs[0]
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +133,30 @@ async def test_a_keep_pause_across_a_sync_splits_the_generation_at_the_frozen_to
         [continued] = await client.generate([prompt + tokens[:cut]], after)
         assert continued.completion_token_ids == tokens[cut:], "the tokens after the cut are the new model's"
         await sender.update(original.items(), version=old + 2)
+
+
+async def test_a_late_worker_caught_up_from_its_peer_generates_exactly_what_its_peer_generates(fleet_procs, weights):
+    settings, engine, procs = fleet_procs
+    original, perturbed = weights
+    rds = redis.Redis.from_url(settings.redis_url)
+    procs.kill("vllm-1", signal.SIGTERM)  # it drains and deregisters: the sync goes on without it
+    procs.procs["vllm-1"].wait(timeout=120)
+    async with WeightSender(settings=settings) as sender, RolloutClient(settings) as client:
+        [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Name three rivers in Europe."}]])
+        version = await sender.committed_version() + 1
+        report = await sender.update(perturbed.items(), version=version)
+        assert report.loaded == ["vllm-0"] and report.digest
+        peer = await client.generate([prompt] * 2, GREEDY)
+        assert {t.worker_id for t in peer} == {"vllm-0"}
+        assert peer[0].completion_token_ids == peer[1].completion_token_ids
+        # Restarted, it loads SmolLM2's own weights from disk (version 0), is stale, and catches up from vllm-0.
+        procs.start("vllm-1", *engine.to_args(), env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+        await async_wait_until(
+            lambda: rds.hmget(settings.keys.worker("vllm-1"), "state", "weight_version", "weight_digest")
+            == [b"serving", str(version).encode(), report.digest.encode()], 600, "vllm-1 caught up and serving",
+        )  # fmt: skip
+        assert f"caught up to weight version {version} from vllm-0" in procs.log("vllm-1")
+        late = await outputs(client, prompt, version)  # both workers, two sessions each
+        assert all(o == peer[0].completion_token_ids for o in late), "the caught-up worker generates otherwise"
+        await sender.update(original.items(), version=version + 1)
+    rds.close()

@@ -281,3 +281,24 @@ def test_up_acl_starts_workers_as_worker_and_writes_the_credentials_file(tmp_pat
             up.kill()
             up.wait()
     assert not acl_file.exists()  # its passwords died with the private Redis
+
+
+async def test_a_named_models_worker_and_producer_have_the_rights_of_the_default_models(users, tmp_path):
+    """`roles` covers `{prefix}:model:{name}:...` as it covers the default model's keys (`Settings.model_name`)."""
+    procs = WorkerProcs(role_settings(users.worker).copy_with(model_name="reference"), tmp_path)
+    try:
+        procs.start("ref-0", "--engine", "echo")
+        procs.wait_live("ref-0")
+        async with RolloutClient(role_settings(users.producer), model_name="reference") as producer:
+            [trajectory] = await producer.generate([[1, 2, 3]], {"max_tokens": 3}, session_ids=["s-1"])
+            assert trajectory.worker_id == "ref-0" and trajectory.completion_token_ids == [1, 2, 3]
+            assert await producer.named_models() == ["reference"]  # the worker registered it; a producer reads it
+            with pytest.raises(AccessDeniedError):
+                await producer.pause("keep")
+        async with RolloutClient(role_settings(users.admin), model_name="reference") as operator:
+            await operator.pause("keep")
+            assert await operator.is_paused(per_worker=True) == {"ref-0": True}
+            await operator.resume()
+        assert "NOPERM" not in procs.log("ref-0") and "could not add" not in procs.log("ref-0")
+    finally:
+        procs.stop_all()

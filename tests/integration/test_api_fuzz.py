@@ -81,6 +81,8 @@ def cases(admin: bool) -> list[Any]:
         modes = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE] if takes_input else [GenerationMode.POSITIVE]
         if path in ("/admin/weights/checkpoint", "/fetch_weights"):
             modes = [GenerationMode.NEGATIVE]  # a valid body is a real weight sync: tests/integration/test_weight_sync
+        if "lora_adapter" in path:
+            modes = [GenerationMode.NEGATIVE]  # a valid body is a real adapter load: tests/integration/test_adapters
         params += [pytest.param(method, path, mode, id=f"{method} {path} {mode.value}") for mode in modes]
     return params
 

@@ -62,6 +62,7 @@ def alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.timeout(150)  # its own waits: 60 s for the workers, 30 s for the restart, 30 s for the exit
 def test_up_restarts_a_killed_worker_and_ctrl_c_leaves_nothing_behind(tmp_path):
     url = f"redis://127.0.0.1:{free_port()}/0"
     up = start_up(url, tmp_path)

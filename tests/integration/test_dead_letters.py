@@ -20,6 +20,10 @@ from rollout_svc.keys import DELIVERIES_FIELD, EPOCH_FIELD, PAYLOAD_FIELD, SESSI
 from rollout_svc.protocol import ErrorResult, RolloutRequest, Trajectory, encode
 from tests.support import ROOT, Results, wait_until
 
+# Each test runs the CLI as a user does, a process per call (~1 s here alone, 2.5 s a test): beside the vLLM modules
+# of `make test` on 2 cores, CI twice saw one test pass 30 s. The calls keep their own 60 s limit.
+pytestmark = pytest.mark.timeout(120)
+
 UNDECODABLE = b"\xc1 not msgpack"
 
 

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from rollout_svc import InvalidRequestError, QueueFullError, RequestTimeoutError, RolloutClient, SyncRolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.dataplane.streams import Enqueue, RequestStreams
-from rollout_svc.keys import PAYLOAD_FIELD, WORKERS_GROUP
+from rollout_svc.keys import COST_FIELD, PAYLOAD_FIELD, WORKERS_GROUP
 from rollout_svc.protocol import RolloutRequest, SamplingParams, Trajectory, decode, encode
 from tests.support import Results, Streaming, async_wait_until, pending
 
@@ -402,3 +402,22 @@ async def test_an_unknown_sampling_field_gets_an_error_result_not_a_dead_letter(
     [error] = replies.read(1)
     assert error.request_id == "new" and error.code == "invalid_request" and "beam" in error.message
     assert rds.xlen(settings.keys.dead) == 0 and rds.xlen(settings.keys.requests) == 0
+
+
+async def test_a_request_of_absurd_cost_never_takes_a_worker_down(settings, echo_workers, rds):
+    """A `max_tokens` of 2^63 - 1 is valid input (the engine stops at its context), and a cost field a producer
+    garbled is not the worker's problem: placement counts each at most `MAX_COST` (the API fuzz found a worker's take
+    loop dying on HINCRBY with a load beyond what Lua's doubles hold exactly). Beyond int64 it is refused."""
+    [worker] = echo_workers(1)
+    keys = settings.keys
+    replies = Results(rds, keys.results("test-producer"))
+    for i, cost in enumerate([b"1e30", b"abc", b"nan", b"-5"]):
+        request = RolloutRequest(request_id=f"odd-{i}", prompt_token_ids=[1, 2, 3], reply_to=replies.stream)
+        rds.xadd(keys.requests, {PAYLOAD_FIELD: encode(request), COST_FIELD: cost})
+    assert sorted(t.request_id for t in replies.read(4)) == ["odd-0", "odd-1", "odd-2", "odd-3"]
+    async with RolloutClient(settings) as client:
+        [huge] = await client.generate([[1, 2, 3]], {"max_tokens": 2**63 - 1})  # as large as the wire carries
+        assert huge.completion_token_ids == [1, 2, 3] and huge.worker_id == worker
+        assert [w.worker_id for w in await client.workers()] == [worker]  # still live: its loops never failed
+        with pytest.raises(InvalidRequestError, match="max_tokens"):
+            await client.generate([[1, 2, 3]], {"max_tokens": 2**63})

@@ -47,7 +47,10 @@ def redis_server_running(port: int) -> bool:
 def marked_failed(servers: RedisClusterServers, observer: int, dead: int) -> bool:
     client = servers.client(observer)
     try:
-        nodes = client.execute_command("CLUSTER", "NODES")
+        try:
+            nodes = client.execute_command("CLUSTER", "NODES")
+        except (redis.TimeoutError, redis.ConnectionError):
+            return False  # a stall of this shared machine (CI saw one): ask again until wait_until's deadline
         text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
         line = next(line for line in text.splitlines() if f":{dead}@" in line)
         return "fail" in line.split()[2].split(",") and "fail?" not in line
@@ -74,7 +77,7 @@ def test_three_primaries_form_a_cluster_that_outlives_one_of_them():
         survivors = {tag: port for tag, port in owner.items() if port != dead}
         # Once the others flag it failed, they still serve their own slots: cluster-require-full-coverage no.
         for port in survivors.values():
-            wait_until(partial(marked_failed, servers, port, dead), 15, f"{port} flagging {dead} failed")
+            wait_until(partial(marked_failed, servers, port, dead), 25, f"{port} flagging {dead} failed")
         for tag, port in survivors.items():
             client = servers.client(port)
             try:

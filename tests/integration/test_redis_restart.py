@@ -239,3 +239,31 @@ def _cpu_ticks(pid: int) -> int:
     """User + system CPU ticks of a process (/proc/PID/stat fields 14 and 15)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return int(fields[11]) + int(fields[12])
+
+
+@pytest.mark.parametrize("server", [True], indirect=True, ids=["appendonly"])
+async def test_entries_redis_brings_back_behind_the_consumer_group_are_requeued_not_left(
+    server: RedisServer, fleet: tuple[Settings, WorkerProcs]
+) -> None:
+    """Redis killed mid-write of a transaction, written to, then restarted replays the cut-short transaction: its
+    entries come back *behind* the group's last-delivered id (chaos found 12 so), where no `>` read gets them. Made
+    here with XGROUP SETID: queued entries the group has passed. After the restart the workers requeue them, and the
+    streams drain."""
+    settings, _ = fleet
+    rds = redis.Redis.from_url(settings.redis_url)
+    streams = [settings.keys.requests, *(settings.keys.pinned_requests(w) for w in ("w1", "w2"))]
+    async with RolloutClient(settings) as client:
+        await client.pause("wait", holder="test")  # nothing is taken: the requests stay queued
+        task = asyncio.ensure_future(client.generate([_prompt(i) for i in range(8)], {"max_tokens": 16}, timeout_s=60))
+        await async_wait_until(lambda: sum(rds.xlen(s) for s in streams) == 8, 10, "8 requests queued")
+        for stream in streams:
+            if rds.xlen(stream):
+                rds.xgroup_setid(stream, "workers", "$")  # the group passed them: orphans
+        server.stop(signal.SIGTERM)
+        server.start()
+        await async_wait_until(lambda: sum(rds.xlen(s) for s in streams) >= 8, 10, "the orphans back after the restart")
+        await client.resume(holder="test")
+        trajectories = await task
+        assert [t.completion_token_ids for t in trajectories] == [_prompt(i)[:16] for i in range(8)]
+        await async_wait_until(lambda: sum(rds.xlen(s) for s in streams) == 0, 10, "every request stream drained")
+    rds.close()

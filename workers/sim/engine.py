@@ -93,6 +93,7 @@ class SimEngine(EchoEngine):
         pool = BlockPool(int(kv_cache_bytes // (block_size * model.kv_bytes_per_token)), block_size)
         self.scheduler = Scheduler(pool, capacity, max_num_batched_tokens, chunked_prefill)
         self.stats = SimStats()
+        self.adapters: dict[int, str] = {}  # lora_id -> the adapter's engine name (simulated at the base's cost)
         self._live: dict[str, _Run] = {}
         self._held: list[Sequence] = []  # added while paused: scheduled on resume
         self._paused = self._holding = False
@@ -112,7 +113,10 @@ class SimEngine(EchoEngine):
         params: SamplingParams,
         prior: Seq[int] = (),
         on_delta: OnDelta | None = None,
+        lora_id: int | None = None,
     ) -> Completion:
+        if lora_id is not None and lora_id not in self.adapters:
+            raise InvalidRequestError(f"no adapter was loaded under id {lora_id}")
         prompt = [*prompt_token_ids, *prior]
         if len(prompt) >= min(self.max_model_len, self.kv_cache_tokens):
             raise InvalidRequestError(
@@ -288,6 +292,13 @@ class SimEngine(EchoEngine):
         if self._live:
             self._ensure_loop()
         self._wake.set()
+
+    async def add_adapter(self, name: str, lora_id: int, path: str) -> None:
+        """Holds the adapter's name (it generates as without one: the queue's adapter handling is what it tests)."""
+        self.adapters[lora_id] = name
+
+    async def remove_adapter(self, lora_id: int) -> None:
+        self.adapters.pop(lora_id, None)
 
     async def reset_prefix_cache(self, reset_running_requests: bool) -> bool:
         return self.scheduler.pool.reset()

@@ -102,7 +102,8 @@ class ChaosFleet:
     def __init__(self, config: ChaosConfig, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.redis_url = f"redis://127.0.0.1:{free_port()}/0"
-        self.settings = config.settings(self.redis_url)
+        (log_dir / "checkpoints").mkdir(parents=True, exist_ok=True)  # the trainer's checkpoint syncs write there
+        self.settings = config.settings(self.redis_url).copy_with(checkpoint_root=log_dir / "checkpoints")
         self.redis = PrivateRedis(self.redis_url, log_dir / "redis")
         self.redis_process: subprocess.Popen[bytes] | None = None
         self.engine = EngineSettings(

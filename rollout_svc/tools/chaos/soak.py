@@ -15,11 +15,13 @@ Redis restart and one pause at a time.
                  one, whose predecessor the others reap once its heartbeat expires)
   stall          SIGSTOP a worker for its heartbeat TTL + 1-2 s, then SIGCONT (it is reaped meanwhile, then fenced)
   redis_restart  stop Redis (alternately SIGTERM, which flushes the append-only file, and SIGKILL, which may lose
-                 the last second of writes), leave it down 0.5-2 s, start it again from its files
+                 the last second of writes), leave it down 0.5-2 s, start it again from its files; with syncs, every
+                 other pair of restarts waits (up to 6 s) for a sync mid-transfer first
   pause          pause in turn in each mode (keep, abort, wait) for 0.3-2 s, then resume (retried until acked)
   abort_session  abort(session_id=...) of a session with a turn in flight; its driver starts a new session
   kill_sender    SIGKILL the trainer that syncs weights every 1-3 s (`rollout_svc.tools.chaos.syncs`), whatever it is
-                 doing (its pause must lapse by itself); another starts 0.5-2 s later. With `--no-syncs`, no trainer.
+                 doing (its pause must lapse by itself); another starts 0.5-2 s later. With `--no-syncs`, no trainer
+  kill_receiving, cut_pubsub, late_worker: with syncs, see `rollout_svc.tools.chaos.sync_faults`.
 
 At the end the load stops, the faults under way finish (stalled workers continue, Redis is up, the fleet
 resumed), the calls in flight return (each bounded by its timeout), and the run waits (bounded) for the queues to
@@ -64,6 +66,7 @@ from rollout_svc.tools.chaos.fleet import (
     worker_errors,
 )
 from rollout_svc.tools.chaos.ledger import Answer, Ledger, Submitted, Verdict, check
+from rollout_svc.tools.chaos.sync_faults import SYNC_FAULT_KINDS, SyncFaults
 from rollout_svc.tools.chaos.syncs import SYNC_DEADLINE_S, Syncer
 
 FAULT_KINDS = ("kill", "stall", "redis_restart", "pause", "abort_session")
@@ -208,7 +211,8 @@ class Nemesis:
     ) -> None:
         self.fleet, self.operator, self.load, self.ledger, self.journal = fleet, operator, load, ledger, journal
         self.config, self.rng, self.syncer = config, random.Random(f"{config.seed}-nemesis"), syncer
-        self.kinds = FAULT_KINDS + (("kill_sender",) if syncer is not None else ())
+        self.sync_faults = SyncFaults(fleet, ledger, journal, syncer) if syncer is not None else None
+        self.kinds = FAULT_KINDS + (("kill_sender", *SYNC_FAULT_KINDS) if syncer is not None else ())
         self.counts: Counter[str] = Counter({kind: 0 for kind in self.kinds})
         self.details: Counter[str] = Counter()  # pause modes, Redis signals, replacement ids
         self.anomalies: list[str] = []  # control commands that failed or timed out, faults that failed half-way
@@ -222,6 +226,9 @@ class Nemesis:
             "pause": self._pause,
             "abort_session": self._abort_session,
             "kill_sender": self._kill_sender,
+            "kill_receiving": self._kill_receiving,
+            "cut_pubsub": self._cut_pubsub,
+            "late_worker": self._late_worker,
         }
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -249,8 +256,12 @@ class Nemesis:
         return None
 
     def _possible(self, kind: str) -> bool:
-        if kind in ("kill", "stall"):
+        if kind in ("kill", "stall", "kill_receiving"):
             return len(self._free_slots()) >= 2  # one worker is always left alone
+        if kind == "late_worker":
+            return self.sync_faults is not None and not self.sync_faults.late_busy
+        if kind == "cut_pubsub":
+            return self.sync_faults is not None and not self._redis_busy
         if kind == "redis_restart":
             return not self._redis_busy
         if kind == "pause":
@@ -275,14 +286,14 @@ class Nemesis:
         self.counts[kind] += applied
         self.ledger.fault(kind, target, time.time())
 
-    async def _kill(self) -> None:
-        slot = self.rng.choice(self._free_slots())
+    async def _kill(self, slot: Slot | None = None, kind: str = "kill") -> None:
+        slot = slot or self.rng.choice(self._free_slots())
         slot.busy = True
         try:
             assert slot.process is not None
             pid = self.fleet.signal(slot, signal.SIGKILL)
-            self._record("kill", slot.worker_id)
-            self.journal("kill", f"{slot.worker_id} (pid {pid}): SIGKILL")
+            self._record(kind, slot.worker_id)
+            self.journal(kind, f"{slot.worker_id} (pid {pid}): SIGKILL")
             await exited(slot.process, 5.0)
             await asyncio.sleep(self.rng.uniform(0.5, 2.0))  # a process manager's restart delay
             slot.kills += 1
@@ -315,6 +326,13 @@ class Nemesis:
         sig = signal.SIGTERM if self.counts["redis_restart"] % 2 == 0 else signal.SIGKILL
         down_s = self.rng.uniform(0.5, 2.0)
         try:
+            mid_sync = self.sync_faults is not None and self.counts["redis_restart"] % 4 >= 2  # every other pair
+            if (
+                mid_sync
+                and self.sync_faults
+                and await self.sync_faults.receiving([s.worker_id for s in self.fleet.slots])
+            ):
+                self.details["Redis restarted mid-transfer"] += 1
             self._record("redis_restart", sig.name)
             self.details[f"Redis {sig.name}"] += 1
             await self.fleet.stop_redis(sig)
@@ -348,9 +366,31 @@ class Nemesis:
             await asyncio.sleep(0.5)
 
     async def _kill_sender(self) -> None:
-        assert self.syncer is not None
+        assert self.syncer is not None and self.sync_faults is not None
         self._record("kill_sender", "trainer")
+        killed_at = time.time()
         await self.syncer.kill(self.rng)
+        await self.sync_faults.check_lapse(killed_at)
+
+    async def _kill_receiving(self) -> None:
+        assert self.sync_faults is not None
+        free = {s.worker_id: s for s in self._free_slots()}
+        worker_id = await self.sync_faults.receiving(list(free))
+        slot = free.get(worker_id or "")
+        if slot is None or slot.busy or len(self._free_slots()) < 2:
+            self.journal("kill_receiving", "no sync mid-transfer to a free worker: skipped")
+            return
+        await self._kill(slot, "kill_receiving")
+
+    async def _cut_pubsub(self) -> None:
+        assert self.sync_faults is not None
+        cut = await self.sync_faults.cut_pubsub()
+        self._record("cut_pubsub", f"{cut} connections")
+        self.journal("cut_pubsub", f"CLIENT KILL TYPE pubsub: {cut} connections dropped")
+
+    async def _late_worker(self) -> None:
+        assert self.sync_faults is not None
+        await self.sync_faults.late_worker(self._record)
 
     async def _abort_session(self) -> None:
         session_id = self.load.pick_session(self.rng)
@@ -518,13 +558,14 @@ async def _soak(config: ChaosConfig, fleet: ChaosFleet, journal: Journal) -> tup
                 await syncer.stop()
         client_stats = {"retries": client.stats.retries, "duplicates": client.stats.duplicates}
     sync_violations: list[dict[str, Any]] = []
-    if syncer is not None:
+    if syncer is not None and nemesis.sync_faults is not None:
+        await nemesis.sync_faults.close()
         syncer.check_versions(ledger)
-        sync_violations = syncer.violations
+        sync_violations = syncer.violations + nemesis.sync_faults.violations
     verdict = check(ledger, failed_drivers + fleet.crashes + end.violations + sync_violations)
     summary = _summary(config, ledger, load, nemesis, verdict, end, client_stats, journal)
-    if syncer is not None:
-        summary["syncs"] = dict(syncer.counts)
+    if syncer is not None and nemesis.sync_faults is not None:
+        summary["syncs"] = dict(syncer.counts) | dict(nemesis.sync_faults.counts)
     return summary, verdict
 
 
@@ -617,6 +658,8 @@ def _report(journal: Journal, summary: dict[str, Any], verdict: Verdict) -> None
         f"{summary['client']['retries']} token-exact and dropped {summary['client']['duplicates']} duplicates; "
         f"{summary['dead_letters']} dead letters in Redis"
     )
+    if "syncs" in summary:
+        journal.print(f"  syncs       {', '.join(f'{n} {what}' for what, n in summary['syncs'].items())}")
     for anomaly in summary["anomalies"][:SHOWN_VIOLATIONS]:
         journal.print(f"  anomaly     {anomaly}")
     if summary["worker_errors"]:

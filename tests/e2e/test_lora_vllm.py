@@ -1,0 +1,157 @@
+"""LoRA adapters on the real engine: adapters made here with `peft` on the CPU (rank 8 on `q_proj`/`v_proj`, a few
+optimizer steps on one sentence, so the greedy output changes), loaded fleet-wide into a float32 vLLM worker
+(SmolLM2-135M) through the control plane, and served by name.
+
+- greedy output with the adapter, through the queue, equals vLLM called directly with the same adapter
+  (`workers.direct --lora-path`), token for token, and differs from the base model's; unloaded, requests for it
+  get 404 from the API (the official `openai` client) and `ModelNotFoundError` from the Python client;
+- a new version of the adapter while 100 requests run on the old one: none paused, aborted or retried, each
+  trajectory records the version it ran under and generates that version's output; the next requests take the
+  new version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from rollout_svc import RolloutClient
+from rollout_svc.config import Settings
+from rollout_svc.errors import ModelNotFoundError
+from rollout_svc.model import prepare_model
+from tests.support import ROOT, WorkerProcs, async_wait_until, serve
+
+pytestmark = pytest.mark.vllm
+
+MiB = 2**20
+ENGINE = ["--dtype", "float32", "--max-num-seqs", "128", "--kv-cache-memory-bytes", str(768 * MiB)]
+LORA = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
+GREEDY = {"temperature": 0.0, "max_tokens": 12}
+SENTENCES = {"v1": "The capital of France is Marseille, said the parrot.", "v2": "Bananas grow on the moon at night."}
+
+
+def train_adapter(model_dir: Path, sentence: str, out: Path, steps: int = 20) -> Path:
+    """A peft LoRA adapter (rank 8, `q_proj`/`v_proj`) trained `steps` AdamW steps on `sentence`, saved to `out`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = get_peft_model(model, config)
+    batch = tokenizer([sentence], return_tensors="pt")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        loss = model(**batch, labels=batch["input_ids"]).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return prepare_model(Settings().cache_dir)
+
+
+@pytest.fixture(scope="module")
+def root(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The workers' checkpoint root, holding adapter versions v1 and v2 (trained on different sentences)."""
+    root = tmp_path_factory.mktemp("adapters")
+    for version, sentence in SENTENCES.items():
+        train_adapter(model_dir, sentence, root / version)
+    return root
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    redis_url: str, model_dir: Path, root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Settings, WorkerProcs]]:
+    settings = Settings(
+        redis_url=redis_url, key_prefix="e2e-lora", heartbeat_ttl_s=60, request_timeout_s=600, control_timeout_s=180,
+        checkpoint_root=root,
+    )  # fmt: skip
+    procs = WorkerProcs(settings, tmp_path_factory.mktemp("lora-workers"))
+    procs.start("lora-0", "--engine", "vllm", "--model", str(model_dir), *ENGINE, *LORA)
+    try:
+        procs.wait_live("lora-0", timeout_s=600)
+        procs.wait_converged("lora-0", timeout_s=120)
+        yield settings, procs
+    finally:
+        procs.stop_all()
+
+
+def direct(model_dir: Path, prompts: list[list[int]], lora_path: Path, tmp_path: Path) -> list[list[int]]:
+    """Greedy completions from vLLM called directly (no queue), with the worker's engine settings and adapter."""
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    args = [sys.executable, "-m", "workers.direct", "--model", str(model_dir), *ENGINE, *LORA, "--sequential"]
+    args += ["--prompts-file", str(tmp_path / "prompts.json"), "--out", str(tmp_path / "out.json")]
+    args += ["--temperature", "0", "--max-tokens", str(GREEDY["max_tokens"]), "--lora-path", str(lora_path)]
+    subprocess.run(args, check=True, cwd=ROOT, env=dict(os.environ), timeout=600, capture_output=True)
+    return [o["completion_token_ids"] for o in json.loads((tmp_path / "out.json").read_text())["outputs"]]
+
+
+async def test_an_adapter_loaded_fleet_wide_generates_what_vllm_does_with_it_and_unloaded_answers_404(
+    fleet, model_dir, root, tmp_path
+):
+    settings, _ = fleet
+    async with RolloutClient(settings) as client:
+        [prompt] = await client.apply_chat_template([[{"role": "user", "content": "What is the capital of France?"}]])
+        version = await client.load_adapter("parrot", str(root / "v1"))
+        assert {w.worker_id: w.adapter_versions for w in await client.workers()} == {"lora-0": {"parrot": version}}
+        [adapted] = await client.generate([prompt], GREEDY, adapter="parrot")
+        [base] = await client.generate([prompt], GREEDY)
+        assert adapted.adapter == "parrot" and adapted.adapter_versions == [(version, 0)]
+        assert adapted.completion_token_ids != base.completion_token_ids, "the adapter did not change the output"
+        [with_adapter] = direct(model_dir, [prompt], root / "v1", tmp_path)  # base equality: test_service_vllm
+        assert adapted.completion_token_ids == with_adapter, "the service's adapter output differs from vLLM's"
+        with serve(settings, tmp_path / "serve.log") as url, openai.OpenAI(base_url=f"{url}/v1", api_key="-") as api:
+            reply = api.completions.create(model="parrot", prompt=[prompt], max_tokens=12, temperature=0)
+            assert reply.model == "parrot" and reply.choices[0].text == adapted.text
+            await client.unload_adapter("parrot")
+            with pytest.raises(openai.NotFoundError, match="parrot"):
+                api.completions.create(model="parrot", prompt=[prompt], max_tokens=12, temperature=0)
+        with pytest.raises(ModelNotFoundError):
+            await client.generate([prompt], GREEDY, adapter="parrot")
+        assert (await client.workers())[0].adapter_versions == {}
+
+
+async def test_a_new_version_while_100_requests_run_on_the_old_one_pauses_and_aborts_nothing(fleet, root):
+    settings, _ = fleet
+    async with RolloutClient(settings) as client:
+        [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Tell me about the moon."}]])
+        old = await client.load_adapter("policy", str(root / "v1"))
+        [reference_old] = await client.generate([prompt], GREEDY, adapter="policy")
+        running = asyncio.create_task(client.generate([prompt] * 100, GREEDY, adapter="policy"))
+
+        async def all_running() -> bool:
+            return sum(w.in_flight for w in await client.workers()) == 100
+
+        await async_wait_until(all_running, 120, "100 requests on the old version in flight")
+        epoch = (await client.fleet_state()).epoch
+        new = await client.load_adapter("policy", str(root / "v2"))
+        assert new == old + 1 and not running.done()
+        trajectories = await running
+        assert {(t.finish_reason, t.interruptions, t.abort_cause) for t in trajectories} <= {
+            ("stop", 0, None),
+            ("length", 0, None),
+        }
+        assert {tuple(t.adapter_versions) for t in trajectories} == {((old, 0),)}
+        assert all(t.completion_token_ids == reference_old.completion_token_ids for t in trajectories)
+        [after] = await client.generate([prompt], GREEDY, adapter="policy")
+        assert after.adapter_versions == [(new, 0)]
+        assert after.completion_token_ids != reference_old.completion_token_ids, "the new version changed nothing"
+        state = await client.fleet_state()
+        assert state.epoch == epoch + 1 and not state.paused and state.adapters["policy"].version == new

@@ -1,0 +1,74 @@
+"""Engine parallelism settings: tensor, pipeline and data parallel sizes reach vLLM's engine arguments, the worker's
+capacity and ranks, every way a worker is started (`python -m workers`, `up`), and its CPU binding."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from pydantic import ValidationError
+
+from rollout_svc.config import EngineSettings
+from rollout_svc.deploy.processes import cpu_sets
+from workers.__main__ import parse_args
+
+PARALLEL = {"tensor_parallel_size": 3, "pipeline_parallel_size": 2, "data_parallel_size": 2}
+
+
+def test_parallel_sizes_reach_vllms_engine_arguments():
+    from workers.engine import vllm_engine_args
+
+    engine = EngineSettings(max_num_seqs=8, **PARALLEL)
+    args = vllm_engine_args("/no/model", **engine.vllm_kwargs())
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size) == (3, 2, 2)
+    assert args.distributed_executor_backend == "mp"  # its own processes, also where Ray is initialized
+    assert args.max_num_seqs == 8  # vLLM's is per data-parallel replica
+    assert engine.capacity == 16 and engine.gpus == 12
+
+    single = vllm_engine_args("/no/model", **EngineSettings().vllm_kwargs())
+    assert (single.tensor_parallel_size, single.pipeline_parallel_size, single.data_parallel_size) == (1, 1, 1)
+    assert single.distributed_executor_backend is None  # vLLM's own choice for one rank
+
+
+def test_the_vllm_engine_reports_its_ranks_and_capacity():
+    from workers.engine import VLLMEngine
+
+    engine = VLLMEngine("/no/model", **EngineSettings(max_num_seqs=8, **PARALLEL).vllm_kwargs())
+    assert (engine.parallel.tensor, engine.parallel.pipeline, engine.parallel.data) == (3, 2, 2)
+    assert engine.weight_ranks == 12 and engine.capacity == 16
+
+
+def test_worker_and_up_options_carry_the_sizes():
+    args = parse_args(["--tensor-parallel-size", "3", "--pipeline-parallel-size", "2", "--data-parallel-size", "2"])
+    assert EngineSettings.from_args(args).gpus == 12
+    assert EngineSettings(**PARALLEL).to_args() == [
+        "--tensor-parallel-size", "3", "--pipeline-parallel-size", "2", "--data-parallel-size", "2",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit):
+        parse_args(["--tensor-parallel-size", "two"])
+
+
+def test_sizes_below_one_or_on_engines_without_ranks_are_refused():
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        EngineSettings(tensor_parallel_size=0)
+    with pytest.raises(ValidationError, match="vLLM's: the echo engine runs one rank"):
+        EngineSettings(engine="echo", tensor_parallel_size=2)
+
+
+def test_cpu_binding_gives_each_rank_its_set(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1})
+    assert cpu_sets(2) == ["0", "1"]
+    assert cpu_sets(1) == ["0-1"]
+    assert cpu_sets(1, 3) == ["0|1|0"]  # three ranks on two CPUs share them (vLLM's `|`-separated form)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(8)))
+    assert cpu_sets(2, 2) == ["0-1|2-3", "4-5|6-7"]
+
+
+def test_the_vllm_install_check_passes_here_and_names_what_a_release_lacks(monkeypatch: pytest.MonkeyPatch):
+    from rollout_svc.tools import vllm_install_check
+
+    assert vllm_install_check.check("cpu") == []
+    real = vllm_install_check.vllm_imports
+    monkeypatch.setattr(vllm_install_check, "vllm_imports", lambda roots: real(roots) | {("vllm", "NoSuchName")})
+    [failure] = vllm_install_check.check("cpu")
+    assert failure.startswith("from vllm import NoSuchName")
