@@ -36,6 +36,9 @@ MiB = 2**20
 ENGINE = ["--dtype", "float32", "--max-num-seqs", "128", "--kv-cache-memory-bytes", str(768 * MiB)]
 LORA = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
+# The 100 requests run 64 tokens, so all of them are in flight for seconds (at 12, the first ones finished before the
+# last were taken on a loaded CI machine); their first 12 tokens are what is compared.
+LONG = {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True}
 SENTENCES = {"v1": "The capital of France is Marseille, said the parrot.", "v2": "Bananas grow on the moon at night."}
 
 
@@ -133,8 +136,8 @@ async def test_a_new_version_while_100_requests_run_on_the_old_one_pauses_and_ab
     async with RolloutClient(settings) as client:
         [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Tell me about the moon."}]])
         old = await client.load_adapter("policy", str(root / "v1"))
-        [reference_old] = await client.generate([prompt], GREEDY, adapter="policy")
-        running = asyncio.create_task(client.generate([prompt] * 100, GREEDY, adapter="policy"))
+        [reference_old] = await client.generate([prompt], LONG, adapter="policy")
+        running = asyncio.create_task(client.generate([prompt] * 100, LONG, adapter="policy"))
 
         async def all_running() -> bool:
             return sum(w.in_flight for w in await client.workers()) == 100
@@ -144,14 +147,12 @@ async def test_a_new_version_while_100_requests_run_on_the_old_one_pauses_and_ab
         new = await client.load_adapter("policy", str(root / "v2"))
         assert new == old + 1 and not running.done()
         trajectories = await running
-        assert {(t.finish_reason, t.interruptions, t.abort_cause) for t in trajectories} <= {
-            ("stop", 0, None),
-            ("length", 0, None),
-        }
+        assert {(t.finish_reason, t.interruptions, t.abort_cause) for t in trajectories} == {("length", 0, None)}
         assert {tuple(t.adapter_versions) for t in trajectories} == {((old, 0),)}
-        assert all(t.completion_token_ids == reference_old.completion_token_ids for t in trajectories)
+        first = reference_old.completion_token_ids[:12]
+        assert all(t.completion_token_ids[:12] == first for t in trajectories)
         [after] = await client.generate([prompt], GREEDY, adapter="policy")
         assert after.adapter_versions == [(new, 0)]
-        assert after.completion_token_ids != reference_old.completion_token_ids, "the new version changed nothing"
+        assert after.completion_token_ids != first, "the new version changed nothing"
         state = await client.fleet_state()
         assert state.epoch == epoch + 1 and not state.paused and state.adapters["policy"].version == new
