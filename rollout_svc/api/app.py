@@ -76,15 +76,18 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 when Redis answers and at least one worker is live; 503 otherwise, saying which."""
+        """200 when Redis answers and at least one worker is live, of any model; 503 otherwise, saying which.
+        `workers`: the live workers; `models`, where the fleet has named models: the live workers of each."""
         try:
             workers = await client.workers()
+            named = {n: len(await served.client_for(n).workers()) for n in await client.named_models()}
         except (RedisError, OSError) as exc:
             return JSONResponse({"status": "error", "detail": f"Redis unreachable: {exc}"}, status_code=503)
-        if not workers:
+        total = len(workers) + sum(named.values())
+        if not total:
             detail = "no live workers: start one with `rollout-svc worker`"
             return JSONResponse({"status": "error", "detail": detail}, status_code=503)
-        return JSONResponse({"status": "ok", "workers": len(workers)})
+        return JSONResponse({"status": "ok", "workers": total} | ({"models": named} if named else {}))
 
     @app.get("/v1/models", dependencies=data)
     async def models() -> dict[str, Any]:
@@ -119,8 +122,9 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
 
     @app.post("/tokenize", dependencies=data)
     async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
-        """vLLM's tokenize: `{"tokens", "count", "max_model_len"}` from a worker's tokenizer."""
-        await served.check(body.model)
+        """vLLM's tokenize: `{"tokens", "count", "max_model_len"}` from a worker's tokenizer (of the model that
+        `model` names)."""
+        client = served.client_for((await served.resolve(body.model)).model_name)
         try:
             if body.messages is not None:
                 messages = [m.as_dict() for m in body.messages]
@@ -135,10 +139,11 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     @lane.post(app, "/detokenize", DetokenizeBody, data)
     async def detokenize(body: DetokenizeBody, request: Request) -> Response:
         """vLLM's detokenize: `{"prompt"}`, the text of `tokens`: of a completion `/inference/v1/generate` just
-        returned, known here; else from a worker's tokenizer."""
-        model = await served.check(body.model)
-        text = detokenized.take(model, body.tokens)
+        returned, known here; else from a worker's tokenizer (of the model that `model` names)."""
+        target = await served.resolve(body.model)
+        text = detokenized.take(target.name, body.tokens)
         if text is None:
+            client = served.client_for(target.model_name)
             try:
                 [text] = await until_disconnected(request, client.detokenize([body.tokens]))
             except GenerationError as exc:

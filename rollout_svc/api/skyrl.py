@@ -48,13 +48,29 @@ PauseMode = Literal["keep", "abort", "wait"]
 
 class InFlight:
     """The requests this `serve` process has in flight for `/inference/v1/generate`, by the caller's `request_id`
-    (vLLM's id), so `/abort_requests` can name them: external id -> our request ids."""
+    (vLLM's id), so `/abort_requests` can name them: external id -> our request ids, each with the client (the named
+    model's) that runs it."""
 
     def __init__(self) -> None:
-        self.ids: dict[str, list[str]] = {}
+        self.ids: dict[str, list[tuple[str, RolloutClient]]] = {}
 
-    def ours(self, external: list[str]) -> list[str]:
-        return [ours for e in external for ours in self.ids.get(e, [])]
+    def add(self, external: str, ours: list[str], client: RolloutClient) -> None:
+        self.ids.setdefault(external, []).extend((o, client) for o in ours)
+
+    def remove(self, external: str, ours: list[str]) -> None:
+        left = [(o, c) for o, c in self.ids.get(external, []) if o not in ours]
+        if left:
+            self.ids[external] = left
+        else:
+            self.ids.pop(external, None)
+
+    def ours(self, external: list[str]) -> dict[RolloutClient, list[str]]:
+        """Our request ids of the `external` ones, by the client that runs them."""
+        by_client: dict[RolloutClient, list[str]] = {}
+        for e in external:
+            for o, client in self.ids.get(e, []):
+                by_client.setdefault(client, []).append(o)
+        return by_client
 
 
 class DetokenizedTexts:
@@ -113,21 +129,23 @@ def data_router(
         """vLLM's render: a chat request as the `/inference/v1/generate` body that would run it (vLLM's
         `GenerateRequest`: the prompt's token ids under the workers' chat template, its sampling params), without
         generating. Text only: no multimodal `features`."""
-        model = await served.check(body.model)
+        target = await served.resolve(body.model)
         session = session_header(request, body.session_id)
-        return await until_disconnected(request, render_chat(client, body, model, session, default_max_tokens))
+        runs = served.client_for(target.model_name)
+        return await until_disconnected(request, render_chat(runs, body, target.name, session, default_max_tokens))
 
     @lane.post(router, "/inference/v1/generate", GenerateBody)
     async def generate(body: GenerateBody, request: Request) -> JSONResponse:
         """vLLM's token-in, token-out generate (SkyRL's `generate` and `sample`): `n` samples of `token_ids` as one
-        group; `X-Session-ID` (or `session_id`) pins the session to one worker."""
+        group; `X-Session-ID` (or `session_id`) pins the session to one worker. `model` names a served model (the
+        fleet's, or a named model's workers) or a LoRA adapter."""
         target = await served.resolve(body.model)
-        model = target.name
+        model, runs = target.name, served.client_for(target.model_name)
         params, n = generate_params(body)
         session = session_header(request, body.session_id)
         external = body.request_id or uuid.uuid4().hex
         ours = [f"gen:{external}:{uuid.uuid4().hex[:12]}:{j}" for j in range(n)]
-        requests = await client.rollout_requests(
+        requests = await runs.rollout_requests(
             [list(body.token_ids)] * n,
             group_params(params, n),
             [session] * n if session else None,
@@ -137,15 +155,11 @@ def data_router(
             text_as_detokenized=True,
             adapter=target.adapter,
         )
-        inflight.ids.setdefault(external, []).extend(ours)
+        inflight.add(external, ours, runs)
         try:
-            trajectories: list[Trajectory] = await until_disconnected(request, client.run(requests))
+            trajectories: list[Trajectory] = await until_disconnected(request, runs.run(requests))
         finally:
-            left = [i for i in inflight.ids.get(external, []) if i not in ours]
-            if left:
-                inflight.ids[external] = left
-            else:
-                inflight.ids.pop(external, None)
+            inflight.remove(external, ours)
         for t in trajectories:
             raise_for(t)
         detokenized.put(model, trajectories)
@@ -255,10 +269,10 @@ def control_router(client: RolloutClient, inflight: InFlight) -> APIRouter:
         if external:
             if not isinstance(external, list) or not all(isinstance(i, str) for i in external):
                 raise APIError(400, "request_ids must be a list of strings", param="request_ids")
-            ours = inflight.ours(external)
-            if ours:
-                await client.abort(ours)
-            return {"status": "aborted", "aborted": len(ours)}
+            by_client = inflight.ours(external)
+            for runs, ours in by_client.items():
+                await runs.abort(ours)
+            return {"status": "aborted", "aborted": sum(map(len, by_client.values()))}
         await client.abort(all=True)
         return {"status": "aborted", "aborted": None}
 

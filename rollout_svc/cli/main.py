@@ -27,7 +27,7 @@ from rollout_svc.cli.engine_options import engine_options
 from rollout_svc.config import EngineSettings, Settings
 
 if TYPE_CHECKING:
-    from rollout_svc.deploy.local import LocalCluster
+    from rollout_svc.deploy.local import LocalCluster, ModelGroup
     from rollout_svc.deploy.ray import RayWorkerGroup
     from rollout_svc.fleet import FleetControl
 
@@ -70,10 +70,21 @@ def up(
         typer.Option(
             envvar="ROLLOUT_MODEL_NAME",
             help="The served model name of these workers: a group of their own (queues, pauses, syncs) beside other "
-            "models' groups in the same Redis (run `up` once per model). Default: the fleet's model.",
+            "models' groups in the same Redis. Default: the fleet's model. Several models: --model-group.",
         ),
     ] = "",
-    workers: Annotated[int, typer.Option(min=1, help="Worker processes (engine replicas).")] = 2,
+    model_group: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="NAME=N[:MODEL]",
+            help="Start N workers serving named model NAME (on MODEL, a folder or hub id; default: --model); repeat "
+            "for several models in one fleet, e.g. --model-group policy=2 --model-group reference=1. Replaces "
+            "--workers and --model-name.",
+        ),
+    ] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, show_default="2", help="Worker processes (engine replicas).")
+    ] = None,
     api_port: Annotated[int | None, typer.Option(help="Also serve the HTTP API on this port.")] = None,
     log_dir: Annotated[Path | None, typer.Option(help="Write each process's log here.")] = None,
     acl: Annotated[
@@ -144,11 +155,17 @@ def up(
     leaving no process behind.
 
     With --redis-cluster N the workers are spread over N shards (worker i in g{i % N}) on a local Redis Cluster.
+
+    With --model-group (repeated) the workers are groups of named models in one fleet, e.g. a policy that receives
+    weight syncs and a frozen reference: each group has queues, pauses and syncs of its own, and the API serves every
+    model (docs/lora.md, "Several models").
     """
     from rollout_svc.connections.urls import is_loopback
     from rollout_svc.deploy.local import ACL_NEEDS_PRIVATE_REDIS, LocalCluster, redis_answers
 
     _logging()
+    groups = _model_groups(model_group or [], workers, model_name, ray_address)
+    workers = workers or 2
     _check_redis_cluster(redis_url, redis_cluster, acl, ray_address)
     exposed = redis_bind is not None and not all(is_loopback(h.strip()) for h in redis_bind.split(","))
     if exposed and not acl and not urlparse(redis_url).password:
@@ -183,6 +200,7 @@ def up(
         acl_file=acl_file if acl else None,
         redis_bind=redis_bind,
         redis_cluster=redis_cluster,
+        groups=groups,
     )
     # Both signals run the `finally` below. SIGINT explicitly: a shell starts background jobs with it ignored.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -193,7 +211,9 @@ def up(
             _start_ray_group(group, cluster)
         cluster.wait_ready(timeout_s=900)
         on = f"the Redis Cluster at {redis_url} ({redis_cluster} shards)" if redis_cluster else redis_url
-        typer.echo(f"rollout-svc: {workers} {engine.engine} worker(s) up on {on}; Ctrl-C to stop", err=True)
+        served = f" ({', '.join(f'{g.name}: {g.workers}' for g in groups)})" if groups else ""
+        count = cluster.worker_count if group is None else workers
+        typer.echo(f"rollout-svc: {count} {engine.engine} worker(s){served} up on {on}; Ctrl-C to stop", err=True)
         if cluster.credentials is not None:
             typer.echo(
                 f"rollout-svc: Redis ACL users created; their URLs are in {acl_file} (mode 0600). "
@@ -212,6 +232,30 @@ def up(
         if group is not None:
             group.shutdown()
         cluster.stop()
+
+
+def _model_groups(texts: list[str], workers: int | None, model_name: str, ray: str | None) -> list[ModelGroup]:
+    """`up --model-group`'s groups (exit 2 for a malformed one, or beside --workers, --model-name or --ray)."""
+    from rollout_svc.deploy.local import ModelGroup
+
+    if not texts:
+        return []
+    groups: list[ModelGroup] = []
+    problem = None
+    try:
+        groups = [ModelGroup.parse(t) for t in texts]
+    except ValueError as exc:
+        problem = str(exc)
+    if len({g.name for g in groups}) < len(groups):
+        problem = f"--model-group names a model twice: {', '.join(texts)}"
+    elif workers is not None or model_name:
+        problem = "--model-group says each model's workers: leave out --workers and --model-name"
+    elif ray is not None:
+        problem = "--model-group starts its workers here: leave out --ray (model groups on Ray: not yet)"
+    if problem is not None:
+        typer.echo(f"rollout-svc up: {problem}", err=True)
+        raise typer.Exit(2)
+    return groups
 
 
 def _check_redis_cluster(redis_url: str, primaries: int, acl: bool, ray_address: str | None) -> None:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -35,6 +36,27 @@ ACL_NEEDS_PRIVATE_REDIS = (
     "'Redis ACL users') and give each process its user's URL, or point --redis-url at a free port"
 )
 ACL_NOT_ON_CLUSTER = "--acl creates its users in one Redis, not on every node of a Redis Cluster: leave out one of them"
+
+
+MODEL_GROUP_FORM = "NAME=N or NAME=N:MODEL (e.g. policy=2, or judge=1:/models/judge)"
+
+
+@dataclass(frozen=True)
+class ModelGroup:
+    """`up`'s workers for one served model: `workers` processes serving named model `name` (`Settings.model_name`;
+    "": the fleet's default model), on `model` (a folder or hub id; None: the engine settings' model)."""
+
+    name: str
+    workers: int
+    model: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> ModelGroup:
+        """`NAME=N` or `NAME=N:MODEL` (`up --model-group`). Raises `ValueError` saying the form it expects."""
+        match = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._\-]{0,127})=([0-9]+)(?::(.+))?", text.strip())
+        if match is None or int(match[2]) < 1:
+            raise ValueError(f"a model group is {MODEL_GROUP_FORM}, with N >= 1; got {text!r}")
+        return cls(match[1], int(match[2]), match[3])
 
 
 def redis_answers(url: str, timeout_s: float = 0.5) -> bool:
@@ -144,6 +166,10 @@ class LocalCluster:
     (mode 0600; removed by `stop()`, the passwords dying with that Redis). A Redis that already answers is refused
     (`RuntimeError`): its users are its operator's to create (`rollout-svc acl rules`).
 
+    With `groups`, the workers are groups of named models (`ModelGroup`: a policy and a reference, a judge), each
+    worker started with its group's `ROLLOUT_MODEL_NAME` (and model), so each group has queues, pauses and syncs of
+    its own in the one Redis; `workers` is then their sum.
+
     With `redis_cluster` N >= 1, a local Redis Cluster of N primaries (`RedisClusterServers`, on the URL's port and
     the next N-1) takes the private Redis's place, and worker i joins shard `g{i % N}` (`ROLLOUT_SHARD`). A
     cluster that already answers at the URL is used as it is (a Redis that is no cluster is refused). Its nodes
@@ -165,8 +191,12 @@ class LocalCluster:
         acl_file: Path | None = None,
         redis_bind: str | None = None,
         redis_cluster: int = 0,
+        groups: Sequence[ModelGroup] = (),
     ) -> None:
-        self.settings, self.worker_count = settings, workers
+        self.groups = list(groups) or [ModelGroup(settings.model_name, workers)]
+        if len({g.name for g in self.groups}) < len(self.groups):
+            raise ValueError(f"each model group needs a name of its own: {[g.name for g in self.groups]}")
+        self.settings, self.worker_count = settings, sum(g.workers for g in self.groups)
         self.redis_cluster = redis_cluster
         self.redis_bind = redis_bind
         self.engine = engine or settings.engine
@@ -255,21 +285,29 @@ class LocalCluster:
             return [self.settings.shard] * self.worker_count
         return [worker_shard(i, self.redis_cluster) for i in range(self.worker_count)]
 
+    def worker_groups(self) -> list[tuple[ModelGroup, int]]:
+        """Each worker's model group and its index in that group, in worker order."""
+        return [(group, k) for group in self.groups for k in range(group.workers)]
+
     def _worker_children(self, env: dict[str, str]) -> list[_Child]:
-        """One child per worker: `env` plus its CPU share (vLLM on CPUs), its shard and, under --acl, its URL."""
+        """One child per worker: `env` plus its CPU share (vLLM on CPUs), its shard, its model group and, under
+        --acl, its URL."""
         children = []
         binds = cpu_sets(self.worker_count, self.engine.gpus)
-        for i, shard in enumerate(self.worker_shards()):
-            worker_env = {**env, "ROLLOUT_SHARD": shard}
+        named = len(self.groups) > 1 or bool(self.groups[0].name)
+        for i, (shard, (group, k)) in enumerate(zip(self.worker_shards(), self.worker_groups(), strict=True)):
+            worker_env = {**env, "ROLLOUT_SHARD": shard, "ROLLOUT_MODEL_NAME": group.name}
             if self.engine.engine == "vllm" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 worker_env["VLLM_CPU_OMP_THREADS_BIND"] = binds[i]
             # A seed of its own per worker: with one seed, unseeded samples of one group spread over two workers
             # would draw the same random numbers.
             engine = self.engine.model_copy(update={"seed": self.engine.seed + i})
+            if group.model is not None:
+                engine = engine.model_copy(update={"model": group.model})
             if self.credentials is not None:
                 worker_env["ROLLOUT_REDIS_URL"] = self.credentials.worker
             args = [sys.executable, "-m", "workers", "--engine", engine.engine, *engine.to_args()]
-            children.append(_Child(f"worker-{i}", args, worker_env))
+            children.append(_Child(f"{group.name}-{k}" if named else f"worker-{i}", args, worker_env))
         return children
 
     def _create_users(self, acl_file: Path) -> None:
@@ -312,7 +350,8 @@ class LocalCluster:
 
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until every worker heartbeats. Raises `RuntimeError` if a child keeps exiting or time runs out."""
-        shards = [self.settings.keys.of_shard(s) for s in sorted(set(self.worker_shards()))]
+        placed = {(g.name, s) for s, (g, _) in zip(self.worker_shards(), self.worker_groups(), strict=True)}
+        shards = [self.settings.copy_with(model_name=m).keys.of_shard(s) for m, s in sorted(placed)]
         client: Any = redis_router_sync(self.settings.redis_url)
         deadline = time.monotonic() + timeout_s
         try:

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from rollout_svc import RolloutClient
 from rollout_svc.config import Settings
-from tests.support import ROOT, WorkerProcs, serve, settings_env
+from tests.support import ROOT, WorkerProcs, free_port, serve, settings_env
 
 DELAY = ["--echo-token-delay-s", "0.02"]
 PROMPT = list(range(1, 41))
@@ -98,3 +101,58 @@ async def test_the_api_lists_every_model_and_routes_each_to_its_workers(settings
                 assert raw.headers["x-worker-id"] in workers and raw.parse().model == model
         with pytest.raises(openai.NotFoundError):
             api.completions.create(model="critic", prompt="hello", max_tokens=3)
+
+
+def test_up_starts_a_group_of_workers_per_model_and_its_api_routes_each(settings, tmp_path):
+    # One `up` for a policy of 2 workers and a reference of 1 (`--model-group`), with the API: SkyRL's generate, the
+    # OpenAI completions and /tokenize each reach the workers of the model they name.
+    port, log = free_port(), tmp_path / "up.log"
+    command = [sys.executable, "-m", "rollout_svc", "up", "--redis-url", settings.redis_url, "--engine", "echo"]
+    command += ["--model-group", "policy=2", "--model-group", "reference=1", "--api-port", str(port)]
+    with open(log, "wb") as out:
+        up = subprocess.Popen(command, cwd=ROOT, env=settings_env(settings), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "up on" not in log.read_text():
+            assert up.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        assert "3 echo worker(s) (policy: 2, reference: 1) up on" in log.read_text()
+        ids = asyncio.run(_worker_ids(settings))
+        assert [len(ids["policy"]), len(ids["reference"])] == [2, 1]
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            while http.get("/health").status_code != 200:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+            for model in ("policy", "reference", "policy", "reference"):
+                body = {"token_ids": PROMPT[:8], "sampling_params": {"max_tokens": 3}, "model": model}
+                generated = http.post("/inference/v1/generate", json=body)
+                assert generated.status_code == 200 and generated.headers["x-worker-id"] in ids[model], generated.text
+                done = http.post("/v1/completions", json={"model": model, "prompt": "hi there", "max_tokens": 2})
+                assert done.status_code == 200 and done.headers["x-worker-id"] in ids[model], done.text
+            assert http.post("/tokenize", json={"model": "reference", "prompt": "hi"}).json()["count"] > 0
+            missing = http.post("/inference/v1/generate", json={"token_ids": [5], "model": "critic"})
+            assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=60)
+    assert asyncio.run(_worker_ids(settings)) == {"policy": set(), "reference": set()}  # it left nothing running
+
+
+async def _worker_ids(settings: Settings) -> dict[str, set[str]]:
+    ids = {}
+    for name in ("policy", "reference"):
+        async with RolloutClient(settings, model_name=name) as client:
+            ids[name] = {w.worker_id for w in await client.workers()}
+    return ids
+
+
+def test_up_refuses_model_groups_it_cannot_start(settings):
+    up = [sys.executable, "-m", "rollout_svc", "up", "--redis-url", settings.redis_url, "--engine", "echo"]
+    for extra, said in (
+        (["--model-group", "policy"], "NAME=N or NAME=N:MODEL"),
+        (["--model-group", "policy=0"], "N >= 1"),
+        (["--model-group", "policy=1", "--model-group", "policy=2"], "names a model twice"),
+        (["--model-group", "policy=1", "--workers", "3"], "leave out --workers"),
+    ):
+        done = subprocess.run(up + extra, capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert done.returncode == 2 and said in done.stderr, (extra, done.stderr)
