@@ -5,14 +5,12 @@ optimizer steps on one sentence, so the greedy output changes), loaded fleet-wid
 - greedy output with the adapter, through the queue, equals vLLM called directly with the same adapter
   (`workers.direct --lora-path`), token for token, and differs from the base model's; unloaded, requests for it
   get 404 from the API (the official `openai` client) and `ModelNotFoundError` from the Python client;
-- a new version of the adapter while 100 requests run on the old one: none paused, aborted or retried, each
-  trajectory records the version it ran under and generates that version's output; the next requests take the
-  new version.
+
+A new version while 100 requests run on the old one (a long run, ~1-2 min): tests/long/test_lora_versions_vllm.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -28,7 +26,7 @@ from rollout_svc import RolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.errors import ModelNotFoundError
 from rollout_svc.model import prepare_model
-from tests.support import ROOT, WorkerProcs, async_wait_until, serve
+from tests.support import ROOT, WorkerProcs, serve
 
 pytestmark = pytest.mark.vllm
 
@@ -36,9 +34,6 @@ MiB = 2**20
 ENGINE = ["--dtype", "float32", "--max-num-seqs", "128", "--kv-cache-memory-bytes", str(768 * MiB)]
 LORA = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
-# The 100 requests run 64 tokens, so all of them are in flight for seconds (at 12, the first ones finished before the
-# last were taken on a loaded CI machine); their first 12 tokens are what is compared.
-LONG = {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True}
 SENTENCES = {"v1": "The capital of France is Marseille, said the parrot.", "v2": "Bananas grow on the moon at night."}
 
 
@@ -71,10 +66,15 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def root(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The workers' checkpoint root, holding adapter versions v1 and v2 (trained on different sentences)."""
+    """The workers' checkpoint root, holding adapter version v1."""
+    return adapter_root(model_dir, tmp_path_factory, ["v1"])
+
+
+def adapter_root(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, versions: list[str]) -> Path:
+    """A checkpoint root holding the adapter `versions` of `SENTENCES` (each trained on its own sentence)."""
     root = tmp_path_factory.mktemp("adapters")
-    for version, sentence in SENTENCES.items():
-        train_adapter(model_dir, sentence, root / version)
+    for version in versions:
+        train_adapter(model_dir, SENTENCES[version], root / version)
     return root
 
 
@@ -129,30 +129,3 @@ async def test_an_adapter_loaded_fleet_wide_generates_what_vllm_does_with_it_and
         with pytest.raises(ModelNotFoundError):
             await client.generate([prompt], GREEDY, adapter="parrot")
         assert (await client.workers())[0].adapter_versions == {}
-
-
-async def test_a_new_version_while_100_requests_run_on_the_old_one_pauses_and_aborts_nothing(fleet, root):
-    settings, _ = fleet
-    async with RolloutClient(settings) as client:
-        [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Tell me about the moon."}]])
-        old = await client.load_adapter("policy", str(root / "v1"))
-        [reference_old] = await client.generate([prompt], LONG, adapter="policy")
-        running = asyncio.create_task(client.generate([prompt] * 100, LONG, adapter="policy"))
-
-        async def all_running() -> bool:
-            return sum(w.in_flight for w in await client.workers()) == 100
-
-        await async_wait_until(all_running, 120, "100 requests on the old version in flight")
-        epoch = (await client.fleet_state()).epoch
-        new = await client.load_adapter("policy", str(root / "v2"))
-        assert new == old + 1 and not running.done()
-        trajectories = await running
-        assert {(t.finish_reason, t.interruptions, t.abort_cause) for t in trajectories} == {("length", 0, None)}
-        assert {tuple(t.adapter_versions) for t in trajectories} == {((old, 0),)}
-        first = reference_old.completion_token_ids[:12]
-        assert all(t.completion_token_ids[:12] == first for t in trajectories)
-        [after] = await client.generate([prompt], GREEDY, adapter="policy")
-        assert after.adapter_versions == [(new, 0)]
-        assert after.completion_token_ids != first, "the new version changed nothing"
-        state = await client.fleet_state()
-        assert state.epoch == epoch + 1 and not state.paused and state.adapters["policy"].version == new
