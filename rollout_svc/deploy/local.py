@@ -194,6 +194,7 @@ class LocalCluster:
         groups: Sequence[ModelGroup] = (),
     ) -> None:
         self.groups = list(groups) or [ModelGroup(settings.model_name, workers)]
+        self._grouped = bool(groups)  # children named after their groups (`policy-0`), else `worker-{i}`
         if len({g.name for g in self.groups}) < len(self.groups):
             raise ValueError(f"each model group needs a name of its own: {[g.name for g in self.groups]}")
         self.settings, self.worker_count = settings, sum(g.workers for g in self.groups)
@@ -294,7 +295,6 @@ class LocalCluster:
         --acl, its URL."""
         children = []
         binds = cpu_sets(self.worker_count, self.engine.gpus)
-        named = len(self.groups) > 1 or bool(self.groups[0].name)
         for i, (shard, (group, k)) in enumerate(zip(self.worker_shards(), self.worker_groups(), strict=True)):
             worker_env = {**env, "ROLLOUT_SHARD": shard, "ROLLOUT_MODEL_NAME": group.name}
             if self.engine.engine == "vllm" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -307,7 +307,7 @@ class LocalCluster:
             if self.credentials is not None:
                 worker_env["ROLLOUT_REDIS_URL"] = self.credentials.worker
             args = [sys.executable, "-m", "workers", "--engine", engine.engine, *engine.to_args()]
-            children.append(_Child(f"{group.name}-{k}" if named else f"worker-{i}", args, worker_env))
+            children.append(_Child(f"{group.name}-{k}" if self._grouped else f"worker-{i}", args, worker_env))
         return children
 
     def _create_users(self, acl_file: Path) -> None:
