@@ -120,7 +120,7 @@ def test_up_starts_a_group_of_workers_per_model_and_its_api_routes_each(settings
         ids = asyncio.run(_worker_ids(settings))
         assert [len(ids["policy"]), len(ids["reference"])] == [2, 1]
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-            while http.get("/health").status_code != 200:
+            while not _healthy(http):  # the API starts beside the workers: it may not listen yet
                 assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.2)
             for model in ("policy", "reference", "policy", "reference"):
@@ -136,6 +136,13 @@ def test_up_starts_a_group_of_workers_per_model_and_its_api_routes_each(settings
         up.send_signal(signal.SIGTERM)
         up.wait(timeout=60)
     assert asyncio.run(_worker_ids(settings)) == {"policy": set(), "reference": set()}  # it left nothing running
+
+
+def _healthy(http: httpx.Client) -> bool:
+    try:
+        return http.get("/health").status_code == 200
+    except httpx.TransportError:  # not listening yet
+        return False
 
 
 async def _worker_ids(settings: Settings) -> dict[str, set[str]]:
