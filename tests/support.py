@@ -42,6 +42,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _normal_priority() -> None:
+    """In the child, before exec: the default priority (nice 0). A session's Redis started by a test on the real
+    engine would otherwise inherit that test's nice 10 (tests/conftest.py) and serve every later test from behind the
+    engines; raising it back needs root (CAP_SYS_NICE): without, it stays as it was."""
+    with contextlib.suppress(PermissionError):
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+
+
 @contextlib.contextmanager
 def redis_server(workdir: Path) -> Iterator[str]:
     """A redis-server of our own on a free port (no persistence), as its URL once it answers; stopped on leaving."""
@@ -51,6 +59,7 @@ def redis_server(workdir: Path) -> Iterator[str]:
     process = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
         stdout=subprocess.DEVNULL,
+        preexec_fn=_normal_priority,
     )
     url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url)
