@@ -44,10 +44,12 @@ def fleet_procs(
     settings = Settings(
         redis_url=redis_url,
         key_prefix="e2e-weights",
-        heartbeat_ttl_s=60,  # CI once saw this machine stall past 30 s: both workers' heartbeats lapsed mid-sync
+        # This shared machine freezes for about a minute at times (a monitor's 5 s-bounded ping took 68 s): every
+        # heartbeat lapsed mid-sync at 60 s. The TTL and the sync's pause lease outlast such a freeze.
+        heartbeat_ttl_s=180,
         request_timeout_s=300,
         control_timeout_s=120,
-        pause_lease_s=120,  # a sync's pause outlives a stall of this shared machine (CI saw one lapse 20 s)
+        pause_lease_s=240,
         checkpoint_root=root,
     )
     engine = EngineSettings(model=str(model_dir), dtype="float32", max_num_seqs=16, kv_cache_memory_bytes=256 * MiB)
