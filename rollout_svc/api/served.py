@@ -92,10 +92,6 @@ class ServedModels:
                 held.setdefault(name, (model_name, spec))
         return held
 
-    async def check(self, model: str | None) -> str:
-        """The model name to answer with (`resolve`'s `name`); its errors."""
-        return (await self.resolve(model)).name
-
     async def resolve(self, model: str | None) -> Target:
         """What a request's `model` names, read once: the name to answer with (None: the first served), the LoRA
         adapter it names (vLLM's convention: `model=<adapter name>`), and the named model whose workers run it.

@@ -236,22 +236,22 @@ def up(
 
 def _model_groups(texts: list[str], workers: int | None, model_name: str, ray: str | None) -> list[ModelGroup]:
     """`up --model-group`'s groups (exit 2 for a malformed one, or beside --workers, --model-name or --ray)."""
-    from rollout_svc.deploy.local import ModelGroup
+    from rollout_svc.deploy.local import ModelGroup, check_groups
 
     if not texts:
         return []
     groups: list[ModelGroup] = []
     problem = None
-    try:
-        groups = [ModelGroup.parse(t) for t in texts]
-    except ValueError as exc:
-        problem = str(exc)
-    if len({g.name for g in groups}) < len(groups):
-        problem = f"--model-group names a model twice: {', '.join(texts)}"
-    elif workers is not None or model_name:
+    if workers is not None or model_name:
         problem = "--model-group says each model's workers: leave out --workers and --model-name"
     elif ray is not None:
         problem = "--model-group starts its workers here: leave out --ray (model groups on Ray: not yet)"
+    else:
+        try:
+            groups = [ModelGroup.parse(t) for t in texts]
+            check_groups(groups)
+        except ValueError as exc:
+            problem = str(exc)
     if problem is not None:
         typer.echo(f"rollout-svc up: {problem}", err=True)
         raise typer.Exit(2)

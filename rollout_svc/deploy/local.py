@@ -59,6 +59,14 @@ class ModelGroup:
         return cls(match[1], int(match[2]), match[3])
 
 
+def check_groups(groups: Sequence[ModelGroup]) -> None:
+    """Raise `ValueError` if two groups name one model: each needs a name of its own."""
+    names = [g.name for g in groups]
+    if len(set(names)) < len(names):
+        listed = ", ".join(names)
+        raise ValueError(f"the list of model groups names a model twice ({listed}): each group needs a name of its own")
+
+
 def redis_answers(url: str, timeout_s: float = 0.5) -> bool:
     client = redis_sync(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     try:
@@ -195,8 +203,7 @@ class LocalCluster:
     ) -> None:
         self.groups = list(groups) or [ModelGroup(settings.model_name, workers)]
         self._grouped = bool(groups)  # children named after their groups (`policy-0`), else `worker-{i}`
-        if len({g.name for g in self.groups}) < len(self.groups):
-            raise ValueError(f"each model group needs a name of its own: {[g.name for g in self.groups]}")
+        check_groups(self.groups)
         self.settings, self.worker_count = settings, sum(g.workers for g in self.groups)
         self.redis_cluster = redis_cluster
         self.redis_bind = redis_bind
