@@ -364,16 +364,17 @@ def test_settings_come_from_env(monkeypatch):
 
 
 async def test_generation_is_cut_when_its_deadline_passes(settings, echo_workers, rds):
-    echo_workers(1, "--echo-token-delay-s", "0.1")  # 40 tokens: 4 s
+    echo_workers(1, "--echo-token-delay-s", "0.25")  # 40 tokens: 10 s
     replies = Results(rds, settings.keys.results("test-producer"))
+    # 2 s: a worker on a loaded CI machine took 0.5 s to take it, and a request unrun at its deadline has no tokens
     request = RolloutRequest(
-        request_id="late", prompt_token_ids=[3] * 40, reply_to=replies.stream, deadline=time.time() + 0.5
+        request_id="late", prompt_token_ids=[3] * 40, reply_to=replies.stream, deadline=time.time() + 2.0
     )
     rds.xadd(settings.keys.requests, {PAYLOAD_FIELD: encode(request)})
-    [trajectory] = replies.read(1, timeout_s=3.0)  # well before the 4 s generation would end
+    [trajectory] = replies.read(1, timeout_s=8.0)  # well before the 10 s generation would end
     assert isinstance(trajectory, Trajectory)
     assert trajectory.finish_reason == "abort" and trajectory.abort_cause == "deadline"
-    assert 0 < len(trajectory.completion_token_ids) < 40  # its partial output: ~5 tokens
+    assert 0 < len(trajectory.completion_token_ids) < 40  # its partial output: ~8 tokens
     assert len(trajectory.logprobs) == len(trajectory.completion_token_ids)
 
 
