@@ -57,8 +57,10 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture
 def rds(redis_url: str) -> Iterator[redis.Redis]:
-    """A sync Redis client on the private server, flushed before each test."""
-    client = redis.Redis.from_url(redis_url)
+    """A sync Redis client on the private server, flushed before each test. Its socket timeout is 30 s, not redis-py's
+    5: it only observes, and this machine has stopped scheduling processes for a minute under make test's load (a CI
+    run failed on its HGET there, while the code under test rode it out)."""
+    client = redis.Redis.from_url(redis_url, socket_timeout=30)
     client.flushall()
     yield client
     client.close()

@@ -61,7 +61,7 @@ def batch_worker(settings: Settings, log: Path, *env_pairs: tuple[str, str]) -> 
         yield proc
     finally:
         kill_tree(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+        proc.wait(timeout=60)  # killed: only a machine that stopped scheduling (as CI's once did) takes long
 
 
 def kill_tree(pid: int, sig: int) -> None:

@@ -89,7 +89,9 @@ async def test_broadcast_commits_a_version_that_every_token_carries(ws_settings,
 @pytest.mark.timeout(60)
 async def test_keep_pause_across_a_sync_splits_the_versions_at_the_frozen_token(ws_settings, procs):
     # A chunk per token, sent as it is made: the client sees how far the generation got.
-    procs.start("w0", "--engine", "echo", "--echo-token-delay-s", "0.05", env={"ROLLOUT_STREAM_CHUNK_TOKENS": "1"})
+    # torch preloaded: a cold `import torch` at its first join took past the join timeout on a loaded CI machine
+    chunk_per_token = {"ROLLOUT_STREAM_CHUNK_TOKENS": "1"}
+    procs.start("w0", "--engine", "echo", "--echo-token-delay-s", "0.05", *SYNC_ECHO_ARGS, env=chunk_per_token)
     procs.wait_live("w0")
     async with WeightSender(settings=ws_settings) as sender, RolloutClient(ws_settings) as client:
         run = Streaming(client, [PROMPT], {"max_tokens": 40})
