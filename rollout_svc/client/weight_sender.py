@@ -261,7 +261,8 @@ class WeightSender:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             members = {w: n for w, n in (await self._members()).items() if w not in lost}
             if not members:
-                raise WeightSyncError(version, "no live worker to send to", lost)
+                # the workers that failed or died in earlier attempts say why (a CI run got this naming nobody)
+                raise WeightSyncError(version, "no live worker to send to", lost | dict.fromkeys(dead, "dead"))
             sync_id = f"v{version}-{uuid.uuid4().hex[:8]}"
             started = time.monotonic()
             rebuilt = self._group is None or self._group.members != members

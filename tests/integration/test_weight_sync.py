@@ -327,6 +327,21 @@ async def test_a_worker_killed_before_joining_costs_the_sync_no_more_than_its_he
         assert {t.weight_version for t in served} == {1}
 
 
+async def test_a_sync_whose_only_worker_died_before_joining_fails_naming_it_dead(ws_settings, procs):
+    """The one member dies after the sender counted it live: the next attempt finds no live worker, and the error
+    says which worker died (it once named nobody), within the heartbeat TTL; the old version stays committed."""
+    settings = ws_settings.copy_with(weight_sync_timeout_s=120.0)
+    start(procs, "w0")
+    async with WeightSender(settings=settings) as sender:
+        procs.kill("w0")  # its heartbeat still fresh: it counts as live, and is named in the order
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError, match=r"no live worker to send to \(w0: dead\)") as info:
+            await sender.update(tensors(1).items(), version=1)
+        assert info.value.failures == {"w0": "dead"}
+        assert time.monotonic() - started < settings.heartbeat_ttl_s + 5.0
+        assert await sender.committed_version() == 0
+
+
 @pytest.mark.timeout(120)
 async def test_a_sync_abandoned_before_its_announcement_holds_no_worker_and_no_catch_up(ws_settings, procs, rds):
     """A trainer that published its order and built its group, then died before announcing the tensors: its
