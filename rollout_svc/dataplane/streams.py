@@ -53,6 +53,7 @@ from rollout_svc.keys import (
     Keys,
     ScriptReply,
     StateField,
+    StreamSyntax,
 )
 from rollout_svc.protocol import ErrorCode, ErrorResult, decode, encode, reply_address
 
@@ -529,13 +530,21 @@ class RequestStreams:
         group = await self._group_info(stream)
         if group is None:
             return []
-        last = group["last-delivered-id"]
-        records: Any = await self.redis.xrange(stream, min="-", max=last, count=count)
-        if not records:
-            return []
-        pending: Any = await self.redis.xpending_range(stream, WORKERS_GROUP, records[0][0], last, count)
-        held = {item["message_id"] for item in pending}
-        return [_entry(stream, entry_id, fields, delivered=0) for entry_id, fields in records if entry_id not in held]
+        last, start = group["last-delivered-id"], "-"
+        found: list[Entry] = []
+        while len(found) < count:  # page by page: orphans may lie behind more than `count` held entries
+            records: Any = await self.redis.xrange(stream, min=start, max=last, count=count)
+            if not records:
+                break
+            first, final = records[0][0], records[-1][0]
+            # as many pending as the page has entries, and more: the pending list may name entries deleted since
+            pending: Any = await self.redis.xpending_range(stream, WORKERS_GROUP, first, final, 2 * len(records) + 16)
+            held = {item["message_id"] for item in pending}
+            found += [_entry(stream, i, fields, delivered=0) for i, fields in records if i not in held]
+            if len(records) < count or final == last:
+                break
+            start = StreamSyntax.EXCLUSIVE + (final.decode() if isinstance(final, bytes) else final)
+        return found[:count]
 
     async def pending_ids(self, stream: str, consumer: str, count: int) -> set[bytes]:
         """The ids of up to `count` entries of `stream` delivered to `consumer` and not acked (XPENDING)."""
