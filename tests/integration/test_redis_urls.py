@@ -120,10 +120,16 @@ def _serve_through(settings: Settings, url: str, tmp_path: Path) -> None:
         procs.stop_all()
 
 
+# Its own bounds (30 s to register, 60 s for the client, 30 s for status) over the 30 s default: a loaded CI
+# machine took 30 s before the worker had registered.
+@pytest.mark.timeout(150)
 def test_workers_clients_and_the_cli_over_tls(settings, tls_url, tmp_path):
     _serve_through(settings, tls_url, tmp_path)
 
 
+# Its own bounds (30 s to register, 60 s for the client, 30 s for status) over the 30 s default: a loaded CI
+# machine took 30 s before the worker had registered.
+@pytest.mark.timeout(150)
 def test_workers_clients_and_the_cli_through_a_sentinel(settings, sentinel_url, tmp_path):
     _serve_through(settings, sentinel_url, tmp_path)
 
