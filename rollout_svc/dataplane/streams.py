@@ -53,7 +53,6 @@ from rollout_svc.keys import (
     Keys,
     ScriptReply,
     StateField,
-    StreamSyntax,
 )
 from rollout_svc.protocol import ErrorCode, ErrorResult, decode, encode, reply_address
 
@@ -530,7 +529,7 @@ class RequestStreams:
         group = await self._group_info(stream)
         if group is None:
             return []
-        last, start = group["last-delivered-id"], "-"
+        last, start = group["last-delivered-id"], b"-"
         found: list[Entry] = []
         while len(found) < count:  # page by page: orphans may lie behind more than `count` held entries
             records: Any = await self.redis.xrange(stream, min=start, max=last, count=count)
@@ -543,7 +542,7 @@ class RequestStreams:
             found += [_entry(stream, i, fields, delivered=0) for i, fields in records if i not in held]
             if len(records) < count or final == last:
                 break
-            start = StreamSyntax.EXCLUSIVE + (final.decode() if isinstance(final, bytes) else final)
+            start = b"(" + final  # exclusive, as `undelivered` pages
         return found[:count]
 
     async def pending_ids(self, stream: str, consumer: str, count: int) -> set[bytes]:

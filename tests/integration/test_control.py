@@ -26,6 +26,9 @@ from tests.support import ROOT, Results, Streaming, async_wait_until, pending, q
 T = 30  # max_tokens: 30 tokens x 50 ms = 1.5 s per generation
 DELAY = ["--echo-token-delay-s", "0.05"]
 PARAMS = {"max_tokens": T}
+# Generations an abort is meant to cut: 200 tokens (10 s). With T's 1.5 s, a CI machine that left a process waiting
+# 3-4 s for a core let some finish before the abort.
+LONG = 200
 
 
 def prompts(count: int, salt: int = 0, length: int = T + 10) -> list[list[int]]:
@@ -217,11 +220,10 @@ async def test_a_retried_request_keeps_each_tokens_text_and_top_logprobs(setting
 
 async def test_abort_session_hits_that_session_only_queued_and_in_flight(settings, echo_workers, rds):
     echo_workers(2, "--max-num-seqs", "8", *DELAY)
-    long = 200  # s-a's run 10 s, all cut: with 1.5 s ones, a CI machine that stalls for seconds lets some finish
-    a, b = prompts(12, salt=4, length=long), prompts(4, salt=5)
+    a, b = prompts(12, salt=4, length=LONG), prompts(4, salt=5)
     async with RolloutClient(settings) as client:
         # s-a: 8 run on one worker, 4 queue in its pinned stream; s-b runs on the other.
-        run_a = Streaming(client, a, {"max_tokens": long}, session_ids=["s-a"] * 12)
+        run_a = Streaming(client, a, {"max_tokens": LONG}, session_ids=["s-a"] * 12)
         task_b = asyncio.create_task(client.generate(b, PARAMS, session_ids=["s-b"] * 4))
         await run_a.streamed(1, 5, count=8)  # 8 generating (some tokens made), 4 queued behind them
         await async_wait_until(lambda: len(rds.keys(settings.keys.session("s-*"))) == 2, 5, "both sessions placed")
@@ -230,7 +232,7 @@ async def test_abort_session_hits_that_session_only_queued_and_in_flight(setting
         hit, spared = await run_a.task, await task_b
         later = await client.generate(a[:1], {"max_tokens": 2}, session_ids=["s-a"])  # after the abort: runs
     assert all(t.finish_reason == "abort" and t.abort_cause == "user" for t in hit)
-    assert all(len(t.completion_token_ids) < long and t.interruptions == 0 for t in hit)  # not retried
+    assert all(len(t.completion_token_ids) < LONG and t.interruptions == 0 for t in hit)  # not retried
     assert sum(bool(t.completion_token_ids) for t in hit) == 8  # the in-flight ones: partial
     assert sum(not t.completion_token_ids for t in hit) == 4  # the queued ones: answered unrun
     assert all(whole(t, p) for t, p in zip(spared, b, strict=True))
@@ -240,9 +242,7 @@ async def test_abort_session_hits_that_session_only_queued_and_in_flight(setting
 async def test_abort_all_empties_the_queue_and_answers_every_caller(settings, echo_workers, rds):
     echo_workers(2, "--max-num-seqs", "16", *DELAY)
     async with RolloutClient(settings) as client:
-        # 200 tokens (10 s), all cut: with 1.5 s ones, a CI machine that stalled 3-4 s let some finish first
-        long = 200
-        task = asyncio.create_task(client.generate(prompts(100, salt=6, length=long), {"max_tokens": long}))
+        task = asyncio.create_task(client.generate(prompts(100, salt=6, length=LONG), {"max_tokens": LONG}))
         await async_wait_until(lambda: pending(rds, settings.keys.requests) == 32, 5, "32 in flight, 68 queued")
         await client.abort(all=True)
         assert queued(rds, settings.keys.requests) == 0  # swept before the abort returned

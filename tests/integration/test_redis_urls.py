@@ -88,6 +88,11 @@ with SyncRolloutClient() as client:
 """
 
 
+# `_serve_through`'s own bounds (30 s to register, 60 s for the client, 30 s for status) are over pytest's 30 s
+# default: a loaded CI machine took 30 s before the worker had registered.
+ROUND_TRIP_TIMEOUT = pytest.mark.timeout(150)
+
+
 def _serve_through(settings: Settings, url: str, tmp_path: Path) -> None:
     """An echo worker and a client, both on `url`: 20 prompts come back echoed, and `status` lists the worker."""
     on_url = settings.copy_with(redis_url=url)
@@ -120,16 +125,12 @@ def _serve_through(settings: Settings, url: str, tmp_path: Path) -> None:
         procs.stop_all()
 
 
-# Its own bounds (30 s to register, 60 s for the client, 30 s for status) over the 30 s default: a loaded CI
-# machine took 30 s before the worker had registered.
-@pytest.mark.timeout(150)
+@ROUND_TRIP_TIMEOUT
 def test_workers_clients_and_the_cli_over_tls(settings, tls_url, tmp_path):
     _serve_through(settings, tls_url, tmp_path)
 
 
-# Its own bounds (30 s to register, 60 s for the client, 30 s for status) over the 30 s default: a loaded CI
-# machine took 30 s before the worker had registered.
-@pytest.mark.timeout(150)
+@ROUND_TRIP_TIMEOUT
 def test_workers_clients_and_the_cli_through_a_sentinel(settings, sentinel_url, tmp_path):
     _serve_through(settings, sentinel_url, tmp_path)
 
