@@ -14,19 +14,25 @@ from rollout_svc.config import Settings
 from tests.support import WorkerProcs, redis_server
 
 VLLM_TIMEOUT_S = 900  # a vLLM test module starts its engines inside its first test's time
+# A cold `import vllm` (torch's inductor compiles its templates) took over 30 s in a loaded CI run; cut by the
+# timeout, it left torch half-imported and every later vLLM import in that process failed ("duplicate template name").
+VLLM_IMPORT_TIMEOUT_S = 300
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The default per-test timeout is 30 s (pyproject); tests on the real engine get longer.
+    """The default per-test timeout is 30 s (pyproject); tests on the real engine, or importing it, get longer.
 
     Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) a module's tests run on one worker, so module
     fixtures start once; every test on the real engine runs on one worker, one engine at a time (each binds both
     cores); and the two that start a local Ray cluster run one after the other."""
     for item in items:
         vllm = item.get_closest_marker("vllm") is not None
-        if vllm and not item.get_closest_marker("timeout"):
-            item.add_marker(pytest.mark.timeout(VLLM_TIMEOUT_S))
+        if not item.get_closest_marker("timeout"):
+            if vllm:
+                item.add_marker(pytest.mark.timeout(VLLM_TIMEOUT_S))
+            elif item.get_closest_marker("imports_vllm"):
+                item.add_marker(pytest.mark.timeout(VLLM_IMPORT_TIMEOUT_S))
         module = item.nodeid.split("::")[0]
         group = "vllm" if vllm else "ray" if "ray" in Path(module).stem.split("_") else module
         item.add_marker(pytest.mark.xdist_group(group))

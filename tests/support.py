@@ -308,7 +308,7 @@ def serve(settings: Settings, log: Path, *args: str, env: dict[str, str] | None 
                 return httpx.get(f"{base}/metrics", timeout=1).status_code == 200
             return False
 
-        wait_until(up, 20, "rollout-svc serve answering")
+        wait_until(up, 45, "rollout-svc serve answering")  # 20 s ran out in a CI run under load
         yield base
     finally:
         proc.terminate()

@@ -60,7 +60,7 @@ class EchoEngine:
         self.adapters: dict[int, str] = {}  # lora_id -> the adapter's engine name
         self._end: Any = None  # a rollout_svc.weightsync.transfer.ReceivingEnd, made at the first join
         self._peer_end: Any = None  # ... for catching up from a peer
-        self._loaded_end: Any = None  # the end whose receive was loaded last (None: a checkpoint, or nothing)
+        self._loads: Any = None  # a rollout_svc.weightsync.transfer.LoadedFrom, made with the first end
         self._received: dict[str, list[Any] | None] = {"trainer": None, "peer": None}  # received, not yet loaded
         self._runs: dict[str, _EchoRun] = {}
         self._unpaused = asyncio.Event()
@@ -237,7 +237,7 @@ class EchoEngine:
         # the heartbeat less, and not at all where `preload_weight_transfer` imported it at start.
         module = await asyncio.to_thread(importlib.import_module, "rollout_svc.weightsync.transfer")
         if self._end is None:
-            self._end = module.ReceivingEnd()
+            self._end, self._loads = module.ReceivingEnd(), self._loads or module.LoadedFrom()
         await asyncio.to_thread(self._end.join, spec, first_rank, host)
 
     async def leave_weight_group(self) -> None:
@@ -261,7 +261,13 @@ class EchoEngine:
     async def load_received(self, source: str = "trainer") -> dict[str, float]:
         import torch
 
-        tensors, self._received[source] = self._received[source], None
+        if source in ("held", "previous"):  # a version loaded from a transfer, again (see `Engine.load_received`)
+            if self._loads is None:
+                raise RuntimeError("no received version is held here to load again")
+            end, tensors = self._loads.again(source)
+        else:
+            tensors, self._received[source] = self._received[source], None
+            end = self._end if source == "trainer" else self._peer_end
         if tensors is None:
             raise RuntimeError("no weights were received to load")
         started = time.perf_counter()
@@ -271,12 +277,11 @@ class EchoEngine:
             digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         await asyncio.sleep(self.load_delay_s)
         self.weights_digest = digest.hexdigest()
-        self._loaded_end = self._end if source == "trainer" else self._peer_end
-        self._loaded_end.hold()
+        self._loads.switched(end, source)
         return {"load_s": time.perf_counter() - started}
 
     async def serve_weights(self, spec: TransferGroup, host: str) -> dict[str, float]:
-        end = self._loaded_end
+        end = self._loads.loaded if self._loads is not None else None
         if end is None or end.held is None:
             raise RuntimeError("no loaded weights are held here to send")
         return {"send_s": await asyncio.to_thread(end.serve, spec, host)}
@@ -284,7 +289,7 @@ class EchoEngine:
     async def receive_from_peer(self, spec: TransferGroup, first_rank: int, host: str, manifest: WeightManifest) -> str:
         module = await asyncio.to_thread(importlib.import_module, "rollout_svc.weightsync.transfer")
         if self._peer_end is None:
-            self._peer_end = module.ReceivingEnd()
+            self._peer_end, self._loads = module.ReceivingEnd(), self._loads or module.LoadedFrom()
         end = self._peer_end
 
         def catch_up() -> tuple[list[Any], str]:
@@ -300,7 +305,8 @@ class EchoEngine:
         data = await asyncio.to_thread((Path(path) / "model.safetensors").read_bytes)
         await asyncio.sleep(self.load_delay_s)
         self.weights_digest = hashlib.sha256(data).hexdigest()
-        self._loaded_end = None
+        if self._loads is not None:
+            self._loads.checkpoint_loaded()
         return {"load_s": time.perf_counter() - started}
 
     async def engine_weight_op(self, op: str, info: dict[str, Any]) -> None:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import os
+import tempfile
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,13 +25,15 @@ from rollout_svc.protocol import (
 from workers.dtype import engine_dtype
 from workers.weight_extension import WORKER_EXTENSION
 
-RECEIVE_POLL_S = 0.05  # how often a receive in vLLM's worker processes is polled
-# ... at most, where the engine's ranks are processes of their own (tensor or pipeline parallel): each poll is a
-# message on vLLM's shared-memory queue, after which every rank's main thread spins (sched_yield) for vLLM's 1 s
-# `busy_loop_s`; polled every 50 ms they spun throughout, and on CPUs the receive threads beside them starved (a
-# TP=3 receive of SmolLM2's 540 MB took minutes and timed out). Polls back off from RECEIVE_POLL_S to this.
-MULTIPROC_RECEIVE_POLL_S = 1.5
-ReceivedFrom = Literal["trainer", "peer"]
+# A transfer job in vLLM's worker process (`WeightSyncExtension`) says it ended by creating a marker file, watched every
+# MARK_POLL_S; its outcome is then asked once (`rollout_poll`). The engine is asked anyway every JOB_POLL_S (a rank
+# that died or errored): each ask is a message on vLLM's shared-memory queue, after which the worker's main thread
+# spins (sched_yield) for vLLM's 1 s `busy_loop_s`. Asked every 50 ms, as before, those threads spun throughout a
+# receive and the receive threads beside them starved: a TP=3 receive of SmolLM2's 540 MB took minutes, and even
+# one rank's receive ran at a third of a bare gloo broadcast's rate here (top: VLLM::Worker at 60-100% CPU).
+MARK_POLL_S = 0.01
+JOB_POLL_S = 1.5
+ReceivedFrom = Literal["trainer", "peer", "held", "previous"]
 
 if TYPE_CHECKING:  # vllm is imported lazily: a worker running EchoEngine must not pay its import
     from vllm import RequestOutput
@@ -167,7 +173,11 @@ class Engine(Protocol):
     async def load_received(self, source: ReceivedFrom = "trainer") -> dict[str, float]:
         """Load what the last `receive_weights` (source trainer; the caller paused the engine) or
         `receive_from_peer` (source peer; the worker is stale, it has no work) received. Returns seconds loading.
-        Raises `RuntimeError` if nothing was received since the last load. What was loaded is then held, to serve."""
+        Raises `RuntimeError` if nothing was received since the last load. What was loaded is then held, to serve.
+        Source held: load again the version held from the last such load (the worker is stale: it loaded another
+        version since, a checkpoint or vLLM's own transfer, that was never committed); source previous: the version
+        loaded from a transfer before the last one (which was never committed; kept where the bucket buffers are
+        pooled, on the CPU). `RuntimeError` if a receive overwrote it or none is kept."""
         ...
 
     async def serve_weights(self, spec: TransferGroup, host: str) -> dict[str, float]:
@@ -194,6 +204,31 @@ class Engine(Protocol):
     def output_tokens(self, request_id: str) -> int | None:
         """Tokens generated so far by a request the engine holds (None: it holds no such request)."""
         ...
+
+
+OUTPUTS_WAIT_S = 0.02  # vLLM's own sleep after a pause: the longest `_outputs_processed` waits
+
+
+async def _outputs_processed(llm: Any) -> None:
+    """Return once `llm`'s output handler has processed every output its engine-core client has queued: the queue
+    is empty and the handler waits on it for more (an `asyncio.Queue` getter), or there is no handler running (vLLM
+    starts it with the first request: before that, no output exists). At most `OUTPUTS_WAIT_S`: where the vLLM
+    client does not look as this expects (no `outputs_queue`), or the handler is busy elsewhere, it waits as vLLM's
+    `pause_generation` does."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + OUTPUTS_WAIT_S
+    queue = getattr(llm.engine_core, "outputs_queue", None)
+    if not isinstance(queue, asyncio.Queue):
+        await asyncio.sleep(OUTPUTS_WAIT_S)
+        return
+    handler = getattr(llm, "output_handler", None)
+    if handler is None or handler.done():
+        return
+    while loop.time() < deadline:
+        if queue.empty() and getattr(queue, "_getters", None):  # idle: waiting for outputs that are not there
+            return
+        await asyncio.sleep(0)
+    await asyncio.sleep(max(0.0, deadline - loop.time()))
 
 
 def vllm_engine_args(
@@ -351,6 +386,7 @@ class VLLMEngine:
         self._model = model
         self._llm: AsyncLLM | None = None
         self._adapters: dict[int, Any] = {}  # lora_id -> vLLM's LoRARequest
+        self._markers: tempfile.TemporaryDirectory[str] | None = None  # transfer jobs' end markers (`_job`)
 
     async def start(self) -> None:
         """Start the engine-core process and load the model (~15 s on CPU, plus ~5 s to import vLLM).
@@ -450,9 +486,15 @@ class VLLMEngine:
         await self._running().remove_lora(lora_id)
 
     async def pause(self, mode: PauseMode) -> None:
-        """`AsyncLLM.pause_generation(mode=mode, clear_cache=False)`: the prefix cache survives a pause (a kept
-        request needs its KV blocks; an aborted one's retry finds its prefix cached)."""
-        await self._running().pause_generation(mode=mode, clear_cache=False)
+        """What `AsyncLLM.pause_generation(mode=mode, clear_cache=False)` does (the prefix cache survives a pause:
+        a kept request needs its KV blocks; an aborted one's retry finds its prefix cached), without its fixed
+        20 ms sleep: the engine core pauses its scheduler and replies after the outputs of its last step, which
+        its client queues in order before the reply; vLLM then sleeps 20 ms so that its output handler has
+        probably processed them. This waits for exactly that instead (`_outputs_processed`): once it returns,
+        `output_tokens` counts every token made before the pause (what a weight sync's version marks read)."""
+        llm = self._running()
+        await llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=False)
+        await _outputs_processed(llm)
 
     async def resume(self) -> None:
         await self._running().resume_generation()
@@ -516,43 +558,67 @@ class VLLMEngine:
 
     async def receive_weights(self, manifest: WeightManifest) -> dict[str, Any]:
         """Receive in vLLM's worker processes, in a thread of theirs (`rollout_receive_start`), so the engine goes on
-        stepping; polled every `RECEIVE_POLL_S` (each poll is a utility call between two steps). Returns the first
-        rank's seconds receiving and digest; raises `RuntimeError` with the first failing rank's error."""
-        await self._running().collective_rpc("rollout_receive_start", args=(manifest.model_dump(),))
-        received = await self._job("receive")
+        stepping; waited for by `_job`. Returns the first rank's seconds receiving and digest; raises `RuntimeError`
+        with the first failing rank's error."""
+        marker = self._marker("receive")
+        await self._running().collective_rpc("rollout_receive_start", args=(manifest.model_dump(), marker))
+        received = await self._job("receive", marker)
         return {"receive_s": received["seconds"], "digest": received["digest"]}
 
     async def load_received(self, source: ReceivedFrom = "trainer") -> dict[str, float]:
-        """`reload_weights(weights_iterator=...)` of what every engine rank received (the engine is paused)."""
-        job = "receive" if source == "trainer" else "catch-up"
+        """`reload_weights(weights_iterator=...)` of what every engine rank received (the engine is paused), or of
+        the version it holds as received (source held)."""
+        job = {"trainer": "receive", "peer": "catch-up", "held": "held", "previous": "previous"}[source]
         results = await self._running().collective_rpc("rollout_load_received", args=(job,))
         return dict(results[0])
 
     async def serve_weights(self, spec: TransferGroup, host: str) -> dict[str, float]:
-        """The first engine rank sends (`rollout_serve_start`, a thread of vLLM's worker process), polled."""
-        await self._running().collective_rpc("rollout_serve_start", args=(spec.model_dump(), host))
-        return {"send_s": (await self._job("serve"))["seconds"]}
+        """The first engine rank sends (`rollout_serve_start`, a thread of vLLM's worker process), awaited (`_job`)."""
+        marker = self._marker("serve")
+        await self._running().collective_rpc("rollout_serve_start", args=(spec.model_dump(), host, marker))
+        return {"send_s": (await self._job("serve", marker))["seconds"]}
 
     async def receive_from_peer(self, spec: TransferGroup, first_rank: int, host: str, manifest: WeightManifest) -> str:
-        """Every engine rank receives (`rollout_catch_up_start`, a thread of vLLM's worker process), polled."""
-        args = (spec.model_dump(), first_rank, host, manifest.model_dump())
+        """Each engine rank receives (`rollout_catch_up_start`, a thread of vLLM's worker process), awaited (`_job`)."""
+        marker = self._marker("catch-up")
+        args = (spec.model_dump(), first_rank, host, manifest.model_dump(), marker)
         await self._running().collective_rpc("rollout_catch_up_start", args=args)
-        return str((await self._job("catch-up"))["digest"])
+        return str((await self._job("catch-up", marker))["digest"])
 
-    async def _job(self, job: str) -> dict[str, Any]:
-        """Poll `job` on every engine rank until each ended; the first rank's outcome. Raises `RuntimeError` with
-        the first failing rank's error."""
-        llm, interval = self._running(), RECEIVE_POLL_S
-        while True:
-            polls = await llm.collective_rpc("rollout_poll", args=(job,))
-            failed = [p["error"] for p in polls if p.get("error")]
-            if failed:
-                raise RuntimeError(f"weight {job} failed: {failed[0]}")
-            if all(p["done"] for p in polls):
-                return dict(polls[0])
-            await asyncio.sleep(interval)
-            if self.weight_ranks > 1:
-                interval = min(2 * interval, MULTIPROC_RECEIVE_POLL_S)
+    def _marker(self, job: str) -> str:
+        """A fresh path for `job`'s end markers (`WeightSyncExtension._rollout_start` adds each rank)."""
+        if self._markers is None:
+            self._markers = tempfile.TemporaryDirectory(prefix="rollout-svc-jobs-")
+        return os.path.join(self._markers.name, f"{job}-{uuid.uuid4().hex[:12]}")
+
+    async def _job(self, job: str, marker: str) -> dict[str, Any]:
+        """Wait for `job` on every engine rank; the first rank's outcome. Asks the engine (`rollout_poll`) when a
+        rank created its end marker (`marker` + "." + rank), and every `JOB_POLL_S` anyway (never at once: the start
+        call just made its threads spin). Raises `RuntimeError` with the first failing rank's error,
+        `EngineDeadError` if the engine died."""
+        llm, loop = self._running(), asyncio.get_running_loop()
+        folder, prefix = os.path.dirname(marker), os.path.basename(marker) + "."
+        seen = 0
+        try:
+            while True:
+                asked = loop.time()
+                while loop.time() - asked < JOB_POLL_S:
+                    await asyncio.sleep(MARK_POLL_S)
+                    ended = sum(1 for name in os.listdir(folder) if name.startswith(prefix))
+                    if ended > seen:
+                        seen = ended
+                        break
+                polls = await llm.collective_rpc("rollout_poll", args=(job,))
+                failed = [p["error"] for p in polls if p.get("error")]
+                if failed:
+                    raise RuntimeError(f"weight {job} failed: {failed[0]}")
+                if all(p["done"] for p in polls):
+                    return dict(polls[0])
+        finally:
+            for name in os.listdir(folder):
+                if name.startswith(prefix):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(folder, name))
 
     async def load_checkpoint(self, path: str) -> dict[str, float]:
         """`reload_weights(weights_path=path)` on every engine rank."""
@@ -603,6 +669,9 @@ class VLLMEngine:
             shutdown_llm(llm)
             del llm
             gc.collect()
+        if self._markers is not None:
+            self._markers.cleanup()
+            self._markers = None
 
     def _running(self) -> AsyncLLM:
         if self._llm is None:

@@ -9,7 +9,11 @@ spans are exact across a keep-pause.
 A worker whose version differs from the committed one takes no work (the converger labels it `stale`). If the
 committed version came from a checkpoint, it loads that checkpoint on its own; if from a broadcast, it catches up
 from a live peer that holds it (`workers.catch_up`); from vLLM's own transfer engine, it waits for the next sync,
-which includes it (the trainer sends to every live worker). Loads are one at a time.
+which includes it (the trainer sends to every live worker). A version it loaded for a sync that then ended without
+a commit (the sync's pause released or lapsed: its trainer died between the load and the commit) counts as behind
+too: if the engine still holds the committed version as received (the other came from a checkpoint or vLLM's
+transfer, or from a broadcast into the other set of bucket buffers, which CPU engines keep), it loads that again, with
+no peer and no trainer. Loads are one at a time.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from rollout_svc.connections.urls import REDIS_AWAY
 from rollout_svc.control.plane import ControlPlane
 from rollout_svc.errors import EngineDeadError, InvalidRequestError
 from rollout_svc.keys import JOINED, LOADED, OK, RECEIVED
-from rollout_svc.protocol import RolloutRequest, WeightSyncOrder
-from rollout_svc.weightsync.plane import WeightSyncPlane, advertise_address, checkpoint_dir
+from rollout_svc.protocol import RolloutRequest, WeightManifest, WeightSyncOrder
+from rollout_svc.weightsync.plane import SYNC_HOLDER, WeightSyncPlane, advertise_address, checkpoint_dir
 from workers.catch_up import PeerCatchUp
 from workers.engine import Engine, ReceivedFrom
 from workers.inflight import InFlightIndex
@@ -64,6 +68,11 @@ class WeightReceiver:
         self._group_id: str | None = None  # the transfer group the engine is in
         self._refused: tuple[int, str] | None = None  # a committed checkpoint that failed to load here
         self._loading = asyncio.Lock()  # one load at a time: a sync's, a checkpoint catch-up's, a peer catch-up's
+        # The version the engine still holds as received (its manifest, its digest, and the engine's name for it)
+        # after it loaded another one over it (a checkpoint, vLLM's own transfer: "held"; a sync's broadcast:
+        # "previous"): loaded again if that other one is never committed.
+        self._shelved: tuple[WeightManifest, str, ReceivedFrom] | None = None
+        self._abandoned: str | None = None  # the last sync order found ended without a commit (logged once)
         self.peers = PeerCatchUp(settings, plane, engine, state, self.host, self._load_from_peer)
 
     async def step(self) -> None:
@@ -85,12 +94,19 @@ class WeightReceiver:
         self.state.committed_version = desired.weight_version
         syncing = order is not None and order.version > desired.weight_version  # loaded, not yet committed
         if syncing and order is not None and order.version == self.state.weight_version:
-            return
+            if order.transport == "engine" or SYNC_HOLDER in desired.holders:
+                return  # its trainer holds the fleet paused for it: it commits, or gives up and resumes
+            if self._abandoned != order.sync_id:  # resumed (or its lease lapsed) without a commit: abandoned
+                self._abandoned = order.sync_id
+                log.warning(
+                    "weight sync %s loaded version %d here but ended without committing it (its trainer died or gave "
+                    "up): back to the committed version %d", order.sync_id, order.version, desired.weight_version,
+                )  # fmt: skip
         if self.state.weight_version == desired.weight_version:
             return
         if desired.weight_checkpoint:
             await self._catch_up(desired.weight_version, desired.weight_checkpoint)
-        elif desired.weight_digest:
+        elif desired.weight_digest and not await self._reload_shelved(desired.weight_version, desired.weight_digest):
             self.peers.learn(desired.weight_version, desired.weight_digest)
 
     async def close(self) -> None:
@@ -147,7 +163,9 @@ class WeightReceiver:
         if manifest is None:
             await self.plane.arrive(order.sync_id, transferred, worker_id, "the tensors were never announced")
             return
-        self.peers.held = None  # the engine may receive into the buffers holding the version it serves peers
+        # What the engine holds as received stays whole through this receive (other buffers), so peers may go on
+        # catching up from it, a failed receive too; a shelved copy is not kept past a receive.
+        self._shelved = None
         try:
             received = await self.engine.receive_weights(manifest)  # generating on, unless the trainer paused first
         except EngineDeadError:
@@ -165,9 +183,13 @@ class WeightReceiver:
                     "nothing loaded, version %d kept", order.sync_id, self.state.weight_version,
                 )  # fmt: skip
                 return
+        before: tuple[WeightManifest, str, ReceivedFrom] | None = None
+        if self.peers.held is not None:
+            before = (self.peers.held, self.state.weight_digest, "previous")
         outcome = await self._load_received(order.version, str(received.get("digest", "")))
         if outcome == OK:
             self.peers.held = manifest
+            self._shelved = before  # the version before, if this one is never committed (the trainer died)
         await self.plane.arrive(order.sync_id, LOADED, worker_id, outcome)
 
     async def _load_received(self, version: int, digest: str, source: ReceivedFrom = "trainer") -> str:
@@ -182,6 +204,29 @@ class WeightReceiver:
                 log.exception("loading weight version %d failed", version)
                 return f"loading failed: {type(exc).__name__}: {exc}"
             return await self._loaded(version, digest)
+
+    def _shelve(self) -> None:
+        """The engine is about to load weights that are not a received version: what it holds as received (if
+        anything) is no longer what it serves peers, but stays, to load again if what replaces it is never
+        committed (`_reload_shelved`)."""
+        if self.peers.held is not None:
+            self._shelved = (self.peers.held, self.state.weight_digest, "held")
+        self.peers.held = None
+
+    async def _reload_shelved(self, version: int, digest: str) -> bool:
+        """If the engine still holds the committed `version` (digest `digest`) as received, load it again: no peer
+        and no trainer needed. Whether it did (False: it holds no such copy, or the load failed)."""
+        shelved, self._shelved = self._shelved, None
+        if shelved is None or shelved[0].version != version or shelved[1] != digest:
+            self._shelved = shelved
+            return False
+        outcome = await self._load_received(version, digest, shelved[2])
+        if outcome != OK:
+            log.warning("weight version %d: loading the copy held here again failed (%s)", version, outcome)
+            return False
+        self.peers.held = shelved[0]
+        log.info("weight version %d: loaded again from the copy this worker received", version)
+        return True
 
     async def _load_from_peer(self, version: int) -> str:
         """Load the committed `version` a peer sent (`PeerCatchUp`): "ok", why not, or "" if it is no longer
@@ -220,14 +265,14 @@ class WeightReceiver:
             return f"vLLM's {op.op} failed: {type(exc).__name__}: {exc}"
         if op.op != "finish":
             return OK
-        self.peers.held = None  # vLLM's transfer engine loaded it: nothing is held to send
+        self._shelve()  # vLLM's transfer engine loaded it: nothing is held to send
         return await self._loaded(order.version)
 
     async def _load_checkpoint(self, path: str, version: int) -> str:
         """Load a checkpoint under the checkpoint root as `version`: "ok", or why not."""
         try:
             resolved = checkpoint_dir(self.settings.weight_sync.checkpoint_root, path)
-            self.peers.held = None
+            self._shelve()
             async with self._loading:
                 await self.engine.load_checkpoint(str(resolved))
                 return await self._loaded(version)

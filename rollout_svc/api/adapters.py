@@ -20,7 +20,7 @@ from rollout_svc.client.rollout_client import RolloutClient
 class LoadLoRABody(BaseModel):
     """vLLM's `LoadLoRAAdapterRequest`: the adapter's name and its directory (under the workers' checkpoint root)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # strict: 0.0 is no `load_inplace`, as the schema says
     lora_name: str
     lora_path: str
     load_inplace: bool = False
@@ -29,7 +29,7 @@ class LoadLoRABody(BaseModel):
 class UnloadLoRABody(BaseModel):
     """vLLM's `UnloadLoRAAdapterRequest`."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     lora_name: str
     lora_int_id: int | None = None
 

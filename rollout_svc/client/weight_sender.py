@@ -31,7 +31,7 @@ from rollout_svc.errors import InvalidRequestError, WeightSyncError
 from rollout_svc.fleet import Fleet, FleetControl, FleetWeightPlane
 from rollout_svc.keys import JOINED, LOADED, RECEIVED
 from rollout_svc.protocol import PauseMode, TensorSpec, TransferGroup, WeightManifest, WeightSyncOrder
-from rollout_svc.weightsync.plane import BarrierOutcome, advertise_address
+from rollout_svc.weightsync.plane import SYNC_HOLDER, BarrierOutcome, advertise_address
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from rollout_svc.weightsync.transfer import BucketBuffers
 
 log = logging.getLogger("rollout_svc.client.weight_sender")
-SYNC_HOLDER = "weight-sync"  # the pause holder of a sync (leased: it lapses if the trainer dies mid-sync)
 MAX_ATTEMPTS = 3  # a sync whose group failed is retried with the members still alive, this many times in all
 
 

@@ -42,6 +42,7 @@ from rollout_svc.protocol import CatchUpAnswer, CatchUpOrder, WeightManifest, We
 BARRIER_POLL_S = 0.02  # how often a barrier re-reads its hash (a sync takes seconds; this is noise)
 LIVENESS_POLL_S = 0.5  # how often it checks that the members it waits for are alive
 SYNC_KEYS_TTL_S = 3600  # barriers and manifests expire an hour after their sync
+SYNC_HOLDER = "weight-sync"  # the pause holder of a sync (leased: it lapses if the trainer dies mid-sync)
 
 
 @dataclass

@@ -13,8 +13,9 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+import numpy
 import torch
 
 from rollout_svc.errors import ProtocolError
@@ -63,10 +64,21 @@ def plan_buckets(
 
 
 def fill_into(buffer: torch.Tensor, specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Write the tensors' raw bytes at their offsets into `buffer` (uint8); returns it."""
+    """Write the tensors' raw bytes at their offsets into `buffer` (uint8); returns it.
+
+    On the CPU each tensor is copied by one thread (numpy's memcpy), not by torch's intra-op (OpenMP) pool: the pack
+    runs in a worker thread while the fleet generates, and the first parallel region of a thread starts an OpenMP
+    team on cores the engines keep busy. Measured here (2 cores, SmolLM2's 538 MB): beside two busy torch
+    processes, torch's copy from a fresh thread 1.7 s (0.06 s once warm), numpy's 0.09 s; in a sync beside two
+    generating vLLM workers the pack took 4-7 s with torch's copy, 0.1 s with this."""
+    cpu = buffer.device.type == "cpu"
+    out = buffer.numpy() if cpu else None
     for spec, tensor in zip(specs, tensors, strict=True):
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        buffer[spec.offset : spec.offset + spec.nbytes].copy_(raw)
+        if out is not None and raw.device.type == "cpu":
+            out[spec.offset : spec.offset + spec.nbytes] = raw.numpy()
+        else:
+            buffer[spec.offset : spec.offset + spec.nbytes].copy_(raw)
     return buffer
 
 
@@ -115,27 +127,37 @@ def join_group(spec: TransferGroup, rank: int, host: str, store: Any = None) -> 
 
 
 class BucketBuffers:
-    """Bucket buffers kept from one sync to the next (same sizes: the same model), on the CPU only.
+    """Bucket buffers kept from one sync to the next (same sizes: the same model), on the CPU only: up to `KEPT`
+    sets, so a receiver writes a new version into one while the other holds the version its engine loaded (which a
+    failed receive must not destroy: late peers catch up from it).
 
     A fresh buffer costs a page fault per 4 KiB page on first write, which on a small host took longer than the
     transfer itself; a kept one costs nothing. On a GPU the caching allocator already reuses memory, and keeping a
     second copy of the model there would be a waste, so CUDA buffers are never kept.
     """
 
+    KEPT = 2
+
     def __init__(self) -> None:
         self._sizes: list[int] = []
-        self._buffers: list[torch.Tensor] = []
+        self._sets: list[list[torch.Tensor]] = []
 
-    def get(self, sizes: Sequence[int], device: torch.device, fresh: bool = False) -> list[torch.Tensor]:
-        """Buffers of `sizes` bytes on `device`: the kept ones, or new ones (CUDA; other sizes; `fresh`, when the
-        kept ones are lent out: they stay with their borrower, the new ones are kept from now on)."""
+    def get(
+        self, sizes: Sequence[int], device: torch.device, avoid: Sequence[list[torch.Tensor]] = ()
+    ) -> list[torch.Tensor]:
+        """Buffers of `sizes` bytes on `device`: a kept set that is none of `avoid` (the sets in use: held, or lent
+        to a sender), or new ones (CUDA; other sizes; every kept set in use: then not kept)."""
         if device.type != "cpu":
             return [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
-        if list(sizes) != self._sizes or fresh:
-            self._buffers = []  # freed before the new ones are made, unless lent
-            self._buffers = [torch.empty(n, dtype=torch.uint8) for n in sizes]
-            self._sizes = list(sizes)
-        return self._buffers
+        if list(sizes) != self._sizes:
+            self._sets, self._sizes = [], list(sizes)  # freed before the new ones are made, unless in use
+        for kept in self._sets:
+            if not any(kept is used for used in avoid):
+                return kept
+        buffers = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        if len(self._sets) < self.KEPT:
+            self._sets.append(buffers)
+        return buffers
 
 
 def receive_buckets(
@@ -164,8 +186,9 @@ def weights_digest(buckets: Sequence[torch.Tensor]) -> str:
     """The digest of a version as sent: its buckets (uint8 tensors, in order, on any device) -> 32 hex digits.
 
     BLAKE2b-128 over, per bucket, its size and the wrapping 64-bit sums of its 4 KiB blocks (the tail as bytes).
-    torch computes the sums where the buckets are, in one pass at memory bandwidth (20 ms for 540 MB on two CPU
-    cores; a byte hash of the same took 350-700 ms), and integer sums are the same on a CPU and a GPU. It catches a
+    The sums are computed where the buckets are, in one pass at memory bandwidth (on the CPU by numpy in one thread,
+    as `fill_into` copies: 20 ms for 540 MB, 50 ms beside two busy processes where torch's took 90 ms; on a GPU by
+    torch; a byte hash of the same took 350-700 ms), and integer sums are the same on a CPU and a GPU. It catches a
     corrupt, short or mixed-up transfer (another version, blocks out of order); it is not a cryptographic hash of
     the bytes (whoever can forge a bucket in the token-gated transfer group could forge a matching one).
     """
@@ -174,7 +197,13 @@ def weights_digest(buckets: Sequence[torch.Tensor]) -> str:
         flat = bucket.reshape(-1)
         whole = flat.numel() // DIGEST_BLOCK_BYTES * DIGEST_BLOCK_BYTES
         digest.update(flat.numel().to_bytes(8, "little"))
-        if whole:
+        if whole and flat.device.type == "cpu":  # one thread, as `fill_into` copies: no OpenMP team to start
+            blocks_np = flat[:whole].numpy()
+            if blocks_np.ctypes.data % 8:
+                blocks_np = blocks_np.copy()  # an int64 view needs 8-byte alignment
+            per_block = blocks_np.view(numpy.int64).reshape(-1, DIGEST_BLOCK_BYTES // 8)
+            digest.update(per_block.sum(axis=1, dtype=numpy.int64).tobytes())  # wraps as torch's int64 sum does
+        elif whole:
             blocks = flat[:whole]
             if blocks.storage_offset() % 8:
                 blocks = blocks.clone()  # an int64 view needs 8-byte alignment
@@ -191,6 +220,7 @@ class Held:
     manifest: WeightManifest
     buckets: list[torch.Tensor]
     digest: str
+    pooled: bool = True  # in kept bucket buffers (a CPU receive); False: a host copy of CUDA buffers, made for it
 
 
 class ReceivingEnd:
@@ -208,9 +238,12 @@ class ReceivingEnd:
         self.backend = "gloo"
         self._buffers = BucketBuffers()
         self._lock = threading.Lock()  # a receive and a serve run in threads of their own
-        self._serving = 0
+        self._lent: list[list[torch.Tensor]] = []  # the buckets of the serves in progress
         self.received: Held | None = None  # the last complete receive
         self.held: Held | None = None  # the last receive the engine loaded
+        # The one it had loaded before `held`, until a receive takes its buffers: loaded again if `held`, received
+        # for a sync whose trainer died before committing it, is never committed.
+        self.previous: Held | None = None
 
     def join(self, spec: TransferGroup, rank: int, host: str) -> None:
         """Join the group `spec` as `rank` (blocks until every rank has; at most the spec's timeout)."""
@@ -222,23 +255,25 @@ class ReceivingEnd:
         self.group = None
 
     def receive(self, manifest: WeightManifest) -> list[tuple[str, torch.Tensor]]:
-        """Every announced tensor, received from rank 0 (views of the kept buffers, valid until the next receive).
+        """Every announced tensor, received from rank 0 (views of kept buffers, valid until a later receive), into
+        buffers other than the held version's and those being sent: what is held survives, a failed receive too.
         Raises `RuntimeError` outside a group, and what torch raises when a collective fails."""
         if self.group is None:
             raise RuntimeError("not in a weight transfer group: join one first")
         device = receive_device(self.backend)
         with self._lock:
-            targets = self._buffers.get(manifest.bucket_nbytes, device, fresh=self._serving > 0)
-            if self.held is not None and self.held.buckets is targets:
-                self.held = None  # about to be overwritten
+            in_use = [*self._lent, *([self.held.buckets] if self.held is not None else [])]
+            targets = self._buffers.get(manifest.bucket_nbytes, device, avoid=in_use)
             self.received = None
+            if self.previous is not None and self.previous.buckets is targets:
+                self.previous = None
         try:
             tensors = receive_buckets(self.group, manifest, targets)
         except Exception:
             self.group = None
             raise
         kept = targets if device.type == "cpu" else [b.cpu() for b in targets]
-        self.received = Held(manifest, kept, weights_digest(kept))
+        self.received = Held(manifest, kept, weights_digest(kept), pooled=device.type == "cpu")
         return tensors
 
     def catch_up(self, spec: TransferGroup, rank: int, host: str, manifest: WeightManifest) -> list[tuple[str, Any]]:
@@ -251,19 +286,46 @@ class ReceivingEnd:
             self.leave()
 
     def hold(self) -> None:
-        """The engine loaded what this end received last: keep it to serve (until a receive overwrites it)."""
-        self.held = self.received
+        """The engine loaded what this end received last: keep it to serve (until a receive overwrites it); what
+        was held before becomes `previous`."""
+        with self._lock:
+            if self.received is not self.held:
+                # kept only in the pooled buffers, which cost nothing more; a CUDA receive's host copy would be a
+                # second copy of the model in host memory for as long as no sync comes
+                self.previous = self.held if self.held is not None and self.held.pooled else None
+            self.held = self.received
+
+    def restore_previous(self) -> None:
+        """The engine loaded `previous` again (`held` was never committed): it is held once more, to serve."""
+        with self._lock:
+            if self.previous is None:
+                raise RuntimeError("no previous received version is kept here")
+            self.held, self.previous = self.previous, None
+
+    def held_tensors(self, which: Literal["held", "previous"] = "held") -> list[tuple[str, torch.Tensor]]:
+        """The held (or previous) version's tensors (views of its buckets), to load it again: after the engine
+        loaded a version that was never committed. Raises `RuntimeError` if there is none (or a receive overwrote
+        it)."""
+        held = self.held if which == "held" else self.previous
+        if held is None:
+            raise RuntimeError(
+                f"no {'' if which == 'held' else 'previous '}received version is held here to load again"
+            )
+        tensors: list[tuple[str, torch.Tensor]] = []
+        for bucket, specs in zip(held.buckets, held.manifest.buckets, strict=True):
+            tensors += unpack_bucket(bucket, specs)
+        return tensors
 
     def serve(self, spec: TransferGroup, host: str) -> float:
         """Send the held version to the other ranks of `spec`, as its rank 0 (over gloo: what is held is on the
-        CPU): join, one broadcast per bucket. Blocks (run it in a thread); a receive meanwhile gets fresh buffers, so
+        CPU): join, one broadcast per bucket. Blocks (run it in a thread); a receive meanwhile gets other buffers, so
         what is sent stays whole. Returns seconds sending. Raises `RuntimeError` if nothing is held, and what torch
         raises when a peer does not come or goes."""
         with self._lock:
             held = self.held
             if held is None:
                 raise RuntimeError("no loaded weights are held here to send")
-            self._serving += 1
+            self._lent.append(held.buckets)
         try:
             group = join_group(spec, 0, host)
             started = time.perf_counter()
@@ -272,4 +334,48 @@ class ReceivingEnd:
             return time.perf_counter() - started
         finally:
             with self._lock:
-                self._serving -= 1
+                self._lent = [lent for lent in self._lent if lent is not held.buckets]
+
+
+class LoadedFrom:
+    """Which receiving end's version an engine loaded, for the engines that load from `ReceivingEnd`s (vLLM's worker
+    extension, the echo engine): `loaded`, whose held version the engine serves (None after a checkpoint or vLLM's
+    own transfer: nothing to send a late peer); `held_end`, the end loaded last (kept across a checkpoint, to load
+    its version again if the checkpoint is never committed); and the version loaded before that one (an end and its
+    `Held`), to load again if the last received version is never committed.
+    """
+
+    def __init__(self) -> None:
+        self.loaded: ReceivingEnd | None = None
+        self.held_end: ReceivingEnd | None = None
+        self._before: tuple[ReceivingEnd, Held] | None = None
+
+    def again(self, which: Literal["held", "previous"]) -> tuple[ReceivingEnd, list[tuple[str, torch.Tensor]]]:
+        """The end and tensors to load again: `held`, the version loaded last from a transfer; `previous`, the one
+        loaded before it. Raises `RuntimeError` if none is kept (a receive since took its buffers)."""
+        if which == "held":
+            if self.held_end is None:
+                raise RuntimeError("no received version is held here to load again")
+            return self.held_end, self.held_end.held_tensors()
+        end, before = self._before or (None, None)
+        if end is None or before is None or not (end.held is before or end.previous is before):
+            raise RuntimeError("no previous received version is kept here to load again")
+        return end, end.held_tensors("held" if end.held is before else "previous")
+
+    def switched(self, end: ReceivingEnd, source: str) -> None:
+        """The engine loaded from `end`: again (`source` held, previous), or what it received (any other source)."""
+        if source == "previous":
+            if self._before is not None and end.previous is self._before[1]:
+                end.restore_previous()
+            self._before = None
+        elif source != "held":
+            prior = self.loaded
+            self._before = (prior, prior.held) if prior is not None and prior.held is not None else None
+            end.hold()
+            if prior is end and end.previous is None:
+                self._before = None  # a CUDA receive: the version before is not kept
+        self.loaded = self.held_end = end
+
+    def checkpoint_loaded(self) -> None:
+        """The engine loaded a checkpoint (or vLLM's own transfer): no received version is loaded now."""
+        self.loaded = None

@@ -3,7 +3,8 @@
 One module fixture: two workers (one CPU core each) under a checkpoint root. Greedy float32 outputs are compared
 token for token: perturbed weights change them on both workers, the original weights restore them, a checkpoint
 of the perturbed weights gives the same output as their broadcast, and a keep-pause across a sync splits a
-generation exactly at the token it was frozen at. The last test restarts one worker after a sync it missed: it
+generation exactly at the token it was frozen at; a checkpoint or a broadcast loaded but never committed gives way to
+the committed broadcast version the engines still hold. The last test restarts one worker after a sync it missed: it
 catches up from its peer and generates exactly what the peer generates.
 """
 
@@ -22,6 +23,7 @@ from rollout_svc import RolloutClient
 from rollout_svc.client.weight_sender import WeightSender
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.model import prepare_model
+from rollout_svc.protocol import WeightSyncOrder
 from tests.support import Streaming, WorkerProcs, async_wait_until, vllm_workers
 
 pytestmark = pytest.mark.vllm
@@ -71,8 +73,20 @@ def weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.T
 
 
 async def outputs(client: RolloutClient, prompt: list[int], version: int) -> list[list[int]]:
+    """Greedy outputs of `prompt` on both workers (two sessions each), once both serve `version`: a worker that
+    missed a sync (a loaded machine can time out its part) catches up from its peer first. The sessions are placed
+    anew each time (a session pinned to the only worker serving at one moment would stay there)."""
+
+    async def both_serving() -> bool:
+        workers = await client.workers()
+        return sorted((w.state, w.weight_version) for w in workers) == [("serving", version)] * 2
+
+    await async_wait_until(both_serving, 300, f"both workers serving weight version {version}", 0.2)
+    for session in SESSIONS:
+        await client.finish_session(session)
     trajectories = await client.generate([prompt] * 4, GREEDY, session_ids=SESSIONS)
-    assert len({t.worker_id for t in trajectories}) == 2, "the sessions did not reach both workers"
+    placed = sorted((t.worker_id, t.interruptions) for t in trajectories)
+    assert len({t.worker_id for t in trajectories}) == 2, f"the sessions did not reach both workers: {placed}"
     assert all(t.weight_version >= version and t.weight_versions == [(version, 0)] for t in trajectories)
     return [t.completion_token_ids for t in trajectories]
 
@@ -135,6 +149,52 @@ async def test_a_keep_pause_across_a_sync_splits_the_generation_at_the_frozen_to
         [continued] = await client.generate([prompt + tokens[:cut]], after)
         assert continued.completion_token_ids == tokens[cut:], "the tokens after the cut are the new model's"
         await sender.update(original.items(), version=old + 2)
+
+
+async def test_a_checkpoint_never_committed_gives_way_to_the_broadcast_version_the_engines_still_hold(fleet, weights):
+    """A trainer pauses the fleet, has it load a checkpoint of other weights, and dies before committing: once its
+    pause lapses each engine loads again the committed broadcast version it holds as received (`reload_weights` from
+    the bytes it kept) and generates exactly what that version generated; no peer or trainer is needed."""
+    original, perturbed = weights
+    async with WeightSender(settings=fleet) as sender, RolloutClient(fleet) as client:
+        [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Name a famous painter."}]])
+        version = await sender.committed_version() + 1
+        await sender.update(perturbed.items(), version=version)
+        committed = await outputs(client, prompt, version)
+        checkpoint = fleet.weight_sync.checkpoint_root / "never-committed"
+        checkpoint.mkdir()
+        save_file(original, str(checkpoint / "model.safetensors"))
+        await client.pause("keep", holder="weight-sync", lease_s=2.0, renew=False)  # the trainer's, then it dies
+        order = WeightSyncOrder(sync_id="never-committed", version=version + 1, transport="checkpoint",
+                                members=["vllm-0", "vllm-1"], path=str(checkpoint))  # fmt: skip
+        await sender.plane.publish(order)
+        loaded = await sender.plane.await_barrier(order.sync_id, "loaded", order.members, 300)
+        assert sorted(loaded.ok) == ["vllm-0", "vllm-1"], "both engines loaded the checkpoint over the version"
+        assert await outputs(client, prompt, version) == committed, "back on the committed version, exactly"
+        assert await sender.committed_version() == version
+        await sender.update(original.items(), version=version + 2)
+
+
+async def test_a_broadcast_never_committed_gives_way_to_the_version_received_before_it(fleet, weights, monkeypatch):
+    """The trainer broadcasts other weights, both engines load them, and it dies before committing: each engine
+    loads again the committed version it received before (kept in its other set of bucket buffers) and generates
+    exactly what that version generated."""
+    original, perturbed = weights
+    async with WeightSender(settings=fleet) as sender, RolloutClient(fleet) as client:
+        [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Name a large ocean."}]])
+        version = await sender.committed_version() + 1
+        await sender.update(perturbed.items(), version=version)
+        committed = await outputs(client, prompt, version)
+
+        async def died(*_: object) -> None:
+            raise RuntimeError("the trainer died before its commit")
+
+        monkeypatch.setattr(sender.control, "commit_weights", died)
+        with pytest.raises(RuntimeError, match="died before its commit"):
+            await sender.update(original.items(), version=version + 1)
+        assert await outputs(client, prompt, version) == committed, "back on the committed version, exactly"
+        monkeypatch.undo()
+        await sender.update(original.items(), version=version + 1)
 
 
 async def test_a_late_worker_caught_up_from_its_peer_generates_exactly_what_its_peer_generates(fleet_procs, weights):

@@ -99,6 +99,7 @@ def test_a_worker_whose_loop_fails_exits_rather_than_hold_requests(settings, wor
     assert "a worker loop failed" in workers.log("echo-0")
 
 
+@pytest.mark.timeout(120)  # its own bounds (60 s for the workers, 30 s for up to exit) outlast pytest's 30 s default
 async def test_up_without_redis_server_falls_back_to_fakeredis(tmp_path):
     url = f"redis://127.0.0.1:{free_port()}/0"
     env = {**os.environ, "PATH": os.path.dirname(sys.executable)}  # no redis-server on this PATH

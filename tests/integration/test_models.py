@@ -24,6 +24,9 @@ from rollout_svc import RolloutClient
 from rollout_svc.config import Settings
 from tests.support import ROOT, WorkerProcs, free_port, serve, settings_env
 
+# A 2 s heartbeat TTL re-incarnated both policy workers in a CI run under load (`policy-0~1`), and these tests name
+# the workers they expect: nothing here waits for a TTL to expire.
+pytestmark = pytest.mark.heartbeat_ttl(10.0)
 DELAY = ["--echo-token-delay-s", "0.02"]
 PROMPT = list(range(1, 41))
 
@@ -71,6 +74,7 @@ async def test_requests_for_each_model_go_only_to_its_workers_and_a_pause_of_one
         assert late.worker_id.startswith("policy-") and late.finish_reason == "length"
 
 
+@pytest.mark.timeout(150)  # two CLI processes bounded at 60 s each; a loaded CI machine took over 30 s for both
 def test_status_groups_workers_by_model(settings, models):
     command = [sys.executable, "-m", "rollout_svc", "status", "--json", "--redis-url", settings.redis_url]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=settings_env(settings), timeout=60)

@@ -63,6 +63,7 @@ def test_the_engine_reads_this_machines_flags(monkeypatch: pytest.MonkeyPatch, c
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["engine dtype: float32", "engine dtype: auto"]
 
 
+@pytest.mark.imports_vllm
 def test_vllm_engine_args_runs_the_choice(monkeypatch: pytest.MonkeyPatch):
     """The one place every engine's arguments are built (VLLMEngine and `workers.direct`) applies it."""
     pytest.importorskip("vllm")

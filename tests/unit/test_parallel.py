@@ -15,6 +15,7 @@ from workers.__main__ import parse_args
 PARALLEL = {"tensor_parallel_size": 3, "pipeline_parallel_size": 2, "data_parallel_size": 2}
 
 
+@pytest.mark.imports_vllm
 def test_parallel_sizes_reach_vllms_engine_arguments():
     from workers.engine import vllm_engine_args
 
@@ -30,6 +31,7 @@ def test_parallel_sizes_reach_vllms_engine_arguments():
     assert single.distributed_executor_backend is None  # vLLM's own choice for one rank
 
 
+@pytest.mark.imports_vllm
 def test_the_vllm_engine_reports_its_ranks_and_capacity():
     from workers.engine import VLLMEngine
 
@@ -64,6 +66,7 @@ def test_cpu_binding_gives_each_rank_its_set(monkeypatch: pytest.MonkeyPatch):
     assert cpu_sets(2, 2) == ["0-1|2-3", "4-5|6-7"]
 
 
+@pytest.mark.imports_vllm
 def test_the_vllm_install_check_passes_here_and_names_what_a_release_lacks(monkeypatch: pytest.MonkeyPatch):
     from rollout_svc.tools import vllm_install_check
 

@@ -13,6 +13,7 @@ from rollout_svc.protocol import (
     Continuation,
     RolloutRequest,
     SamplingParams,
+    TensorSpec,
     Trajectory,
     WeightManifest,
     decode,
@@ -45,6 +46,113 @@ def test_buckets_round_trip_every_dtype_and_respect_the_size():
     assert [name for name, _ in received] == [name for name, _ in named]
     for name, tensor in received:
         assert tensor.dtype == by_name[name].dtype and torch.equal(tensor, by_name[name])
+
+
+def test_a_transposed_tensor_and_a_parameter_that_requires_grad_pack_as_their_values():
+    """The CPU pack copies through numpy (one thread): a non-contiguous view and a trainer's parameter (numpy refuses
+    a tensor that requires grad) still arrive as their values."""
+    named = [("t", torch.randn(4, 6).t()), ("p", torch.nn.Parameter(torch.randn(5, 3).to(torch.bfloat16)))]
+    [specs], [nbytes] = plan_buckets(named, bucket_bytes=4096)
+    buffer = fill_into(torch.zeros(nbytes, dtype=torch.uint8), specs, [t for _, t in named])
+    received = dict(unpack_bucket(buffer, specs))
+    assert torch.equal(received["t"], named[0][1]) and torch.equal(received["p"], named[1][1].detach())
+
+
+def test_the_digest_of_cpu_buckets_is_the_wrapping_block_sums_torch_computes_on_any_device():
+    """`weights_digest` sums CPU buckets with numpy (one thread) and others with torch: both must give the same
+    digest for the same bytes (a GPU trainer and a CPU worker compare digests). The reference here is torch's sum,
+    on buckets whose int64 block sums overflow and wrap, one starting at an offset that is not 8-byte aligned, and
+    tails shorter than a block."""
+    import hashlib
+
+    from rollout_svc.weightsync.transfer import DIGEST_BLOCK_BYTES, weights_digest
+
+    generator = torch.Generator().manual_seed(0)
+    backing = torch.randint(0, 256, (3 * DIGEST_BLOCK_BYTES + 13,), dtype=torch.uint8, generator=generator)
+    buckets = [
+        torch.full((2 * DIGEST_BLOCK_BYTES + 5,), 255, dtype=torch.uint8),  # -1 as int64, summed: no overflow
+        torch.randint(0, 256, (5 * DIGEST_BLOCK_BYTES,), dtype=torch.uint8, generator=generator),  # sums wrap
+        backing[3:],  # unaligned
+        torch.randint(0, 256, (100,), dtype=torch.uint8, generator=generator),  # a tail only
+    ]
+    reference = hashlib.blake2b(digest_size=16)
+    for bucket in buckets:
+        whole = bucket.numel() // DIGEST_BLOCK_BYTES * DIGEST_BLOCK_BYTES
+        reference.update(bucket.numel().to_bytes(8, "little"))
+        if whole:
+            sums = bucket[:whole].clone().view(torch.int64).view(-1, DIGEST_BLOCK_BYTES // 8).sum(dim=1)
+            reference.update(sums.numpy().tobytes())
+        reference.update(bucket[whole:].numpy().tobytes())
+    assert weights_digest(buckets) == reference.hexdigest()
+    flipped = [b.clone() for b in buckets]
+    flipped[1][7] ^= 1
+    assert weights_digest(flipped) != reference.hexdigest()
+
+
+def test_a_receive_never_writes_into_the_buckets_held_or_being_sent():
+    """`ReceivingEnd` receives into a kept set of buffers other than the held version's and those lent to a sender:
+    two sets are kept (no page faults after the second sync), a third is made, not kept, only while both are in
+    use; another model's sizes start over."""
+    from rollout_svc.weightsync.transfer import BucketBuffers
+
+    cpu, buffers = torch.device("cpu"), BucketBuffers()
+    first = buffers.get([64, 32], cpu)
+    assert buffers.get([64, 32], cpu) is first, "kept: the same set when nothing is in use"
+    second = buffers.get([64, 32], cpu, avoid=[first])
+    assert second is not first and buffers.get([64, 32], cpu, avoid=[second]) is first
+    third = buffers.get([64, 32], cpu, avoid=[first, second])
+    assert third is not first and third is not second
+    assert buffers.get([64, 32], cpu, avoid=[first, second]) is not third, "a third set is not kept"
+    other = buffers.get([128], cpu, avoid=[first])
+    assert other is not first and other is not second and other[0].numel() == 128, "other sizes: new buffers"
+
+
+class _Sent:
+    """A transfer group whose broadcasts deliver the packed buckets of `tensors` (what the trainer would send)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], specs: list[list[TensorSpec]]) -> None:
+        self.tensors, self.specs, self.at = tensors, specs, 0
+
+    def broadcast(self, buffer: torch.Tensor, root: int) -> _Sent:
+        specs = self.specs[self.at]
+        fill_into(buffer, specs, [self.tensors[s.name] for s in specs])
+        self.at += 1
+        return self
+
+    def wait(self) -> None:
+        pass
+
+
+def test_the_version_loaded_before_stays_loadable_until_a_receive_takes_its_buffers():
+    """A broadcast loaded over another (`LoadedFrom.switched`) keeps the one before in the other pooled set, so it
+    can be loaded again if the newer one is never committed; the next receive takes those buffers and drops it."""
+    from rollout_svc.weightsync.transfer import LoadedFrom, ReceivingEnd
+
+    def receive(end: ReceivingEnd, version: int) -> dict[str, torch.Tensor]:
+        tensors = {"a": torch.full((8,), float(version)), "b": torch.arange(4) * version}
+        specs, sizes = plan_buckets(list(tensors.items()), 32)
+        end.group = _Sent(tensors, specs)
+        end.receive(WeightManifest(sync_id=f"s{version}", version=version, bucket_nbytes=sizes, buckets=specs))
+        return tensors
+
+    end, loads = ReceivingEnd(), LoadedFrom()
+    with pytest.raises(RuntimeError, match="no previous"):
+        loads.again("previous")
+    one = receive(end, 1)
+    loads.switched(end, "trainer")
+    receive(end, 2)
+    loads.switched(end, "trainer")
+    again_end, tensors = loads.again("previous")
+    assert again_end is end and all(torch.equal(one[n], t) for n, t in tensors), "version 1, whole"
+    loads.switched(end, "previous")
+    assert end.held is not None and end.held.manifest.version == 1 and end.previous is None
+    assert [n for n, _ in end.held_tensors()] == ["a", "b"]
+    receive(end, 3)  # into the buffers version 2 had: version 1 (held) stays whole
+    assert torch.equal(dict(end.held_tensors())["a"], one["a"])
+    loads.switched(end, "trainer")
+    receive(end, 4)  # into version 1's buffers: it is no longer loadable
+    with pytest.raises(RuntimeError, match="no previous"):
+        loads.again("previous")
 
 
 def test_a_manifest_with_an_unknown_dtype_is_refused():
