@@ -8,7 +8,6 @@ import inspect
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import redis
 
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.deploy import local as cluster
+from rollout_svc.deploy.processes import free_port
 from rollout_svc.keys import PAYLOAD_FIELD, WORKERS_GROUP
 from rollout_svc.protocol import Trajectory, TrajectoryChunk, decode
 
@@ -34,12 +34,6 @@ SYNC_ECHO_ARGS = ("--echo-preload-weight-transfer",)
 # Their heartbeat TTL: the default's 10 s, not the 2 s of the other tests. A sync's gloo receive and digest share two
 # cores with the engine's tests beside them under xdist, and a make test on CI once lost a worker mid-sync at 6 s.
 SYNC_HEARTBEAT_TTL_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _normal_priority() -> None:

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -77,6 +78,13 @@ def redis_answers(url: str, timeout_s: float = 0.5) -> bool:
         client.close()
 
 
+def _last_words(output: IO[bytes]) -> str:
+    """The last three lines a process wrote to `output` (a file), joined; "" if none."""
+    output.seek(0)
+    lines = output.read().decode(errors="replace").strip().splitlines()
+    return " / ".join(line.strip() for line in lines[-3:])
+
+
 class PrivateRedis:
     """`up`'s own Redis, listening where `url` points: `redis-server` from PATH, else fakeredis (with a warning).
 
@@ -109,20 +117,40 @@ class PrivateRedis:
         return args
 
     def start(self, timeout_s: float = 10.0) -> None:
-        binary = shutil.which("redis-server")
-        if binary:
-            if self.data_dir is not None:
-                self.data_dir.mkdir(parents=True, exist_ok=True)
-            self.process = subprocess.Popen(
-                die_with_parent(self.args(binary)), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
-            )
-        else:
-            self._start_fake()
+        """Start it and return once it answers. A port held by another socket is tried again until `timeout_s` (an
+        outgoing connection may hold it for a moment). `RuntimeError` naming Redis's own last words if it exits or
+        does not answer in `timeout_s`."""
         deadline = time.monotonic() + timeout_s
+        binary = shutil.which("redis-server")
+        if not binary:
+            self._start_fake()
+            if not self._answers_by(deadline):
+                raise RuntimeError(f"could not start a fakeredis at {redacted(self.url)} in {timeout_s:.0f} s")
+            return
+        if self.data_dir is not None:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+        while True:
+            with tempfile.TemporaryFile() as output:  # Redis logs to it (unlinked: gone once both ends close)
+                self.process = subprocess.Popen(die_with_parent(self.args(binary)), stdout=output, stderr=output)
+                if self._answers_by(deadline):
+                    return
+                self.process.kill()  # out of time before it answered or exited; a no-op if it exited
+                self.process.wait()
+                said = _last_words(output)
+            if "already in use" in said and time.monotonic() < deadline:
+                time.sleep(0.5)
+                continue
+            raise RuntimeError(
+                f"could not start a Redis at {redacted(self.url)} in {timeout_s:.0f} s: {said or 'it said nothing'}"
+            )
+
+    def _answers_by(self, deadline: float) -> bool:
+        """Whether it answers before `deadline` (False at once if its process exited)."""
         while not redis_answers(self.url):
-            if time.monotonic() > deadline or (self.process and self.process.poll() is not None):
-                raise RuntimeError(f"could not start a Redis at {self.url}; is port {self.port} free?")
+            if time.monotonic() > deadline or (self.process is not None and self.process.poll() is not None):
+                return False
             time.sleep(0.05)
+        return True
 
     def _start_fake(self) -> None:
         try:

@@ -12,11 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from rollout_svc import ControlCommandError, RolloutClient
 from rollout_svc.client.status import fleet_status
 from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.keys import PAYLOAD_FIELD
 from rollout_svc.model import prepare_model
+from rollout_svc.protocol import decode
 from rollout_svc.tools import dataset
 from tests.support import Streaming, async_wait_until, vllm_workers
 
@@ -56,6 +59,19 @@ async def queued(settings: Settings, count: int) -> bool:
     return sum(depth["queued"] for depth in (await fleet_status(settings))["streams"].values()) == count
 
 
+async def submitted_at(settings: Settings) -> dict[str, float]:
+    """The `submitted_at` of every request queued in the request streams, by request id. The client stamps it as it
+    builds a request, after awaits of its own (a loaded CI machine put 50 ms between a call and its stamp)."""
+    stamps: dict[str, float] = {}
+    streams = (await fleet_status(settings))["streams"]
+    with redis.Redis.from_url(settings.redis_url) as rds:
+        for stream in streams:
+            for _, fields in rds.xrange(stream):
+                request = decode(fields[PAYLOAD_FIELD])
+                stamps[request.request_id] = request.submitted_at
+    return stamps
+
+
 async def test_keep_pause_with_100_in_flight_loses_and_starts_nothing(vllm_fleet):
     async with RolloutClient(vllm_fleet) as client:
         batch = await prompts(client, BATCH)
@@ -65,10 +81,9 @@ async def test_keep_pause_with_100_in_flight_loses_and_starts_nothing(vllm_fleet
         await client.pause("keep")
         paused_at = time.monotonic()
         assert not run.arrived and max(run.tokens) < BATCH_PARAMS["max_tokens"]  # none finished before the pause
-        probe_sent = time.time()
         probe = asyncio.create_task(client.generate(batch[:4], {"max_tokens": 4}))
-        await asyncio.sleep(0)  # the probe's requests are built now: submitted at probe_sent (to within microseconds)
         await async_wait_until(lambda: queued(vllm_fleet, 4), 30, "the probe queued")
+        submitted = await submitted_at(vllm_fleet)  # each probe request's, as its queued entry says
         await asyncio.sleep(2.0)  # time passes while paused: a fleet taking work would answer the probe meanwhile
         assert await in_flight(client) == BATCH and not run.arrived  # frozen, kept, not finished
         resume_issued, resumed_at = time.time(), time.monotonic()
@@ -81,7 +96,7 @@ async def test_keep_pause_with_100_in_flight_loses_and_starts_nothing(vllm_fleet
         assert len(trajectory.logprobs) == len(trajectory.completion_token_ids) == BATCH_PARAMS["max_tokens"]
         assert run.arrived[index] > resumed_at > paused_at, "a request finished while the fleet was paused"
     for trajectory in probed:  # sent during the pause: taken (submitted_at + queue_time_s) once the resume was issued
-        assert probe_sent + trajectory.queue_time_s >= resume_issued
+        assert submitted[trajectory.request_id] + trajectory.queue_time_s >= resume_issued
 
 
 async def test_abort_pause_with_100_in_flight_returns_100_whole_trajectories(vllm_fleet):

@@ -6,15 +6,17 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import redis
 
 from rollout_svc import RolloutClient
-from rollout_svc.deploy.local import redis_answers
+from rollout_svc.deploy.local import PrivateRedis, redis_answers
 from tests.support import ROOT, async_wait_until, free_port
 
 
@@ -170,3 +172,26 @@ async def test_restarting_up_keeps_the_requests_queued_when_it_stopped(tmp_path)
     finally:
         if first.poll() is None:
             first.kill()
+
+
+def test_a_private_redis_waits_out_a_port_held_for_a_moment_and_names_what_redis_said_otherwise(tmp_path):
+    """`up`'s private Redis on a port another socket holds: held for a moment (an outgoing connection that took it
+    between `free_port` and the bind, as a CI run saw), Redis starts once it is let go; held throughout, the error
+    carries Redis's own words, not a guess."""
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    threading.Timer(1.5, holder.close).start()
+    server = PrivateRedis(url)
+    try:
+        server.start(timeout_s=10)
+        assert redis_answers(url)
+    finally:
+        server.stop()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port))
+        held.listen()
+        with pytest.raises(RuntimeError, match="already in use"):
+            PrivateRedis(url).start(timeout_s=2)

@@ -123,7 +123,11 @@ async def test_max_staleness_drops_and_regenerates_or_marks(ws_settings, procs):
             async with RolloutClient(ws_settings, max_staleness=0, stale_policy=policy) as client:
                 run = Streaming(client, [PROMPT], {"max_tokens": 30})
                 await run.streamed(2, 10)  # a few tokens in: its first token is the old version's
+                # Frozen across the sync, so it is still in flight when the new version commits: the transfer runs
+                # outside the sync's own pause, and on a loaded machine a 0.6 s generation ended before the commit.
+                await client.pause("keep", holder="test")
                 await sender.update(tensors(version).items(), version=version, pause_mode="keep")
+                await client.resume(holder="test")
                 [trajectory] = await run.task
                 assert client.stats.regenerated == expect_regenerated
                 if policy == "regenerate":  # generated again, from its first token on the new version
