@@ -567,8 +567,23 @@ class Worker:
                 pending = not await self.converger.converge()
                 if not pending and (self.state.applied_epoch, self.state.label) != before:
                     await self._beat(announce=True)
+                if not pending and self.state.label == "stale":  # its heartbeat says so: placement skips it
+                    await self._release_backlog()
             except REDIS_ERRORS as exc:
                 log.warning("reading the control state failed (%s); retrying", exc)
+
+    async def _release_backlog(self) -> None:
+        """Stale, this worker takes no work until it has the committed version (a catch-up from a peer, or the next
+        sync): the requests pinned to it meanwhile go to workers that serve (their sessions' KV cache here is of
+        the old weights anyway). Checked on every pass of the control loop while stale."""
+        moved = await self.reaper.release_backlog(self.worker_id)
+        if moved:
+            log.info(
+                "stale (weight version %s, committed %s): %d pinned requests placed on other workers",
+                self.state.weight_version,
+                self.state.committed_version,
+                moved,
+            )
 
     async def _weights_loop(self) -> None:
         """Follow weight sync orders and catch up to the committed version: on every nudge on the weights channel

@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 
 from rollout_svc.config import Settings
 from rollout_svc.dataplane.registry import Registry
-from rollout_svc.dataplane.streams import Enqueue, Entry, RequestStreams
+from rollout_svc.dataplane.streams import Enqueue, Entry, RequestStreams, entry_id_key
 
 log = logging.getLogger("rollout_svc.dataplane.reaper")
 REAP_LOCK_TTL_S = 60.0
@@ -88,6 +88,29 @@ class Reaper:
                         break
                     while entries := await self.streams.pending_of(stream, worker_id):
                         moved += await self.requeue(entries)
+        return moved
+
+    async def release_backlog(self, worker_id: str) -> int:
+        """A live worker that takes no work for a while (stale: its weights are not the committed version; it
+        catches up or waits for the next sync) puts the entries waiting in its pinned stream back through placement,
+        which pins their sessions to workers that can serve them (or queues them shared if none can). Its heartbeat
+        must say so first: placement keeps a pin to a serving or paused worker. Only the entries there when it
+        starts move (one that placement puts back meanwhile stays). Under the worker's reap lock, so a reaper that
+        finds it dead meanwhile does not requeue them too. Returns how many moved; 0 if the lock is held."""
+        if not await self.registry.try_reap_lock(worker_id, worker_id, REAP_LOCK_TTL_S):
+            return 0
+        pinned, moved = self.keys.pinned_requests(worker_id), 0
+        try:
+            last = await self.streams.last_id(pinned)
+            after: bytes | None = None
+            while last is not None and (entries := await self.streams.undelivered(pinned, after=after)):
+                entries = [e for e in entries if entry_id_key(e.entry_id) <= entry_id_key(last)]
+                if not entries:
+                    break
+                after = entries[-1].entry_id
+                moved += await self.requeue(entries)
+        finally:
+            await self.registry.release_reap_lock(worker_id, worker_id)
         return moved
 
     async def requeue_orphans(self, worker_id: str) -> int:

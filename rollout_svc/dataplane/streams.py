@@ -516,10 +516,15 @@ class RequestStreams:
             start = b"-"  # a stream no worker has read yet: all of it is undelivered
         else:
             start = b"(" + group["last-delivered-id"]
-        if after is not None and (start == b"-" or _id_key(after) > _id_key(start[1:])):
+        if after is not None and (start == b"-" or entry_id_key(after) > entry_id_key(start[1:])):
             start = b"(" + after
         records: Any = await self.redis.xrange(stream, min=start, count=count)
         return [_entry(stream, entry_id, fields, delivered=0) for entry_id, fields in records]
+
+    async def last_id(self, stream: str) -> bytes | None:
+        """The id of a stream's newest entry; None if it has none."""
+        records: Any = await self.redis.xrevrange(stream, count=1)
+        return records[0][0] if records else None
 
     async def orphans(self, stream: str, count: int = 1000) -> list[Entry]:
         """Entries at or before the group's last-delivered id that no consumer holds pending: no `>` read will ever
@@ -679,6 +684,7 @@ def _fields(flat: list[bytes]) -> dict[bytes, bytes]:
     return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
-def _id_key(entry_id: bytes) -> tuple[int, int]:
+def entry_id_key(entry_id: bytes) -> tuple[int, int]:
+    """A stream entry id (`b"1700000000000-3"`) as (milliseconds, sequence), ordered as Redis orders ids."""
     ms, _, seq = entry_id.partition(b"-")
     return int(ms), int(seq or 0)

@@ -85,6 +85,27 @@ async def test_a_worker_back_under_its_id_is_not_reaped(plane, settings, rds):
     assert not rds.exists(keys.reap_lock("w-back"))  # released: reapable if it dies again
 
 
+async def test_a_stale_worker_releases_its_pinned_backlog_once_and_placement_skips_it(plane, settings, rds):
+    """`Reaper.release_backlog`: the entries waiting in a live worker's pinned stream go back through placement.
+    While its heartbeat still says serving they land there again and the call ends (it moves only what was there
+    when it started); once it says stale, they go to a worker that serves, their sessions re-pinned."""
+    keys, streams = settings.keys, plane.streams
+    await register(plane, "a-stale")
+    await register(plane, "b-serving")
+    reply = keys.results("p")
+    placed = await streams.enqueue([request(f"r{i}", reply, f"s{i}") for i in range(3)], 100)
+    pinned = keys.pinned_requests("a-stale")
+    assert [p.stream for p in placed] == [pinned, keys.pinned_requests("b-serving"), pinned]  # fewest sessions
+    reaper = Reaper(plane.redis, settings)
+    assert await reaper.release_backlog("a-stale") == 2  # placed back on a-stale (serving): moved once, not again
+    assert rds.xlen(pinned) == 2
+    await register(plane, "a-stale", state="stale")
+    assert await reaper.release_backlog("a-stale") == 2
+    assert rds.xlen(pinned) == 0 and rds.xlen(keys.pinned_requests("b-serving")) == 3
+    assert {rds.get(keys.session(f"s{i}")) for i in range(3)} == {b"b-serving"}
+    assert not await plane.registry.reap_lock_holder("a-stale")  # the lock it took is let go
+
+
 async def test_a_worker_reaped_while_it_takes_more_leaves_nothing_behind(plane, settings, rds, monkeypatch):
     """Redis forgot a live worker's heartbeat: it is reaped while it still reads. What it takes between the reaper's
     requeue and the forgetting of its consumer must not be dropped with the consumer (found by the 10-minute chaos

@@ -645,3 +645,31 @@ async def test_skyrls_fetch_weights_loads_a_checkpoint_as_the_next_version(ws_se
         typo = await http.post("/fetch_weights", json={"path": str(checkpoint), "version": 7})
         assert typo.status_code == 400 and "version" in typo.text  # SkyRL's name is weight_version: unknown is refused
         assert (await http.get("/weight_info")).json()["weight_version"] == "5"
+
+
+@pytest.mark.timeout(90)
+async def test_a_stale_worker_hands_the_requests_pinned_to_it_to_a_worker_that_serves(ws_settings, procs, rds):
+    """A session's next turn waits in its worker's pinned stream while the fleet is paused; the sync that follows
+    leaves that worker stale (its load ran past the sync's timeout). Stale, it takes no work until it has the
+    committed version, so the turn goes to the worker that serves (before: it waited on the stale worker, in the
+    chaos soak past its 30 s timeout)."""
+    procs.start("w0", "--engine", "echo", *SYNC_ECHO_ARGS, "--echo-load-delay-s", "20")
+    start(procs, "w1")
+    procs.wait_live("w0")
+    sender_settings = ws_settings.copy_with(weight_sync_timeout_s=4.0)
+    async with WeightSender(settings=sender_settings) as sender, RolloutClient(ws_settings) as client:
+        sessions = [f"s{i}" for i in range(8)]
+        first = await client.generate([PROMPT] * 8, {"max_tokens": 4}, session_ids=sessions)
+        on_w0 = [t.session_id for t in first if t.worker_id == "w0"]
+        assert on_w0, "placement put no session on w0"
+        await client.pause("keep", holder="test")
+        turn = asyncio.ensure_future(client.generate([PROMPT], {"max_tokens": 4}, session_ids=on_w0[:1]))
+        pinned = ws_settings.keys.pinned_requests("w0")
+        await async_wait_until(lambda: rds.xlen(pinned) == 1, 10, "the turn pinned to w0")
+        report = await sender.update(tensors(1).items(), version=1, pause_mode="keep")
+        assert report.loaded == ["w1"] and list(report.stale) == ["w0"], report
+        await client.resume(holder="test")
+        [answered] = await asyncio.wait_for(turn, 15)
+        assert answered.worker_id == "w1" and answered.weight_versions == [(1, 0)], answered
+        assert rds.hget(ws_settings.keys.worker("w0"), "state") == b"stale"  # still loading: it served nothing
+        assert "pinned requests placed on other workers" in procs.log("w0")
