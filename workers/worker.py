@@ -93,6 +93,11 @@ class Worker:
         self._cancel_nudged = False
         self._beat_lock = asyncio.Lock()
         self._beat_sent_at = time.monotonic()  # when the last accepted heartbeat was sent (the lease's start)
+        # Set while the last accepted heartbeat says `serving`: the take loop takes only then, so that placement,
+        # which reads heartbeats, sees a worker that takes as one that serves (a worker that took a session's turn
+        # while its heartbeat still said `stale` or the last epoch's `paused` pinned nothing, and the turn's other
+        # request ran on another worker at the same time: found by the chaos soak).
+        self._serving_announced = asyncio.Event()
         self._fenced = False
         self._fatal: BaseException | None = None
         self._started_at = time.time()
@@ -276,9 +281,14 @@ class Worker:
             # Its free slots first: once a heartbeat says it serves, other workers' takes count it open.
             await self._report_load()
             sent_at = time.monotonic()
-            accepted = await self.registry.heartbeat(self._status(), renew=renew, announce=announce)
+            status = self._status()
+            accepted = await self.registry.heartbeat(status, renew=renew, announce=announce)
             if accepted:
                 self._beat_sent_at = sent_at
+                if status.state == "serving":
+                    self._serving_announced.set()
+                else:
+                    self._serving_announced.clear()
             return accepted
 
     async def _report_load(self) -> None:
@@ -310,9 +320,9 @@ class Worker:
 
     async def _take_loop(self) -> None:
         while not self._stopping.is_set():
-            if not self.state.resumed.is_set():
+            if not self.state.resumed.is_set() or not self._serving_announced.is_set():
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.state.resumed.wait(), self.settings.read_block_ms / 1000)
+                    await asyncio.wait_for(self._resumed_and_announced(), self.settings.read_block_ms / 1000)
                 continue
             if self._fenced or not self._lease_ok():  # until the heartbeat loop renewed (Redis away) or re-registered
                 await self._idle(self.settings.read_block_ms / 1000)
@@ -335,6 +345,11 @@ class Worker:
             self._start(entries, generation=True)
             if entries:
                 await asyncio.sleep(0)  # start the new requests before sending the next read
+
+    async def _resumed_and_announced(self) -> None:
+        """Until it serves and its heartbeat says so (`_serving_announced`)."""
+        await self.state.resumed.wait()
+        await self._serving_announced.wait()
 
     async def _take(self, free: int) -> tuple[list[Entry], bool]:
         """A take of its fair share (`RequestStreams.take`); with nothing to take, one blocking read of the next

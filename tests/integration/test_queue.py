@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import pickle
+import threading
 import time
 from collections import Counter
 
@@ -422,3 +423,59 @@ async def test_a_request_of_absurd_cost_never_takes_a_worker_down(settings, echo
         assert [w.worker_id for w in await client.workers()] == [worker]  # still live: its loops never failed
         with pytest.raises(InvalidRequestError, match="max_tokens"):
             await client.generate([[1, 2, 3]], {"max_tokens": 2**63})
+
+
+async def test_sessions_taken_as_the_fleet_wakes_are_pinned_to_the_worker_that_takes_them(settings, echo_workers, rds):
+    """Turns sent while the fleet sleeps wait in the shared stream (no worker takes work); as the fleet wakes, each
+    worker takes only once its heartbeat says it serves, so the session pin it writes as it takes one holds (before: it
+    took while its heartbeat still said `sleeping`, pinned nothing, and the turn's other request could run on another
+    worker at the same time: the chaos soak saw it as a worker caught up from a peer, its heartbeat still `stale`)."""
+    echo_workers(2, "--echo-token-delay-s", "0.05")
+    sessions = [f"s{i}" for i in range(8)] * 2  # two requests a session, one turn
+    async with RolloutClient(settings) as client:
+        await client.sleep(1)
+        task = asyncio.create_task(
+            client.generate([[1, 2, 3, 4]] * len(sessions), {"max_tokens": 4}, session_ids=sessions)
+        )
+        await async_wait_until(lambda: rds.xlen(settings.keys.requests) == 16, 5, "the requests in the shared stream")
+        await client.wake_up()
+        trajectories = await task
+    by_session: dict[str, set[str]] = {}
+    for session, trajectory in zip(sessions, trajectories, strict=True):
+        by_session.setdefault(session, set()).add(trajectory.worker_id)
+    assert all(len(ids) == 1 for ids in by_session.values()), by_session
+    pins = {s: rds.get(settings.keys.session(s)) for s in by_session}
+    assert pins == {s: ids.pop().encode() for s, ids in by_session.items()}, pins  # pinned where it ran
+
+
+async def test_a_waking_worker_takes_work_only_once_its_heartbeat_says_it_serves(settings, echo_workers, rds):
+    """What the test above relies on, seen in Redis's own command stream (MONITOR): after the wake, the worker's first
+    take comes after a heartbeat that says `serving` (before: its take reached Redis before that heartbeat, and a
+    session pinned on a take then found the worker `sleeping`, `stale` or `starting` and pinned nothing)."""
+    [worker] = echo_workers(1)
+    heartbeat_key, shared = settings.keys.worker(worker).encode(), settings.keys.requests.encode()
+    async with RolloutClient(settings) as client:
+        await client.sleep(1)
+        task = asyncio.create_task(client.generate([[1, 2, 3, 4]] * 4, {"max_tokens": 4}, session_ids=["s"] * 4))
+        await async_wait_until(lambda: rds.xlen(settings.keys.requests) == 4, 5, "the requests in the shared stream")
+        seen: list[str] = []
+        ready = threading.Event()
+
+        def watch() -> None:  # until the worker's first take (a script or read naming the shared stream)
+            with rds.monitor() as monitor:
+                ready.set()
+                for command in monitor.listen():
+                    args = command["command"].encode()
+                    if heartbeat_key in args and b"serving" in args:
+                        seen.append("heartbeat serving")
+                    elif shared in args and worker.encode() in args:
+                        seen.append("take")
+                        return
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        assert ready.wait(5)
+        await client.wake_up()
+        await task
+        watcher.join(10)
+    assert seen and seen[-1] == "take" and "heartbeat serving" in seen, seen

@@ -10,7 +10,8 @@
 
 Checks: a late worker serves within `LATE_WORKER_S` of going live, unless Redis restarted, the fleet was paused or a
 new version was committed meanwhile (those are counted as excused); after the trainer is killed, once its pause's
-lease has passed and nobody else holds a pause, no worker is still paused two heartbeat intervals later.
+lease has passed and nobody else holds a pause, no worker is still paused two heartbeat intervals later (a worker
+stopped since the kill, stalled or killed, is left out: its last heartbeat predates the lapse).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ LATE_WORKER_S = 5.0  # its load time (milliseconds on the echo engine) + 5 s
 MID_TRANSFER_WAIT_S = 6.0  # how long kill_receiving waits for a sync to be mid-transfer
 EXCUSING = ("redis_restart", "pause", "kill_sender", "kill_receiving")  # faults that hold a late worker back
 REDIS_AWAY = (RedisError, OSError)
+STOPPING = ("stall", "kill", "kill_receiving")  # faults that stop a worker's process (their target: its worker id)
 
 
 class SyncFaults:
@@ -177,11 +179,14 @@ class SyncFaults:
                 self.counts["lapse_checks_excused"] += 1  # another pause, or a Redis restart (no heartbeats)
                 return
             paused = []
+            # Stopped since the kill (SIGSTOP or SIGKILL): its last heartbeat was written before the lapse's deadline
+            # (one stalled 0.2 s before this check was judged on a heartbeat written while the lease still ran).
+            stopped = {f.target for f in self.ledger.faults if f.kind in STOPPING and f.at >= killed_at}
             members: Any = await self.redis.smembers(self.keys.workers)
             for worker_id in sorted(m.decode() for m in members):
                 label, beat = await self.redis.hmget(self.keys.worker(worker_id), ["state", "heartbeat_at"])
                 fresh = beat is not None and time.time() - float(beat) < 2 * interval  # not killed, not stalled
-                if label == b"paused" and fresh:
+                if label == b"paused" and fresh and worker_id.split("~")[0] not in stopped:
                     paused.append(worker_id)
             self.counts["lapse_checks"] += 1
             if paused:
