@@ -129,3 +129,23 @@ def test_trajectories_retried_after_an_abort_are_not_timed():
     verdict = check(ledger)
     assert verdict.violations == []
     assert verdict.sessions["untimed"] == 1 and verdict.sessions["timed_requests"] == 1
+
+
+def test_a_late_request_is_excused_only_while_no_worker_could_serve_it():
+    """Unanswered within its 30 s timeout: a violation if the fleet could take work for 10 s or more of its wait
+    (lost, or hung), excused and counted apart if it could not (every worker stale with no peer holding the
+    committed version, the fleet paused, Redis away)."""
+    ledger = Ledger(T0)
+    submit(ledger, "waited-out")
+    ledger.answer("waited-out", Answer(T0 + 30, late=True))
+    ledger.could_not_serve(T0 - 5, T0 + 12)
+    ledger.could_not_serve(T0 + 14, T0 + 40)  # 2 s of 30 serviceable
+    assert ledger.serviceable_s(T0, T0 + 30) == 2.0
+    verdict = check(ledger)
+    assert verdict.violations == [] and verdict.outcomes == {"late_excused": 1}
+    ledger = Ledger(T0)
+    submit(ledger, "lost")
+    ledger.answer("lost", Answer(T0 + 30, late=True))
+    ledger.could_not_serve(T0, T0 + 19)  # 11 s of 30 serviceable
+    [violation] = check(ledger).violations
+    assert violation["check"] == "late" and "11.0 s of it serviceable" in violation["what"]

@@ -14,6 +14,10 @@ from typing import Any
 from rollout_svc.protocol import Trajectory
 
 FAULT_WINDOW_BEFORE_S = 3.0  # a violation names the faults from this long before its request was submitted
+# A request unanswered within its call's timeout is a violation only if the fleet could take work for at least this
+# long of its wait (`Ledger.serviceable_s`); else it is counted `late_excused`: every worker had lost the committed
+# version (killed after a broadcast, no peer holding it) while each new trainer's sync failed, or the fleet was paused.
+LATE_SERVICE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class Ledger:
         self.session_aborts: dict[str, list[float]] = defaultdict(list)  # session -> when each abort returned
         self.faults: list[Fault] = []
         self.duplicate_submissions: list[str] = []
+        self.unserviceable: list[tuple[float, float]] = []  # when no worker could take work (the soak's monitor)
 
     def submit(self, request: Submitted) -> None:
         if request.request_id in self.submitted:
@@ -88,6 +93,16 @@ class Ledger:
         fault = Fault(at, kind, target)
         self.faults.append(fault)
         return fault
+
+    def could_not_serve(self, since: float, until: float) -> None:
+        """From `since` to `until` no worker could take work: Redis away, the fleet paused or asleep, or no worker
+        with a fresh heartbeat serving (every one stale, starting, dead or stalled)."""
+        self.unserviceable.append((since, until))
+
+    def serviceable_s(self, since: float, until: float) -> float:
+        """Seconds of [since, until] in which some worker could take work (the intervals do not overlap)."""
+        down = sum(max(0.0, min(b, until) - max(a, since)) for a, b in self.unserviceable)
+        return max(0.0, until - since - down)
 
     @property
     def answered(self) -> int:
@@ -116,7 +131,10 @@ def check_answers(ledger: Ledger, verdict: Verdict) -> None:
     returned after it was submitted; its tokens must be a prefix of the echo. A dead letter (`error`, code
     `max_deliveries`: every worker that took it died) is an answer the service promises, counted apart. A refusal
     at submission is an answer (a clear error), counted apart. Anything else is a violation: no answer, two
-    answers, no answer within the timeout, a wrong or unexplained answer.
+    answers, no answer within the timeout while the fleet could serve for `LATE_SERVICE_S` of it, a wrong or
+    unexplained answer. (Unanswered within the timeout while the fleet could not serve: `late_excused`. The call
+    raised `RequestTimeoutError` at its deadline, as it promises; drivers whose call does not return at all are
+    caught by the soak.)
     """
     for request_id in ledger.duplicate_submissions:
         verdict.violations.append(
@@ -141,7 +159,10 @@ def judge(request: Submitted, answer: Answer, ledger: Ledger) -> tuple[str, str]
     if answer.refused:
         return "refused", ""
     if answer.late:
-        return "late", "no answer within the call's timeout (lost, or hung)"
+        serviceable = ledger.serviceable_s(request.submitted_at, answer.received_at)
+        if serviceable < LATE_SERVICE_S:
+            return "late_excused", ""
+        return "late", f"no answer within the call's timeout, {serviceable:.1f} s of it serviceable (lost, or hung)"
     t = answer.trajectory
     assert t is not None
     if t.request_id != request.request_id:

@@ -66,6 +66,7 @@ from rollout_svc.tools.chaos.fleet import (
     worker_errors,
 )
 from rollout_svc.tools.chaos.ledger import Answer, Ledger, Submitted, Verdict, check
+from rollout_svc.tools.chaos.service import ServiceMonitor
 from rollout_svc.tools.chaos.sync_faults import SYNC_FAULT_KINDS, SyncFaults
 from rollout_svc.tools.chaos.syncs import SYNC_DEADLINE_S, Syncer
 
@@ -545,14 +546,19 @@ async def _soak(config: ChaosConfig, fleet: ChaosFleet, journal: Journal) -> tup
         load = Load(client, ledger, journal, config)
         nemesis = Nemesis(fleet, operator, load, ledger, journal, config, syncer)
         supervisor = asyncio.create_task(fleet.supervise(journal))
+        monitoring = asyncio.Event()
+        monitor = asyncio.create_task(ServiceMonitor(fleet, ledger).run(monitoring))
         try:
             if syncer is not None:
                 await syncer.start()
             failed_drivers = await _drive(load, nemesis, config, journal)
+            monitoring.set()
+            await monitor
             if syncer is not None:  # one more sync, then no trainer: its pause, if it held one, lapses
                 await syncer.finish(timeout_s=2 * SYNC_DEADLINE_S)
             end = await settle(fleet, operator, config, journal)
         finally:
+            monitoring.set()
             supervisor.cancel()
             if syncer is not None:
                 await syncer.stop()
@@ -633,6 +639,7 @@ def _summary(
         "seed": config.seed,
         "minutes": config.minutes,
         "elapsed_s": round(time.time() - journal.started_at, 1),
+        "unserviceable_s": round(sum(until - since for since, until in ledger.unserviceable), 1),
     }
 
 
@@ -646,7 +653,7 @@ def _report(journal: Journal, summary: dict[str, Any], verdict: Verdict) -> None
         f"  requests    {summary['requests']} in {summary['calls']} calls: {outcomes['ok']} echoed whole, "
         f"{outcomes['aborted_by_user']} aborted explicitly, {outcomes['refused']} refused at submission "
         f"({summary['refused_calls']} calls, Redis away), {outcomes['dead_letter']} dead letters, "
-        f"{outcomes['late']} late"
+        f"{outcomes['late']} late, {outcomes['late_excused']} late while no worker could serve (excused)"
     )
     journal.print(
         f"  sessions    {sessions.get('sessions', 0)} sessions, {sessions.get('timed_requests', 0)} requests timed on "
