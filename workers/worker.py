@@ -26,7 +26,7 @@ from rollout_svc.connections.urls import (
     warn_if_evicting,
 )
 from rollout_svc.control.plane import ControlPlane
-from rollout_svc.dataplane.reaper import REAP_LOCK_TTL_S, Reaper
+from rollout_svc.dataplane.reaper import Reaper
 from rollout_svc.dataplane.registry import Registry
 from rollout_svc.dataplane.streams import Entry, RequestStreams
 from rollout_svc.errors import EngineDeadError
@@ -236,29 +236,13 @@ class Worker:
         await warn_if_evicting(self.redis, f"worker {self.worker_id}")
         self._redis_run_id = await server_run_id(self.redis)
         await self._ensure_groups()
-        holder = await self._hold_own_reap_lock()
+        holder = await self.reaper.hold_lock_to_start(self.worker_id)
         try:
             await self.reaper.reclaim(self.worker_id, backlog=False)
             await self._register()
         finally:
             with contextlib.suppress(*REDIS_ERRORS):  # held by this process until it expires; taken again on a retry
                 await self.registry.release_reap_lock(self.worker_id, holder)
-
-    async def _hold_own_reap_lock(self) -> str:
-        """Take the reap lock of this worker's own id before registering under it. An earlier process with this id
-        (a restart under the same id) may be being reaped right now: the reaper deletes the pinned stream and the
-        consumer when it is done, so this waits for it (at most the lock's TTL), and then no reaper starts on this
-        id until it is registered and live. Returns the lock's holder value."""
-        holder = f"starting:{os.getpid()}"  # the same on a retry, which may find the lock still held by it
-        deadline = time.monotonic() + REAP_LOCK_TTL_S + 5
-        while not await self.registry.try_reap_lock(self.worker_id, holder, REAP_LOCK_TTL_S):
-            if await self.registry.reap_lock_holder(self.worker_id) == holder:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the reap lock of worker id {self.worker_id} stayed held for {REAP_LOCK_TTL_S} s")
-            log.info("another worker is requeueing what an earlier %s left; waiting for it", self.worker_id)
-            await asyncio.sleep(0.2)
-        return holder
 
     async def _register(self) -> None:
         """Register under the current id (state `starting`), then converge, and acknowledge if that completed
@@ -583,22 +567,9 @@ class Worker:
                 if not pending and (self.state.applied_epoch, self.state.label) != before:
                     await self._beat(announce=True)
                 if not pending and self.state.label == "stale":  # its heartbeat says so: placement skips it
-                    await self._release_backlog()
+                    await self.reaper.release_backlog(self.worker_id)  # its sessions' KV here is of old weights
             except REDIS_ERRORS as exc:
                 log.warning("reading the control state failed (%s); retrying", exc)
-
-    async def _release_backlog(self) -> None:
-        """Stale, this worker takes no work until it has the committed version (a catch-up from a peer, or the next
-        sync): the requests pinned to it meanwhile go to workers that serve (their sessions' KV cache here is of
-        the old weights anyway). Checked on every pass of the control loop while stale."""
-        moved = await self.reaper.release_backlog(self.worker_id)
-        if moved:
-            log.info(
-                "stale (weight version %s, committed %s): %d pinned requests placed on other workers",
-                self.state.weight_version,
-                self.state.committed_version,
-                moved,
-            )
 
     async def _weights_loop(self) -> None:
         """Follow weight sync orders and catch up to the committed version: on every nudge on the weights channel

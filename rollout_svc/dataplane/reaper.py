@@ -9,7 +9,10 @@ here loses nothing. No process is needed: a test drives a `Reaper` directly.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import time
 
 from redis.asyncio import Redis
 
@@ -90,6 +93,22 @@ class Reaper:
                         moved += await self.requeue(entries)
         return moved
 
+    async def hold_lock_to_start(self, worker_id: str) -> str:
+        """Take the reap lock of a worker's own id before it registers under it. An earlier process with this id
+        (a restart under the same id) may be being reaped right now: the reaper deletes the pinned stream and the
+        consumer when it is done, so this waits for it (at most the lock's TTL), and then no reaper starts on this
+        id until it is registered and live. Returns the lock's holder value. `RuntimeError` if it stays held."""
+        holder = f"starting:{os.getpid()}"  # the same on a retry, which may find the lock still held by it
+        deadline = time.monotonic() + REAP_LOCK_TTL_S + 5
+        while not await self.registry.try_reap_lock(worker_id, holder, REAP_LOCK_TTL_S):
+            if await self.registry.reap_lock_holder(worker_id) == holder:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the reap lock of worker id {worker_id} stayed held for {REAP_LOCK_TTL_S} s")
+            log.info("another worker is requeueing what an earlier %s left; waiting for it", worker_id)
+            await asyncio.sleep(0.2)
+        return holder
+
     async def release_backlog(self, worker_id: str) -> int:
         """A live worker that takes no work for a while (stale: its weights are not the committed version; it
         catches up or waits for the next sync) puts the entries waiting in its pinned stream back through placement,
@@ -111,6 +130,8 @@ class Reaper:
                 moved += await self.requeue(entries)
         finally:
             await self.registry.release_reap_lock(worker_id, worker_id)
+        if moved:
+            log.info("worker %s is stale: %d requests pinned to it placed on workers that serve", worker_id, moved)
         return moved
 
     async def requeue_orphans(self, worker_id: str) -> int:
