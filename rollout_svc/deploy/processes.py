@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 # Sets PR_SET_PDEATHSIG (argv[1], a signal number), then execs the real command: if `up` itself is killed with -9,
 # its Redis and workers get SIGTERM (workers drain and requeue) instead of living on as orphans. The signal
@@ -45,30 +43,11 @@ def signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
         os.killpg(process.pid, sig)
 
 
-EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
-LOWEST_PICKED_PORT = 20000
-
-
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for a server of ours to bind soon (a private Redis, a test's API).
-
-    Drawn at random below the kernel's ephemeral range (`ip_local_port_range`, 32768-60999 by default) and checked
-    by binding it: a port from `bind(0)` is one the kernel also hands to outgoing connections, and one of those (any
-    Redis client on the host) can take it before the server binds it (a CI run saw a private Redis fail so). A port
-    below 32768 also leaves room for Redis Cluster's bus port (port + 10000). Where the range cannot be read or leaves
-    no room below it, falls back to `bind(0)`."""
-    try:
-        low = int(EPHEMERAL_PORTS.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = LOWEST_PICKED_PORT
-    for _ in range(64 if low - LOWEST_PICKED_PORT >= 1000 else 0):
-        port = random.randrange(LOWEST_PICKED_PORT, low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+    """A TCP port free on 127.0.0.1 now (`bind(0)`), for a server of ours to bind soon (a private Redis, a test's API).
+    Another socket may take it before the server binds it: `PrivateRedis.start` tries again while it is held, and
+    says what Redis said if it stays held. (Drawing below the kernel's ephemeral range instead, to keep outgoing
+    connections off it, made two of our own picks meet more often: a CI run saw it.)"""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
