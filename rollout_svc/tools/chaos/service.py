@@ -14,10 +14,12 @@ import contextlib
 import time
 from typing import Any
 
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from rollout_svc.connections.urls import redis_async
 from rollout_svc.control.plane import FleetState
+from rollout_svc.keys import Keys
 from rollout_svc.tools.chaos.fleet import ChaosFleet
 from rollout_svc.tools.chaos.ledger import Ledger
 
@@ -53,16 +55,29 @@ class ServiceMonitor:
     async def serviceable(self) -> bool:
         """Redis answers, the fleet is neither paused nor asleep, and a worker with a fresh heartbeat serves."""
         try:
-            fields: Any = await self.redis.hgetall(self.keys.state)
-            seconds, micros = await self.redis.time()
-            state = FleetState.from_hash(fields, seconds * 1000 + micros // 1000)
+            state = await fleet_state(self.redis, self.keys)
             if state.paused or state.sleeping:
                 return False
-            members: Any = await self.redis.smembers(self.keys.workers)
-            for member in members:
-                label, beat = await self.redis.hmget(self.keys.worker(member.decode()), ["state", "heartbeat_at"])
-                if label == b"serving" and beat is not None and time.time() - float(beat) < self.fresh_s:
-                    return True
-            return False
+            return b"serving" in (await fresh_labels(self.redis, self.keys, self.fresh_s)).values()
         except (RedisError, OSError):
             return False
+
+
+async def fleet_state(redis: Redis, keys: Keys) -> FleetState:
+    """The control state as the workers read it (a lapsed pause left out, by Redis's clock)."""
+    fields: Any = await redis.hgetall(keys.state)
+    seconds, micros = await redis.time()
+    return FleetState.from_hash(fields, seconds * 1000 + micros // 1000)
+
+
+async def fresh_labels(redis: Redis, keys: Keys, fresh_s: float) -> dict[str, bytes]:
+    """Each registered worker's state label, by worker id, where its heartbeat is younger than `fresh_s` (an older
+    one is a stalled or killed worker's last word)."""
+    labels: dict[str, bytes] = {}
+    members: Any = await redis.smembers(keys.workers)
+    for worker_id in sorted(m.decode() for m in members):
+        fields: Any = await redis.hmget(keys.worker(worker_id), ["state", "heartbeat_at"])
+        label, beat = fields
+        if label is not None and beat is not None and time.time() - float(beat) < fresh_s:
+            labels[worker_id] = label
+    return labels

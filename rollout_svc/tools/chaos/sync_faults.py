@@ -28,11 +28,11 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from rollout_svc.connections.urls import redis_async
-from rollout_svc.control.plane import FleetState
 from rollout_svc.keys import LOADED, RECEIVED
 from rollout_svc.protocol import WeightSyncOrder, decode
 from rollout_svc.tools.chaos.fleet import ChaosFleet, Journal, Slot, exited
 from rollout_svc.tools.chaos.ledger import Ledger
+from rollout_svc.tools.chaos.service import fleet_state, fresh_labels
 from rollout_svc.tools.chaos.syncs import SYNC_LEASE_S, Syncer
 
 SYNC_FAULT_KINDS = ("kill_receiving", "cut_pubsub", "late_worker")
@@ -172,22 +172,15 @@ class SyncFaults:
         interval = self.fleet.settings.worker.heartbeat_interval_s
         await asyncio.sleep(SYNC_LEASE_S + 2 * interval + 0.5)
         with contextlib.suppress(*REDIS_AWAY):
-            fields: Any = await self.redis.hgetall(self.keys.state)
-            seconds, micros = await self.redis.time()
-            state = FleetState.from_hash(fields, seconds * 1000 + micros // 1000)
+            state = await fleet_state(self.redis, self.keys)
             if state.holders or any(f.kind == "redis_restart" and f.at >= killed_at for f in self.ledger.faults):
                 self.counts["lapse_checks_excused"] += 1  # another pause, or a Redis restart (no heartbeats)
                 return
-            paused = []
             # Stopped since the kill (SIGSTOP or SIGKILL): its last heartbeat was written before the lapse's deadline
             # (one stalled 0.2 s before this check was judged on a heartbeat written while the lease still ran).
             stopped = {f.target for f in self.ledger.faults if f.kind in STOPPING and f.at >= killed_at}
-            members: Any = await self.redis.smembers(self.keys.workers)
-            for worker_id in sorted(m.decode() for m in members):
-                label, beat = await self.redis.hmget(self.keys.worker(worker_id), ["state", "heartbeat_at"])
-                fresh = beat is not None and time.time() - float(beat) < 2 * interval  # not killed, not stalled
-                if label == b"paused" and fresh and worker_id.split("~")[0] not in stopped:
-                    paused.append(worker_id)
+            labels = await fresh_labels(self.redis, self.keys, 2 * interval)  # not killed, not stalled
+            paused = [w for w, label in labels.items() if label == b"paused" and w.split("~")[0] not in stopped]
             self.counts["lapse_checks"] += 1
             if paused:
                 waited = time.time() - killed_at
