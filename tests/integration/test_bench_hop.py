@@ -26,10 +26,12 @@ def test_hop_bench_tiny(tmp_path: Path) -> None:
     pytest.importorskip("vllm_router")
     pytest.importorskip("aiohttp")
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    # Enough requests at each load that every process's CPU is tens of ms: psutil reads it in 10 ms ticks.
+    # Enough requests at each load that every process's CPU is tens of ms: psutil reads it in 10 ms ticks (a 0.5 s
+    # window alone held 13 requests when the router stalled for a second on a loaded CI machine).
     plan = HopPlan(
         in_flights=(8,),
         duration_s=0.5,
+        min_requests=300,
         single_requests=300,
         batched_requests=1000,
         batched_runs=1,

@@ -23,9 +23,10 @@ pytestmark = [
 def test_skyrl_bench_tiny(tmp_path: Path) -> None:
     pytest.importorskip("vllm_router")
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    figures = run_skyrl_bench(
-        None, Console(quiet=True), tmp_path, SkyRLPlan(in_flights=(1, 8), duration_s=0.5, rounds=2), "pytest"
-    )
+    # At least 100 requests a point: a 0.5 s window alone can hold a dozen where the machine stalls, too few for the
+    # processes' CPU readings (10 ms ticks) to be above zero.
+    plan = SkyRLPlan(in_flights=(1, 8), duration_s=0.5, min_requests=100, rounds=2)
+    figures = run_skyrl_bench(None, Console(quiet=True), tmp_path, plan, "pytest")
 
     for point in [*figures.router, *figures.ours]:
         assert point.requests > 0 and point.requests_per_s > 0 and point.p50_ms > 0, point

@@ -34,6 +34,7 @@ from rollout_svc.tools.bench.router import (
     CpuMeter,
     Point,
     RouterFleet,
+    at_least,
     closed_loop,
     cpu_of,
     measured,
@@ -57,6 +58,7 @@ MB = 1_000_000
 class HopPlan:
     in_flights: tuple[int, ...] = (64, 256, 1000, 5000)
     duration_s: float = 5.0  # per closed-loop point
+    min_requests: int = 0  # per closed-loop point: it goes on past duration_s until this many were sent
     single_requests: int = 1000  # at 1 in flight
     batched_requests: int = 20_000
     batched_runs: int = 2  # best of
@@ -202,7 +204,9 @@ async def _measure_hops(
             for in_flight in plan.in_flights:
                 for send, meters, points in ((router_send, router_meters, router), (ours_send, ours_meters, ours)):
                     await closed_loop(send, in_flight, {}, requests=in_flight)  # warm-up: connections opened
-                    points.append(await closed_loop(send, in_flight, meters, duration_s=plan.duration_s))
+                    points.append(
+                        await closed_loop(send, in_flight, meters, plan.duration_s, min_requests=plan.min_requests)
+                    )
             router_single = await closed_loop(router_send, 1, router_meters, requests=plan.single_requests)
             ours_single = await closed_loop(ours_send, 1, ours_meters, requests=plan.single_requests)
     return router, router_single, max(batched, key=lambda p: p.requests_per_s), ours, ours_single
@@ -294,8 +298,8 @@ def render_hop(f: HopFigures) -> str:
         f" one `RolloutClient`: one batched",
         f"`generate` of {plan.batched_requests:,} prompts (best of {plan.batched_runs}), and single-request"
         " `generate` calls. Closed loop: K requests",
-        f"kept in flight for {plan.duration_s:g} s after a warm-up round of K (requests/s over the window and its"
-        f" drain), then {plan.single_requests:,} at 1 in flight.",
+        f"kept in flight for {plan.duration_s:g} s{at_least(plan.min_requests)} after a warm-up round of K"
+        f" (requests/s over the window and its drain), then {plan.single_requests:,} at 1 in flight.",
         "",
         "| load | vllm-router req/s | p50 (ms) | p99 (ms) | rollout-svc req/s | p50 (ms) | p99 (ms) | ours / router |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",

@@ -108,19 +108,24 @@ async def closed_loop(
     meters: dict[str, CpuMeter],
     duration_s: float | None = None,
     requests: int | None = None,
+    min_requests: int = 0,
 ) -> Point:
     """Keep `in_flight` sends going (each lane sends its next as its last returns) for `duration_s` (then the last
-    ones drain) or for `requests` sends in all; each latency, the rate and every role's CPU per request."""
+    ones drain) or for `requests` sends in all; each latency, the rate and every role's CPU per request.
+    `min_requests` (with `duration_s`): go on past the duration until this many were sent, so a point measured while
+    the machine stalls still holds enough requests for its CPU readings (10 ms ticks) to mean something."""
     assert (duration_s is None) != (requests is None), "give a duration or a request count"
     latencies_s: list[float] = []
     remaining = requests if requests is not None else -1
+    sent = 0
     end = float("inf")
 
     async def lane() -> None:
-        nonlocal remaining
+        nonlocal remaining, sent
         while True:
-            if remaining == 0 or time.perf_counter() >= end:
+            if remaining == 0 or (time.perf_counter() >= end and sent >= min_requests):
                 return
+            sent += 1
             if remaining > 0:
                 remaining -= 1
             started = time.perf_counter()
@@ -136,6 +141,11 @@ async def closed_loop(
     after = read_meters(meters)
     cpu = {role: after[role] - before[role] for role in meters}
     return measured(len(latencies_s), elapsed_s, latencies_s, in_flight, cpu)
+
+
+def at_least(requests: int) -> str:
+    """How a closed loop's `min_requests` reads after its duration in a bench's text (nothing when it has none)."""
+    return f" (and until {requests:,} were sent)" if requests else ""
 
 
 # --- the processes -----------------------------------------------------------------------------------------------

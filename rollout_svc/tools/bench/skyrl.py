@@ -41,6 +41,7 @@ from rollout_svc.tools.bench.router import (
     MODEL,
     CpuMeter,
     Point,
+    at_least,
     closed_loop,
     cpu_of,
     router_fleet,
@@ -58,6 +59,7 @@ PARAMS = {"max_tokens": len(HOP_PROMPT), "temperature": 0.0, "stop": None}  # No
 class SkyRLPlan:
     in_flights: tuple[int, ...] = (1, 64, 1000)
     duration_s: float = 5.0  # per closed-loop point
+    min_requests: int = 0  # per closed-loop point: it goes on past duration_s until this many were sent
     rounds: int = 3  # each load measured this many times on each side, alternating which side goes first
 
 
@@ -178,7 +180,9 @@ async def _measure(router_side: Side, ours_side: Side, plan: SkyRLPlan) -> tuple
                 order = [0, 1] if r % 2 == 0 else [1, 0]
                 for side in order:
                     send, side_meters = sides[side]
-                    point = await closed_loop(send, in_flight, side_meters, duration_s=plan.duration_s)
+                    point = await closed_loop(
+                        send, in_flight, side_meters, plan.duration_s, min_requests=plan.min_requests
+                    )
                     points[side][-1].append(point)
         return points
     finally:
@@ -211,7 +215,7 @@ def render_skyrl(f: SkyRLFigures) -> str:
         "in this process. Each of K lanes calls `generate` with one prompt (16 token ids in, 16 out, greedy) as its"
         " last call returns,",
         "as SkyRL's generators do; each call is one `POST /inference/v1/generate` and one `POST /detokenize`."
-        f" Closed loop for {f.plan.duration_s:g} s",
+        f" Closed loop for {f.plan.duration_s:g} s{at_least(f.plan.min_requests)}",
         f"after a warm-up round of K; both sides up at once, measured in turn at each load, {f.plan.rounds} rounds (the"
         " router first in odd rounds, serve first in even ones): each side's figures are its median round by req/s,",
         "each ratio the median of the rounds' ratios (listed: this machine is shared and noisy).",
