@@ -24,6 +24,7 @@ EPOCH_FIELD = b"e"  # the control epoch when the request was first enqueued (abo
 DELIVERIES_FIELD = b"d"  # deliveries before this entry was requeued (a dead worker had it), absent if none
 COST_FIELD = b"c"  # the work the request brings, in tokens (`RolloutRequest.cost_tokens`), absent if unknown
 FREE_SUFFIX = ":free"  # `Keys.loads`: field WORKER_ID + this holds "free-slots at-ms"
+PINNED_SUFFIX = ":pinned"  # `Keys.loads`: field WORKER_ID + this holds the tokens placed in its pinned stream, untaken
 # The largest cost placement counts for one request, in tokens: a load is summed in Lua numbers (doubles, exact to
 # 2^53) and kept with HINCRBY (64-bit integers), so a request asking for 10^30 tokens must not reach either as such.
 MAX_COST = 1 << 40
@@ -169,6 +170,7 @@ _MODULE_NAMES = {
     "DELIVERIES_FIELD": DELIVERIES_FIELD,
     "COST_FIELD": COST_FIELD,
     "FREE_SUFFIX": FREE_SUFFIX,
+    "PINNED_SUFFIX": PINNED_SUFFIX,
     "MAX_COST": str(MAX_COST),
     "JOINED": JOINED,
     "LOADED": LOADED,
@@ -242,8 +244,9 @@ class Keys:
 
     @property
     def loads(self) -> str:
-        """Hash: worker id -> "tokens free at_ms": the work it holds (tokens to prefill and to generate), its free
-        slots and when it said so (unix ms): what a take's fair share is computed from (`scripts.TAKE_LUA`)."""
+        """Hash: field ID -> the work worker ID holds (tokens to prefill and to generate), ID:free -> "free-slots
+        at_ms" (when it said so, unix ms), ID:pinned -> the tokens placed in its pinned stream that it has not taken:
+        what a take's fair share (`scripts.TAKE_LUA`) and a new session's worker (`scripts._FLEET_LUA`) come from."""
         return f"{self.tagged}:loads"
 
     @property
@@ -316,9 +319,9 @@ class Keys:
         return f"{self.tagged}:reap:{worker_id}"
 
     def fleet(self, worker_ids: Sequence[str]) -> list[str]:
-        """The keys a placement script declares: the state hash, the workers set, then per worker (in the
-        order given) its heartbeat hash, its session set and its pinned stream."""
-        keys = [self.state, self.workers]
+        """The keys a placement script declares: the state hash, the workers set, the loads hash, then per worker
+        (in the order given) its heartbeat hash, its session set and its pinned stream."""
+        keys = [self.state, self.workers, self.loads]
         for worker_id in worker_ids:
             keys += [self.worker(worker_id), self.worker_sessions(worker_id), self.pinned_requests(worker_id)]
         return keys

@@ -335,7 +335,7 @@ class RolloutClient(FleetCalls, TokenCalls):
         The n requests of a group share a `group_id`. `group_placement="spread"` (the default) spreads them over
         the workers like any requests (placement by cost); `"pack"` runs each group on one worker, its prompt
         prefilled once and shared through the prefix cache: the group is a session named by its group id (its
-        trajectories carry it as `session_id`), new groups going to the worker with the fewest sessions, and
+        trajectories carry it as `session_id`), new groups going to the worker with the least work (tokens), and
         finished when the call ends. With a `seed`, sample j uses `seed + j`, so the n samples differ (as vLLM's
         `n` does) and the call is reproducible. `completion_target`: end once this fraction of the groups finished
         whole (`generate`'s; continue a cut sample with `generate`, which keeps its group id). `expected_lengths`:

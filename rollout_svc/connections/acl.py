@@ -132,6 +132,7 @@ def _producer(k: Keys) -> Role:
         Grant(("+zadd", "+zrem", "+zcard", "+zremrangebyscore"), (k.worker_sessions("*"), k.cancelled)),
         Grant(_READ_FLEET, read_only=(k.state, k.workers, k.worker("*"))),  # placement, `workers()`, weight version
         Grant(("+smembers",), read_only=(k.shards,)),  # the shards to place requests on
+        Grant(("+hget", "+hgetall", "+hincrby"), (k.loads,)),  # a new session's worker: the least work, and its count
     )
     declared = tuple(p for grant in grants for p in (*grant.read_write, *grant.read_only))
     evalsha = Grant(("+evalsha",), declared)  # passes EVALSHA's own check; each redis.call is checked by the rest

@@ -7,23 +7,39 @@ field, state and reply through `keys.lua` placeholders (`'${HeartbeatField.STATE
 from rollout_svc.keys import lua
 
 # Shared by the placement scripts. fleet_at(kf, af): the fleet block of KEYS from index kf (Keys.fleet: state,
-# workers set, then heartbeat, session set and pinned stream per worker) and of ARGV from index af (the worker
-# count, then the ids). place(): a live pin stays unless its worker sleeps, drains or is stale; otherwise the preferred
-# worker, if serving or paused, takes the session; otherwise the converged (applied the current epoch) serving
-# or paused worker with the fewest unexpired sessions. No such worker: false (the shared stream).
+# workers set, loads hash, then heartbeat, session set and pinned stream per worker) and of ARGV from index af (the
+# worker count, then the ids). place(): a live pin stays unless its worker sleeps, drains or is stale; otherwise the
+# preferred worker, if serving or paused, takes the session; otherwise the converged (applied the current epoch)
+# serving or paused worker with the least work: the tokens it holds (`Keys.loads` ID) plus those placed in its pinned
+# stream and not taken yet (ID:pinned; `queued` counts a request placed there, `count_queued` adds this call's to
+# it), then the fewest unexpired sessions, then the lowest id. No such worker: false (the shared stream).
 _FLEET_LUA = lua("""
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function fleet_at(kf, af)
-  local f = {state = KEYS[kf], set = KEYS[kf + 1], ids = {}, hb = {}, zs = {}, pinned = {}}
+  local f = {state = KEYS[kf], set = KEYS[kf + 1], loads = KEYS[kf + 2], ids = {}, hb = {}, zs = {}, pinned = {},
+             placed = {}}
   local n = tonumber(ARGV[af])
   for i = 1, n do
-    local id, k = ARGV[af + i], kf + 2 + 3 * (i - 1)
+    local id, k = ARGV[af + i], kf + 3 + 3 * (i - 1)
     f.ids[i] = id
     f.hb[id], f.zs[id], f.pinned[id] = KEYS[k], KEYS[k + 1], k + 2
   end
-  f.next_key, f.next_arg = kf + 2 + 3 * n, af + n + 1
+  f.next_key, f.next_arg = kf + 3 + 3 * n, af + n + 1
   return f
+end
+local function tokens_of(f, field)
+  local v = tonumber(redis.call('HGET', f.loads, field) or '0')  -- nil for garbage
+  if not v or not (v > 0) then return 0 end
+  return v
+end
+local function queued(f, w, cost)  -- a request of `cost` tokens ('0' or garbage: 1) placed in w's pinned stream
+  local c = tonumber(cost)
+  if not c or not (c >= 1) then c = 1 end
+  f.placed[w] = (f.placed[w] or 0) + math.min(math.floor(c), ${MAX_COST})
+end
+local function count_queued(f)  -- what `queued` placed, added to ID:pinned (once the call is admitted)
+  for w, c in pairs(f.placed) do redis.call('HINCRBY', f.loads, w .. '${PINNED_SUFFIX}', c) end
 end
 local function stale(f)
   if redis.call('SCARD', f.set) ~= #f.ids then return true end
@@ -53,13 +69,17 @@ local function place(f, epoch, ttl_ms, skey, sid, preferred)
     local state = redis.call('HGET', f.hb[preferred], '${HeartbeatField.STATE}')
     if state == '${WorkerLabels.SERVING}' or state == '${WorkerLabels.PAUSED}' then return pin(preferred) end
   end
-  local best, best_load = false, 0
+  local best, best_load, best_sessions = false, 0, 0
   for _, id in ipairs(f.ids) do
     local h = redis.call('HMGET', f.hb[id], '${HeartbeatField.STATE}', '${HeartbeatField.APPLIED_EPOCH}')
     if (h[1] == '${WorkerLabels.SERVING}' or h[1] == '${WorkerLabels.PAUSED}') and tonumber(h[2] or '0') >= epoch then
       redis.call('ZREMRANGEBYSCORE', f.zs[id], '-inf', now_ms)
-      local load = redis.call('ZCARD', f.zs[id])
-      if not best or load < best_load or (load == best_load and id < best) then best, best_load = id, load end
+      local sessions = redis.call('ZCARD', f.zs[id])
+      local load = tokens_of(f, id) + tokens_of(f, id .. '${PINNED_SUFFIX}') + (f.placed[id] or 0)
+      if not best or load < best_load or (load == best_load and (sessions < best_sessions
+          or (sessions == best_sessions and id < best))) then
+        best, best_load, best_sessions = id, load, sessions
+      end
     end
   end
   if best then return pin(best) end
@@ -95,7 +115,10 @@ for i = 1, n do
   elseif ARGV[at + 1] ~= '' then
     local w = place(f, tonumber(epoch), ttl_ms, KEYS[k], ARGV[at + 1], false)
     k = k + 1
-    if w then target = f.pinned[w] end
+    if w then
+      target = f.pinned[w]
+      queued(f, w, ARGV[at + 2])
+    end
     placed[#placed + 1] = target
   end
   targets[i] = target
@@ -107,6 +130,7 @@ if limit >= 0 then
     if len + c > limit then return {'${ScriptReply.FULL}', KEYS[target], len} end
   end
 end
+count_queued(f)
 local reply = {'${ScriptReply.OK}'}
 for i = 1, n do
   local at = first + 4 * (i - 1)
@@ -268,14 +292,16 @@ return 0
 
 # A worker's take of rollout requests, non-blocking, by fair share of the work (`RequestStreams.take`).
 # KEYS: [1] its pinned stream, [2] the shared stream, [3] the loads hash (`Keys.loads`: per worker, field ID holds
-# the tokens it holds, added here and taken off by its publishes, and field ID:free "free-slots at-ms").
+# the tokens it holds, added here and taken off by its publishes, field ID:free "free-slots at-ms", and ID:pinned the
+# tokens placed in its pinned stream not yet taken, taken off here).
 # ARGV: [1] group, [2] worker id, [3] free slots, [4] loads TTL ms, [5] the most queued entries it peeks at, [6] tokens
 # it took outside (its blocking read of the next entry), added to its load, [7] 1 if it holds nothing (its load is
 # then 0: a request that left it other than by a publish, requeued or forwarded, would otherwise count for ever),
 # [8] 1 to share (placement `cost`), 0 to take whatever fits (`fifo`).
-# 1. Its pinned entries (its sessions), up to its free slots. 2. Of the shared queue, the share that brings its load
-# to the level the open workers' loads would reach if the queued work were spread over them (water level: queued
-# tokens plus their loads, over their number); open = said within the TTL that it has a free slot, itself included.
+# 1. Its pinned entries (its sessions), up to its free slots (ID:pinned less their cost, or 0 once none is left).
+# 2. Of the shared queue, the share that brings its load to the level the open workers' loads would reach if the
+# queued work were spread over them (water level: queued tokens plus their loads, over their number); open = said
+# within the TTL that it has a free slot, itself included.
 # At least one entry if it is the least loaded open worker, so nothing waits while it has room. A queue as deep as
 # the open workers' free slots (or the peek limit) is not shared: it takes up to its free slots. 3. Its load.
 # Returns the entries as XREADGROUP does: {stream, {{id, fields}, ...}} per stream with entries, then 'left' if it
@@ -311,8 +337,17 @@ local function take(stream, count)
   reply[#reply + 1] = {read[1], read[2]}
   free = free - #read[2]
 end
--- 1. pinned
-if free > 0 then take(pinned, free) end
+-- 1. pinned, and what it leaves there (ID:pinned, which placement adds to): 0 once nothing new is left in it, so a
+-- count that missed an entry (one taken by the blocking read, or moved out by a reaper) is set right
+if free > 0 then
+  local before = spent
+  take(pinned, free)
+  if free > 0 then
+    redis.call('HSET', loads, me .. '${PINNED_SUFFIX}', 0)
+  elseif spent > before then
+    redis.call('HINCRBY', loads, me .. '${PINNED_SUFFIX}', before - spent)
+  end
+end
 -- 2. shared: the open workers' loads, then the queue ahead of the group
 if free > 0 and redis.call('EXISTS', shared) == 1 then
   local mine = held + spent

@@ -46,6 +46,7 @@ from rollout_svc.keys import (
     FREE_SUFFIX,
     MAX_COST,
     PAYLOAD_FIELD,
+    PINNED_SUFFIX,
     SESSION_FIELD,
     WORKERS_GROUP,
     DeadLetterField,
@@ -421,11 +422,11 @@ class RequestStreams:
         """Each worker's load: the tokens of work it holds (prompt plus `max_tokens` of each request it took and has
         not answered), as placement counts it."""
         fields: Any = await self.redis.hgetall(self.keys.loads)
-        suffix = FREE_SUFFIX.encode()
-        return {k.decode(): max(0, int(v)) for k, v in fields.items() if not k.endswith(suffix)}
+        suffixes = (FREE_SUFFIX.encode(), PINNED_SUFFIX.encode())
+        return {k.decode(): max(0, int(v)) for k, v in fields.items() if not k.endswith(suffixes)}
 
     async def forget_load(self, worker_id: str) -> None:
-        await self.redis.hdel(self.keys.loads, worker_id, worker_id + FREE_SUFFIX)
+        await self.redis.hdel(self.keys.loads, worker_id, worker_id + FREE_SUFFIX, worker_id + PINNED_SUFFIX)
 
     async def read_tokens(self, worker_id: str, count: int, block_ms: int) -> list[Entry]:
         """Take at most `count` tokenize / detokenize / chat-template requests."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
 
@@ -11,6 +12,7 @@ from rollout_svc.config import Settings
 from rollout_svc.control.plane import ControlPlane
 from rollout_svc.dataplane.reaper import Reaper
 from rollout_svc.dataplane.streams import Enqueue
+from rollout_svc.errors import QueueFullError
 from rollout_svc.keys import WORKERS_GROUP
 from rollout_svc.protocol import RolloutRequest, WorkerStatus, decode, encode
 from tests.support import Results, async_wait_until
@@ -32,11 +34,11 @@ async def register(plane: ControlPlane, worker_id: str, state: str = "serving", 
     await plane.streams.ensure_group(plane.keys.pinned_requests(worker_id))
 
 
-def request(request_id: str, reply_to: str, session_id: str | None = None) -> Enqueue:
+def request(request_id: str, reply_to: str, session_id: str | None = None, cost: int = 0) -> Enqueue:
     payload = encode(
         RolloutRequest(request_id=request_id, prompt_token_ids=[1], reply_to=reply_to, session_id=session_id)
     )
-    return Enqueue(payload, session_id)
+    return Enqueue(payload, session_id, cost=cost)
 
 
 async def test_reaper_requeues_what_a_dead_worker_held_and_re_places_its_sessions(plane, settings, rds):
@@ -58,7 +60,7 @@ async def test_reaper_requeues_what_a_dead_worker_held_and_re_places_its_session
 
     assert await Reaper(plane.redis, settings).reap_dead("w-live") == {"w-dead": 3}  # r1, r3 pending; r4 backlog
     assert not rds.sismember(keys.workers, "w-dead") and not rds.exists(keys.pinned_requests("w-dead"))
-    assert not rds.hexists(keys.loads, "w-dead") and not rds.hexists(keys.loads, "w-dead:free")  # its load forgotten
+    assert not any(rds.hexists(keys.loads, f"w-dead{s}") for s in ("", ":free", ":pinned"))  # its load forgotten
     assert rds.get(keys.session("s1")) == b"w-live"  # re-placed on the live worker
     requeued = {decode(fields[b"m"]).request_id: fields for _, fields in rds.xrange(keys.pinned_requests("w-live"))}
     assert set(requeued) == {"r3", "r4"}
@@ -104,6 +106,35 @@ async def test_a_stale_worker_releases_its_pinned_backlog_once_and_placement_ski
     assert rds.xlen(pinned) == 0 and rds.xlen(keys.pinned_requests("b-serving")) == 3
     assert {rds.get(keys.session(f"s{i}")) for i in range(3)} == {b"b-serving"}
     assert not await plane.registry.reap_lock_holder("a-stale")  # the lock it took is let go
+
+
+async def test_a_new_session_goes_to_the_worker_with_the_least_work_not_the_fewest_sessions(plane, settings, rds):
+    """Placement by cost for sessions: a new session's worker is the one holding the fewest tokens (taken, plus
+    placed in its pinned stream and not taken yet), sessions only breaking a tie."""
+    keys, streams = settings.keys, plane.streams
+    await register(plane, "a")
+    await register(plane, "b")
+    reply = keys.results("p")
+    # One long turn, then three short ones, in one call: the long one's tokens count against its worker at once.
+    placed = await streams.enqueue(
+        [request("r0", reply, "s0", cost=1000), *(request(f"r{i}", reply, f"s{i}", cost=10) for i in (1, 2, 3))], 100
+    )
+    a, b = keys.pinned_requests("a"), keys.pinned_requests("b")
+    assert [p.stream for p in placed] == [a, b, b, b]  # by sessions it was a, b, a, b
+    assert rds.hget(keys.loads, "a:pinned") == b"1000" and rds.hget(keys.loads, "b:pinned") == b"30"
+    # Taken: the tokens move from pinned to held; a take that leaves nothing new in the pinned stream sets it to 0.
+    taken, _ = await streams.take("b", 1, 60_000)
+    assert len(taken) == 1 and rds.hget(keys.loads, "b:pinned") == b"20" and rds.hget(keys.loads, "b") == b"10"
+    await streams.take("b", 8, 60_000)
+    assert rds.hget(keys.loads, "b:pinned") == b"0" and rds.hget(keys.loads, "b") == b"30"
+    # b holds 3 sessions and 30 tokens, a 1 session and 1000 (pinned): the next new session goes to b.
+    [placed_next] = await streams.enqueue([request("r4", reply, "s4", cost=10)], 100)
+    assert placed_next.stream == b
+    # A chunk refused for admission adds nothing to a worker's pinned tokens.
+    with pytest.raises(QueueFullError):
+        await streams.enqueue([request("r5", reply, "s5", cost=500), request("r6", reply, "s6", cost=500)], 1)
+    assert rds.hget(keys.loads, "b:pinned") == b"10"
+    assert "b:pinned" not in await streams.loads() and (await streams.loads())["b"] == 30
 
 
 async def test_a_worker_reaped_while_it_takes_more_leaves_nothing_behind(plane, settings, rds, monkeypatch):
