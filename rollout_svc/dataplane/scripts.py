@@ -345,7 +345,8 @@ if free > 0 then
   if free > 0 then
     redis.call('HSET', loads, me .. '${PINNED_SUFFIX}', 0)
   elseif spent > before then
-    redis.call('HINCRBY', loads, me .. '${PINNED_SUFFIX}', before - spent)
+    local left = tonumber(redis.call('HGET', loads, me .. '${PINNED_SUFFIX}') or '0') or 0
+    redis.call('HSET', loads, me .. '${PINNED_SUFFIX}', math.max(0, left - (spent - before)))
   end
 end
 -- 2. shared: the open workers' loads, then the queue ahead of the group

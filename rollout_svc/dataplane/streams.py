@@ -415,7 +415,10 @@ class RequestStreams:
         fields: dict[bytes, bytes | int] = {PAYLOAD_FIELD: item.payload, EPOCH_FIELD: item.epoch or 0}
         if item.cost:
             fields[COST_FIELD] = item.cost
-        entry_id = await self.redis.xadd(self.keys.pinned_requests(worker_id), fields)  # type: ignore[arg-type]
+        pipe = self.redis.pipeline(transaction=True)  # counted as placement counts it (`Keys.loads` ID:pinned)
+        pipe.xadd(self.keys.pinned_requests(worker_id), fields)  # type: ignore[arg-type]
+        pipe.hincrby(self.keys.loads, worker_id + PINNED_SUFFIX, min(max(item.cost, 1), MAX_COST))
+        entry_id, _ = await pipe.execute()
         return entry_id if isinstance(entry_id, bytes) else entry_id.encode()
 
     async def loads(self) -> dict[str, int]:

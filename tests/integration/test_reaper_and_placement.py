@@ -125,6 +125,9 @@ async def test_a_new_session_goes_to_the_worker_with_the_least_work_not_the_fewe
     # Taken: the tokens move from pinned to held; a take that leaves nothing new in the pinned stream sets it to 0.
     taken, _ = await streams.take("b", 1, 60_000)
     assert len(taken) == 1 and rds.hget(keys.loads, "b:pinned") == b"20" and rds.hget(keys.loads, "b") == b"10"
+    rds.hset(keys.loads, "b:pinned", 5)  # a count short of what is there: never below 0
+    await streams.take("b", 1, 60_000)
+    assert rds.hget(keys.loads, "b:pinned") == b"0"
     await streams.take("b", 8, 60_000)
     assert rds.hget(keys.loads, "b:pinned") == b"0" and rds.hget(keys.loads, "b") == b"30"
     # b holds 3 sessions and 30 tokens, a 1 session and 1000 (pinned): the next new session goes to b.
