@@ -8,8 +8,9 @@ Measured in one run, alternating so drift hits both alike:
 - the peer: a bare `ProcessGroupGloo` broadcast of the same tensors, one broadcast per tensor, from rank 0 to two
   receiver processes (what a trainer would write by hand), timed the same way, into receiving tensors already
   written once (its best case);
-- the pause an in-flight request feels: a greedy request's latency with a sync in its middle, minus its median
-  latency without one. Goals: the time paused <= the load time + 50 ms; felt <= the time paused + 100 ms.
+- the pause an in-flight request feels: a greedy request streamed with a sync in its middle; felt = the longest
+  time it went without a token, less its usual time per token (the same request alone just before); beside it, the
+  latency the sync added to it. Goals: the time paused <= the load time + 50 ms; felt <= the time paused + 100 ms.
 
 Imports torch (the CLI imports this module only for `bench`).
 """
@@ -19,12 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import itertools
 import json
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -35,7 +38,7 @@ from rollout_svc.client.weight_sender import SyncReport, WeightSender
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.deploy.local import LocalCluster
 from rollout_svc.deploy.processes import free_port
-from rollout_svc.protocol import TransferGroup
+from rollout_svc.protocol import TrajectoryChunk, TransferGroup
 from rollout_svc.tools.progress import Progress
 from rollout_svc.tools.runs import private_settings
 from rollout_svc.weightsync.transfer import join_group
@@ -45,6 +48,8 @@ SYNCS = 3
 WORKERS = 2
 FELT_TOKENS = 128  # long enough to span a sync whose transfer runs while it generates
 FELT_PAIRS = 4
+FELT_STREAM_INTERVAL_S = 0.01  # the workers send each token as it is made (a step here takes ~100 ms), so the gaps
+# between the probe's chunks are the gaps between its tokens
 BARE_TIMEOUT_S = 120.0
 BARE_ROUNDS = 3
 
@@ -65,7 +70,10 @@ class WeightFigures:
     load_s: float
     bare_s: float  # median bare broadcast of the same tensors
     unsynced_s: float  # median latency of the probe request without a sync
-    felt_s: float  # median extra latency of the probe request with a sync in its middle
+    felt_s: float  # median longest gap between the probe's tokens across a sync, less its usual time per token
+    added_s: float  # median extra latency of the probe request with a sync in its middle
+    token_s: float  # the probe's median time per token alone
+    after_s: float  # median time from the sync's return (resumed) to the probe's next token
     felt_sync_s: float  # median time of those syncs
     felt_paused_s: float  # median time paused of those syncs
     inside_sync_s: float  # medians over the syncs with the transfer inside the pause
@@ -86,7 +94,7 @@ class WeightFigures:
 
 
 def weight_sync(redis_url: str | None, model: Path, log_dir: Path, console: Console) -> WeightFigures:
-    settings = private_settings(redis_url, "bench-weights")
+    settings = private_settings(redis_url, "bench-weights").copy_with(stream_interval_s=FELT_STREAM_INTERVAL_S)
     engine = EngineSettings(model=str(model), dtype="float32", max_num_seqs=16, kv_cache_memory_bytes=256 * MiB)
     tensors = load_file(str(model / "model.safetensors"))
     cluster = LocalCluster(settings, WORKERS, engine, log_dir=log_dir)
@@ -108,7 +116,7 @@ async def _measure(settings: Settings, model: Path, tensors: dict[str, torch.Ten
             reports.append(await sender.update(tensors.items(), version=version))
             version += 1
             inside.append(await sender.update(tensors.items(), version=version, pause_during_transfer=True))
-        unsynced, felt, felt_syncs = await _felt(client, sender, tensors, version)
+        probes = await _felt(client, sender, tensors, version)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     return WeightFigures(
         workers=WORKERS,
@@ -124,42 +132,78 @@ async def _measure(settings: Settings, model: Path, tensors: dict[str, torch.Ten
         transfer_s=_median([r.transfer_s for r in reports]),
         load_s=_median([r.load_s for r in reports]),
         bare_s=_median(bare),
-        unsynced_s=unsynced,
-        felt_s=_median(felt),
-        felt_sync_s=_median([r.total_s for r in felt_syncs]),
-        felt_paused_s=_median([r.paused_s for r in felt_syncs]),
+        unsynced_s=_median([p.alone_s for p in probes]),
+        felt_s=_median([p.felt_s for p in probes]),
+        added_s=_median([p.added_s for p in probes]),
+        token_s=_median([p.token_s for p in probes]),
+        after_s=_median([p.after_s for p in probes]),
+        felt_sync_s=_median([p.sync.total_s for p in probes]),
+        felt_paused_s=_median([p.sync.paused_s for p in probes]),
         inside_sync_s=_median([r.total_s for r in inside]),
         inside_paused_s=_median([r.paused_s for r in inside]),
         inside_transfer_s=_median([r.transfer_s for r in inside]),
     )
 
 
+@dataclass
+class _Probe:
+    """One pair: the probe request alone, then with a sync in its middle."""
+
+    alone_s: float  # its latency alone
+    token_s: float  # its median gap between tokens alone
+    felt_s: float  # with the sync: its longest gap between tokens, less token_s
+    added_s: float  # with the sync: its latency less alone_s
+    after_s: float  # with the sync: from the sync's return (resumed, committed) to its next token
+    sync: SyncReport
+
+
 async def _felt(
     client: RolloutClient, sender: WeightSender, tensors: dict[str, torch.Tensor], version: int
-) -> tuple[float, list[float], list[SyncReport]]:
+) -> list[_Probe]:
     """Pairs of a greedy probe request alone, then the same with a sync issued a third of the way in (interleaved,
-    so drift hits both alike): the extra latency each synced probe felt over the alone one before it."""
+    so drift hits both alike), each streamed: the pause the synced probe felt (its longest wait for a token, less
+    its usual time per token alone) and the latency the sync added to it. Pairs whose probe did not span the sync
+    are left out; raises `RuntimeError` if none did."""
     [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Tell me a long story."}]])
     params = {"temperature": 0.0, "max_tokens": FELT_TOKENS, "ignore_eos": True}
     await client.generate([prompt], params)  # warm: the prompt's prefix cached, as in the runs that follow
-    alone, felt, syncs = [], [], []
+    probes = []
     for _ in range(FELT_PAIRS):
-        started = time.perf_counter()
-        await client.generate([prompt], params)
-        alone.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        probe = asyncio.ensure_future(client.generate([prompt], params))
-        await asyncio.sleep(alone[-1] / 3)
+        alone_s, alone_arrivals, _ = await _streamed(client, prompt, params)
+        probe = asyncio.ensure_future(_streamed(client, prompt, params))
+        await asyncio.sleep(alone_s / 3)
         version += 1
         report = await sender.update(tensors.items(), version=version, pause_mode="keep")
-        [trajectory] = await probe
+        returned = time.perf_counter()
+        synced_s, arrivals, trajectory = await probe
         if len(trajectory.weight_versions) != 2:
             continue  # it finished before the pause, or started after the sync: not a probe of this
-        felt.append(time.perf_counter() - started - alone[-1])
-        syncs.append(report)
-    if not felt:
+        token_s = _median(_gaps(alone_arrivals))
+        after_s = min(a for a in arrivals if a > returned) - returned
+        probes.append(_Probe(alone_s, token_s, max(_gaps(arrivals)) - token_s, synced_s - alone_s, after_s, report))
+    if not probes:
         raise RuntimeError("no probe request was in flight across a sync; raise FELT_TOKENS")
-    return _median(alone), felt, syncs
+    return probes
+
+
+async def _streamed(client: RolloutClient, prompt: Any, params: dict[str, Any]) -> tuple[float, list[float], Any]:
+    """One request streamed: its latency, when each of its chunks arrived (`time.perf_counter`; one token each at
+    `FELT_STREAM_INTERVAL_S`), and its trajectory."""
+    started = time.perf_counter()
+    arrivals: list[float] = []
+    trajectory = None
+    async for _, event in client.stream([prompt], params):
+        if isinstance(event, TrajectoryChunk):
+            arrivals.append(time.perf_counter())
+        else:
+            trajectory = event
+    if trajectory is None or len(arrivals) < 3:
+        raise RuntimeError(f"the probe streamed {len(arrivals)} chunks; expected one a token")
+    return time.perf_counter() - started, arrivals, trajectory
+
+
+def _gaps(arrivals: list[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(arrivals)]
 
 
 def bare_broadcast(model: Path, receivers: int, rounds: int = BARE_ROUNDS) -> float:
@@ -225,7 +269,11 @@ def report(figures: WeightFigures, command: str = "rollout-svc bench") -> list[s
     f = figures
     goals = [
         ("time paused <= load + 50 ms (transfer outside the pause)", f.paused_s, f.load_s + 0.05),
-        ("felt by an in-flight request <= its sync's time paused + 100 ms", f.felt_s, f.felt_paused_s + 0.1),
+        (
+            "felt by an in-flight request (its longest wait for a token) <= time paused + 100 ms",
+            f.felt_s,
+            f.felt_paused_s + 0.1,
+        ),
     ]
     return [
         "",
@@ -256,14 +304,19 @@ def report(figures: WeightFigures, command: str = "rollout-svc bench") -> list[s
         f" {f.inside_transfer_s:.3f} |",
         "",
         f"The pause an in-flight request feels: a greedy request of {FELT_TOKENS} tokens ({f.unsynced_s:.2f} s alone,"
-        " median) with a sync issued a third of the way in, alternated with the same request alone; felt = its"
-        " latency minus that of the run alone just before (it includes recomputing its KV cache under the new"
-        f" weights after the prefix-cache reset), median of {FELT_PAIRS} pairs.",
+        f" {f.token_s * 1000:.0f} ms a token, medians), streamed a token at a time, with a sync issued a third of the"
+        " way in, alternated with the same request alone. Felt = the longest it waited for a token across the sync"
+        " (the pause's propagation, the time paused, and recomputing its KV cache under the new weights after the"
+        " prefix-cache reset) less its time per token alone; added = its latency less that of the run alone just"
+        " before (felt, plus the tokens made slower while the transfer shares the machine's 2 CPUs with"
+        " generation); next token after the resume = from the sync's return (resumed and committed) to the request's"
+        f" next token (its KV cache recomputed, then a step). Medians of {FELT_PAIRS} pairs.",
         "",
-        "| felt by the request, median (s) | its syncs' time, median (s) | their time paused, median (s)"
-        " | felt - paused (ms) |",
-        "|---:|---:|---:|---:|",
-        f"| {f.felt_s:.2f} | {f.felt_sync_s:.2f} | {f.felt_paused_s:.2f} | {(f.felt_s - f.felt_paused_s) * 1000:.0f} |",
+        "| felt by the request (s) | latency added (s) | its syncs' time (s) | their time paused (s)"
+        " | felt - paused (ms) | next token after the resume (ms) |",
+        "|---:|---:|---:|---:|---:|---:|",
+        f"| {f.felt_s:.2f} | {f.added_s:.2f} | {f.felt_sync_s:.2f} | {f.felt_paused_s:.2f} |"
+        f" {(f.felt_s - f.felt_paused_s) * 1000:.0f} | {f.after_s * 1000:.0f} |",
         "",
         "The issue's goals, beside the figures (not asserted):",
         "",
