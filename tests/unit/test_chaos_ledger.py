@@ -149,3 +149,28 @@ def test_a_late_request_is_excused_only_while_no_worker_could_serve_it():
     ledger.could_not_serve(T0, T0 + 19)  # 11 s of 30 serviceable
     [violation] = check(ledger).violations
     assert violation["check"] == "late" and "11.0 s of it serviceable" in violation["what"]
+
+
+def test_a_version_committed_by_a_trainer_killed_before_it_said_so_is_known_from_the_next_sync():
+    """The trainer prints a line per sync; one SIGKILLed between its commit and its line leaves the ledger knowing
+    only what the next sync read from Redis as committed (`base`). Tokens under it are fine; under a version never
+    committed (nor read as committed) they are a violation (a 10-minute soak flagged 2,317 tokens of such a version)."""
+    import io
+
+    from rollout_svc.tools.chaos.fleet import Journal
+    from rollout_svc.tools.chaos.syncs import Syncer
+
+    out = io.StringIO()
+    syncer = Syncer(None, Journal(out))  # type: ignore[arg-type]  # the fleet is only for starting a trainer
+    syncer._record({"version": 1, "base": 0, "mode": "keep", "transfer": "outside", "outcome": "committed",
+                    "paused_s": 0.1, "s": 0.5})  # fmt: skip
+    # version 2 committed, its trainer killed; the next trainer read 2 as committed and failed to sync 3
+    syncer._record({"version": 3, "base": 2, "mode": "keep", "transfer": "outside", "outcome": "failed",
+                    "error": "ConnectionError: Redis restarting", "s": 1.0})  # fmt: skip
+    assert syncer.committed == {0, 1, 2} and "version 2 found committed" in out.getvalue()
+    ledger = Ledger(T0)
+    for request_id, spans in (("r-ok", [(1, 0), (2, 2)]), ("r-bad", [(2, 0), (5, 1)])):
+        submit(ledger, request_id)
+        answer(ledger, echo(request_id, weight_versions=spans))
+    syncer.check_versions(ledger)
+    assert [v["what"] for v in syncer.violations] == ["r-bad: tokens from 1 under version 5, never committed"]

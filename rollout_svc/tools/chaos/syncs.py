@@ -5,13 +5,14 @@ The trainer (`python -m rollout_svc.tools.chaos.syncs`) runs a `WeightSender` ov
 each sync the next version of a few small tensors, alternately keep and abort pauses, and every other pair with the
 transfer inside the pause (`pause_during_transfer`); every third sync is a checkpoint sync instead (it writes
 `model.safetensors` under the workers' checkpoint root, keeping the last three); it prints one JSON line per sync:
-its version, `committed` or `failed` with the typed error, and its seconds. The nemesis' `kill_sender` SIGKILLs it
-at a random moment, mid-transfer as often as not, and starts a new one 0.5-2 s later, as a trainer's supervisor
-would; its pause (leased, `SYNC_LEASE_S`) must lapse by itself.
+its version, the version committed when it began (`base`, read from Redis: so a commit whose trainer was killed
+before it printed its line is known too), `committed` or `failed` with the typed error, and its seconds. The
+nemesis' `kill_sender` SIGKILLs it at a random moment, mid-transfer as often as not, and starts a new one 0.5-2 s
+later, as a trainer's supervisor would; its pause (leased, `SYNC_LEASE_S`) must lapse by itself.
 
 Checks: every sync commits or fails with a typed error (ours, or Redis' while it restarts; any other crashes the
 trainer) within `SYNC_DEADLINE_S`; every token of every answer was
-sampled under a version the trainer committed (or 0, the weights the workers started with); a trainer that crashed
+sampled under a version a trainer committed (or 0, the weights the workers started with); a trainer that crashed
 (rather than being killed) is a violation.
 """
 
@@ -129,7 +130,10 @@ class Syncer:
             self.violations.append({"check": "sync", "what": f"the trainer exited with {code} (see trainer.log)"})
 
     def _record(self, sync: dict[str, Any]) -> None:
-        version, seconds = int(sync["version"]), float(sync["s"])
+        version, seconds, base = int(sync["version"]), float(sync["s"]), int(sync["base"])
+        if base not in self.committed:  # committed by a trainer killed before it printed its line
+            self.committed.add(base)
+            self.journal("sync", f"version {base} found committed (its trainer was killed before it said so)")
         transfer = "from a checkpoint" if sync["transfer"] == "checkpoint" else f"{sync['transfer']} the pause"
         how = f"version {version} {sync['outcome']} in {seconds:.2f} s ({sync['mode']}, {transfer})"
         if sync["outcome"] == "committed":
@@ -171,15 +175,16 @@ async def _train() -> None:
     while True:
         await asyncio.sleep(rng.uniform(0.2, 2.0))
         try:  # Redis may be restarting: a trainer waits for it, as it would for its own storage
-            version = await sender.committed_version() + 1
+            base = await sender.committed_version()
         except (RedisError, OSError):
             continue
+        version = base + 1
         mode: PauseMode = "abort" if i % 2 else "keep"
         inside = (i // 2) % 2 == 1
         checkpoint = root is not None and i % 3 == 2
         tensors = {f"layer.{k}.weight": torch.full((256, 256), float(version)) for k in range(8)}
         how = "checkpoint" if checkpoint else "inside" if inside else "outside"
-        line: dict[str, Any] = {"version": version, "mode": mode, "transfer": how}
+        line: dict[str, Any] = {"version": version, "base": base, "mode": mode, "transfer": how}
         started = time.monotonic()
         try:
             if checkpoint and root is not None:
