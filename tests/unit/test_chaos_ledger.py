@@ -151,6 +151,24 @@ def test_a_late_request_is_excused_only_while_no_worker_could_serve_it():
     assert violation["check"] == "late" and "11.0 s of it serviceable" in violation["what"]
 
 
+def test_a_workers_answer_that_the_deadline_passed_is_judged_as_a_late_request():
+    """A worker that takes a request past its deadline answers it `abort` (cause `deadline`) unrun, and the call
+    returns that rather than raising `RequestTimeoutError`: the same outcome, judged the same way (a 10-minute soak
+    counted 24 such answers as wrong)."""
+    unrun = {"completion_token_ids": [], "finish_reason": "abort", "abort_cause": "deadline"}
+    ledger = Ledger(T0)
+    submit(ledger, "excused")
+    answer(ledger, echo("excused", **unrun), at=T0 + 30)
+    ledger.could_not_serve(T0, T0 + 25)  # 5 s of 30 serviceable
+    verdict = check(ledger)
+    assert verdict.violations == [] and verdict.outcomes == {"late_excused": 1}
+    ledger = Ledger(T0)
+    submit(ledger, "late")
+    answer(ledger, echo("late", **unrun), at=T0 + 30)
+    [violation] = check(ledger).violations
+    assert violation["check"] == "late" and violation["what"].startswith("answered abort (deadline)")
+
+
 def test_a_version_committed_by_a_trainer_killed_before_it_said_so_is_known_from_the_next_sync():
     """The trainer prints a line per sync; one SIGKILLed between its commit and its line leaves the ledger knowing
     only what the next sync read from Redis as committed (`base`). Tokens under it are fine; under a version never

@@ -133,8 +133,9 @@ def check_answers(ledger: Ledger, verdict: Verdict) -> None:
     at submission is an answer (a clear error), counted apart. Anything else is a violation: no answer, two
     answers, no answer within the timeout while the fleet could serve for `LATE_SERVICE_S` of it, a wrong or
     unexplained answer. (Unanswered within the timeout while the fleet could not serve: `late_excused`. The call
-    raised `RequestTimeoutError` at its deadline, as it promises; drivers whose call does not return at all are
-    caught by the soak.)
+    raised `RequestTimeoutError` at its deadline, as it promises, or returned the worker's answer that the deadline
+    passed before it ran the request, `abort` with cause `deadline`, which counts the same; drivers whose call does
+    not return at all are caught by the soak.)
     """
     for request_id in ledger.duplicate_submissions:
         verdict.violations.append(
@@ -158,12 +159,14 @@ def judge(request: Submitted, answer: Answer, ledger: Ledger) -> tuple[str, str]
     """(outcome, problem): the answer's kind, and what is wrong with it ('' if nothing)."""
     if answer.refused:
         return "refused", ""
-    if answer.late:
+    t = answer.trajectory
+    deadline = t is not None and t.finish_reason == "abort" and t.abort_cause == "deadline"
+    if answer.late or deadline:  # no answer by the deadline, or the worker's answer that it passed (the same)
         serviceable = ledger.serviceable_s(request.submitted_at, answer.received_at)
         if serviceable < LATE_SERVICE_S:
             return "late_excused", ""
-        return "late", f"no answer within the call's timeout, {serviceable:.1f} s of it serviceable (lost, or hung)"
-    t = answer.trajectory
+        how = "answered abort (deadline)" if deadline else "no answer"
+        return "late", f"{how} within the call's timeout, {serviceable:.1f} s of it serviceable (lost, or hung)"
     assert t is not None
     if t.request_id != request.request_id:
         return "wrong_answer", f"answered under another request id, {t.request_id}"
