@@ -101,8 +101,17 @@ class Reaper:
         holder = f"starting:{os.getpid()}"  # the same on a retry, which may find the lock still held by it
         deadline = time.monotonic() + REAP_LOCK_TTL_S + 5
         while not await self.registry.try_reap_lock(worker_id, holder, REAP_LOCK_TTL_S):
-            if await self.registry.reap_lock_holder(worker_id) == holder:
+            current = await self.registry.reap_lock_holder(worker_id)
+            if current == holder:
                 break
+            if current is not None and _own_id_holder(current, worker_id) and not await self.registry.alive(worker_id):
+                # Held by an earlier process under this id, not by a reaper, and no process lives under it: that
+                # one is gone (it died holding it, or a Redis restart lost its release: a 10-minute chaos soak saw a
+                # replacement wait out the 60 s TTL so). Its lock is let go, and taken again at the loop's top.
+                log.info("the reap lock of %s was held by its earlier process (%s), now gone: taken over", worker_id,
+                         current)  # fmt: skip
+                await self.registry.release_reap_lock(worker_id, current)
+                continue
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the reap lock of worker id {worker_id} stayed held for {REAP_LOCK_TTL_S} s")
             log.info("another worker is requeueing what an earlier %s left; waiting for it", worker_id)
@@ -175,3 +184,9 @@ class Reaper:
         if items:
             await self.streams.requeue(items, done)
         return len(items)
+
+
+def _own_id_holder(holder: str, worker_id: str) -> bool:
+    """Whether a reap lock's holder is a process of the worker id itself (one starting, `hold_lock_to_start`, or
+    one handing its backlog on, `release_backlog`) rather than a reaper (another worker's id)."""
+    return holder.startswith("starting:") or holder == worker_id

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -253,3 +254,26 @@ async def test_orphans_behind_more_held_entries_than_one_page_are_found(plane, s
     rds.xack(stream, WORKERS_GROUP, *ids[:1200])
     rds.xdel(stream, *ids)
     assert await plane.streams.orphans(stream) == []
+
+
+async def test_a_restart_takes_over_a_reap_lock_its_gone_predecessor_left_but_waits_for_a_reaper(plane, settings, rds):
+    """A Redis SIGKILLed just after a worker released its start lock may come back without the release (its
+    append-only file syncs every second): the lock, held by a process that is gone, would hold the next process
+    under that id for its 60 s TTL (a 10-minute chaos soak saw a replacement miss the fleet check so). A lock
+    held by an earlier process of the id, with no live heartbeat under it, is taken over; one held by a reaper
+    (another worker's id) is waited for."""
+    keys = settings.keys
+    reaper = Reaper(plane.redis, settings)
+    for gone in ("starting:999999", "w-back"):  # its start lock, or its own backlog hand-off's
+        rds.set(keys.reap_lock("w-back"), gone, px=60_000)
+        holder = await asyncio.wait_for(reaper.hold_lock_to_start("w-back"), 5)
+        assert rds.get(keys.reap_lock("w-back")) == holder.encode() != gone.encode()
+        rds.delete(keys.reap_lock("w-back"))
+    rds.set(keys.reap_lock("w-back"), "w-reaper", px=60_000)  # a live worker requeueing what w-back left
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(reaper.hold_lock_to_start("w-back"), 1)
+    assert rds.get(keys.reap_lock("w-back")) == b"w-reaper"
+    rds.set(keys.reap_lock("w-back"), "starting:999999", px=60_000)
+    await register(plane, "w-back")  # a process lives under the id: its lock is not taken
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(reaper.hold_lock_to_start("w-back"), 1)
