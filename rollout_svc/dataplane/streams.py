@@ -391,8 +391,9 @@ class RequestStreams:
         await self.publish([], 0, load=(worker_id, free))
 
     async def idle_workers(self, worker_id: str, ttl_ms: int) -> list[str]:
-        """The other workers that hold no work (load 0 in `Keys.loads`) and said within `ttl_ms` (Redis's clock)
-        that they have a free slot: where a straggler may move. Sorted by id."""
+        """The other workers that hold no work (load 0 in `Keys.loads`, and nothing placed in their pinned stream
+        that they have not taken: a straggler moved there a moment ago counts) and said within `ttl_ms` (Redis's
+        clock) that they have a free slot: where a straggler may move. Sorted by id."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.loads)
         pipe.time()
@@ -404,7 +405,8 @@ class RequestStreams:
             if not key.endswith(FREE_SUFFIX) or (other := key[: -len(FREE_SUFFIX)]) == worker_id:
                 continue
             slots, _, at_ms = value.partition(" ")
-            if int(slots or 0) > 0 and int(at_ms or 0) + ttl_ms >= now_ms and int(table.get(other, "0")) <= 0:
+            holds = int(table.get(other, "0")) > 0 or int(table.get(other + PINNED_SUFFIX, "0")) > 0
+            if int(slots or 0) > 0 and int(at_ms or 0) + ttl_ms >= now_ms and not holds:
                 idle.append(other)
         return sorted(idle)
 

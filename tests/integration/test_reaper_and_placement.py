@@ -277,3 +277,19 @@ async def test_a_restart_takes_over_a_reap_lock_its_gone_predecessor_left_but_wa
     await register(plane, "w-back")  # a process lives under the id: its lock is not taken
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(reaper.hold_lock_to_start("w-back"), 1)
+
+
+async def test_a_worker_a_straggler_was_just_moved_to_is_not_idle(plane, settings, rds):
+    """`idle_workers` (where a straggler may move): a worker whose pinned stream holds a moved generation it has not
+    taken yet holds work. Counted as idle, it drew a second move within the same 0.2 s check, and then moved one of
+    the two back (a CI run of test_moves saw a request moved twice)."""
+    keys, streams = settings.keys, plane.streams
+    for worker_id in ("a", "b"):
+        await register(plane, worker_id)
+        await streams.report_load(worker_id, 4)
+    assert await streams.idle_workers("a", 60_000) == ["b"]
+    await streams.hand_over("b", request("moved", keys.results("p"), cost=100))
+    assert await streams.idle_workers("a", 60_000) == []
+    await streams.take("b", 4, 60_000)  # taken: its load now, and nothing left pinned
+    assert rds.hget(keys.loads, "b") == b"100" and rds.hget(keys.loads, "b:pinned") == b"0"
+    assert await streams.idle_workers("a", 60_000) == []
