@@ -6,6 +6,16 @@ field, state and reply through `keys.lua` placeholders (`'${HeartbeatField.STATE
 
 from rollout_svc.keys import lua
 
+# Shared by the placement and take scripts: a request's cost in tokens as every script counts it, from its cost field
+# or argument: at most `MAX_COST`, and 1 for anything that is not a number of at least 1 (absent, '0', garbage).
+_COST_LUA = lua("""
+local function clamp_cost(value)
+  local c = tonumber(value)  -- nil for garbage; nan fails every comparison
+  if not c or not (c >= 1) then return 1 end
+  return math.min(math.floor(c), ${MAX_COST})
+end
+""")
+
 # Shared by the placement scripts. fleet_at(kf, af): the fleet block of KEYS from index kf (Keys.fleet: state,
 # workers set, loads hash, then heartbeat, session set and pinned stream per worker) and of ARGV from index af (the
 # worker count, then the ids). place(): a live pin stays unless its worker sleeps, drains or is stale; otherwise the
@@ -13,7 +23,7 @@ from rollout_svc.keys import lua
 # serving or paused worker with the least work: the tokens it holds (`Keys.loads` ID) plus those placed in its pinned
 # stream and not taken yet (ID:pinned; `queued` counts a request placed there, `count_queued` adds this call's to
 # it), then the fewest unexpired sessions, then the lowest id. No such worker: false (the shared stream).
-_FLEET_LUA = lua("""
+_FLEET_LUA = _COST_LUA + lua("""
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function fleet_at(kf, af)
@@ -33,10 +43,8 @@ local function tokens_of(f, field)
   if not v or not (v > 0) then return 0 end
   return v
 end
-local function queued(f, w, cost)  -- a request of `cost` tokens ('0' or garbage: 1) placed in w's pinned stream
-  local c = tonumber(cost)
-  if not c or not (c >= 1) then c = 1 end
-  f.placed[w] = (f.placed[w] or 0) + math.min(math.floor(c), ${MAX_COST})
+local function queued(f, w, cost)  -- a request of `cost` tokens placed in w's pinned stream
+  f.placed[w] = (f.placed[w] or 0) + clamp_cost(cost)
 end
 local function count_queued(f)  -- what `queued` placed, added to ID:pinned (once the call is admitted)
   for w, c in pairs(f.placed) do redis.call('HINCRBY', f.loads, w .. '${PINNED_SUFFIX}', c) end
@@ -306,7 +314,7 @@ return 0
 # the open workers' free slots (or the peek limit) is not shared: it takes up to its free slots. 3. Its load.
 # Returns the entries as XREADGROUP does: {stream, {{id, fields}, ...}} per stream with entries, then 'left' if it
 # left queued entries to other workers' shares (the caller then waits for a slot of its own, not for new entries).
-TAKE_LUA = lua("""
+TAKE_LUA = _COST_LUA + lua("""
 local pinned, shared, loads = KEYS[1], KEYS[2], KEYS[3]
 local group, me, free = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local ttl_ms, peek = tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -321,11 +329,7 @@ if ARGV[7] == '1' then
 end
 local function cost_of(fields)
   for i = 1, #fields, 2 do
-    if fields[i] == '${COST_FIELD}' then
-      local c = tonumber(fields[i + 1])  -- nil for garbage; nan fails every comparison
-      if not c or not (c >= 1) then return 1 end
-      return math.min(math.floor(c), ${MAX_COST})
-    end
+    if fields[i] == '${COST_FIELD}' then return clamp_cost(fields[i + 1]) end
   end
   return 1
 end
