@@ -7,12 +7,41 @@ import contextlib
 import heapq
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from rollout_svc.dataplane.streams import Entry
 from rollout_svc.protocol import AbortCause, ControlCommand, Request, RolloutRequest
 from workers.engine import Engine
+
+
+@dataclass(slots=True)
+class Woken:
+    """The cost of the entries a worker's blocking reads took, not yet counted in Redis: tokens for its load
+    (`Keys.loads` ID) and those of them read from its pinned stream (placement's ID:pinned still counts them).
+    Whichever of its scripts goes to Redis first counts them, once: the take that follows the read, or a publish
+    sent before it (an idle worker's answer goes out ahead of its next take)."""
+
+    tokens: int = 0
+    pinned: int = 0
+
+    def add(self, entries: Iterable[Entry], pinned_stream: str) -> None:
+        for entry in entries:
+            self.tokens += entry.cost
+            self.pinned += entry.cost if entry.stream == pinned_stream else 0
+
+    @contextlib.contextmanager
+    def claimed(self, claim: bool = True) -> Iterator[tuple[int, int]]:
+        """(tokens, pinned tokens) for the script call made inside, no longer counted here; given back if the call
+        fails (the next call counts them). `claim` False: (0, 0), claiming nothing."""
+        claimed = (self.tokens, self.pinned) if claim else (0, 0)
+        self.tokens, self.pinned = self.tokens - claimed[0], self.pinned - claimed[1]
+        try:
+            yield claimed
+        except BaseException:
+            self.tokens, self.pinned = self.tokens + claimed[0], self.pinned + claimed[1]
+            raise
+
 
 REABORT_AFTER_S = 0.2  # an abort that raced the request into the engine is sent again after this
 RULE_TTL_S = 24 * 3600.0  # how long an explicit abort keeps hitting queued requests enqueued before it

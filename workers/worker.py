@@ -35,7 +35,7 @@ from rollout_svc.protocol import WorkerStatus
 from rollout_svc.weightsync.plane import WeightSyncPlane
 from workers.converge import Converger
 from workers.engine import Engine
-from workers.inflight import AbortRules, InFlight, InFlightIndex
+from workers.inflight import AbortRules, InFlight, InFlightIndex, Woken
 from workers.metrics import WorkerMetrics
 from workers.moves import StragglerMover
 from workers.publisher import Publisher
@@ -102,10 +102,9 @@ class Worker:
         self._fatal: BaseException | None = None
         self._started_at = time.time()
         self._loops: dict[str, asyncio.Task[None]] = {}
-        self._reading = False  # the take loop is in a (blocking) XREADGROUP
-        self._read_returned = asyncio.Event()
-        self._woken_tokens = 0  # the cost of entries its blocking read took, not yet added to its load
-        self._take_client_id: int | None = None  # its connection's id, for CLIENT UNBLOCK
+        # The take loop is in a take or a (blocking) read; that read returned.
+        self._reading, self._read_returned = False, asyncio.Event()
+        self._woken = Woken()  # the cost of entries its blocking reads took, not yet counted in Redis
         self._read_failures: dict[str, int] = {}  # loop name -> reads failed in a row
         self._redis_run_id: str | None = None  # the Redis server's run_id when last asked (a new one: it restarted)
 
@@ -131,10 +130,10 @@ class Worker:
         # Hundreds of streams sending chunks at once wait for a connection, rather than fail "Too many connections".
         self.redis = redis_async_bounded(url, WORKER_CONNECTIONS, 30.0, decode_responses=False)
         self._router = redis_router(self.settings.redis_url, decode_responses=False)
-        # The take loop's blocking reads get a connection of their own, which a pause can unblock at once.
-        self._take_redis = redis_async(url, decode_responses=False, single_connection_client=True)
-        self._take_streams = RequestStreams(self._take_redis, self.keys, self.settings.session_ttl_s)
         self.streams = RequestStreams(self.redis, self.keys, self.settings.session_ttl_s)
+        # The take loop's takes and blocking reads get a connection of their own, which a pause can unblock at once,
+        # and so do the publisher's publishes: both used directly (`DirectConnection`), the request's hot path.
+        self._take_streams = self.streams.on_own_connection()
         # Liveness on a connection of its own: no flood of results or chunks delays a heartbeat.
         self._beat_redis = redis_async(url, decode_responses=False, single_connection_client=True)
         self.registry = Registry(self._beat_redis, self.keys, self.settings.heartbeat_ttl_s)
@@ -147,8 +146,9 @@ class Worker:
             self._weights_wake.set,
         )  # fmt: skip
         self.publisher = Publisher(
-            self.streams, self.state, self.settings.results_ttl_s, self._release, self._load_after
-        )
+            self.streams.on_own_connection(), self.state, self.settings.results_ttl_s, self._release,
+            self._load_after, self._woken,
+        )  # fmt: skip
         self.server = RequestServer(
             self.settings, self.engine, self.state, self.index, self.rules, self.streams,
             self.publisher.put, self._engine_died, self.metrics,
@@ -168,7 +168,8 @@ class Worker:
         finally:
             await self.receiver.close()
             await self.engine.close()
-            await self._take_redis.aclose()
+            await self._take_streams.aclose()
+            await self.publisher.streams.aclose()
             await self._beat_redis.aclose()
             await self.redis.aclose()
             await close_router(self._router)
@@ -316,9 +317,10 @@ class Worker:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
+            if self._woken.tokens:  # woken from idle: its answers go out before the take that shares the rest
+                await self.publisher.caught_up(self.settings.read_block_ms / 1000)
             taken = await self._read("take", self._take(free))
             if taken is None:
-                self._take_client_id = None  # after a failure the connection may be a new one, with a new id
                 continue
             entries, left = taken
             if left and not entries:  # the queued work is other workers' share: until one of ours ends, or a moment
@@ -339,21 +341,18 @@ class Worker:
         """A take of its fair share (`RequestStreams.take`); with nothing to take, one blocking read of the next
         entry, on the connection a pause can unblock. Returns the entries and whether queued ones were left to
         other workers' shares."""
-        if self._take_client_id is None:
-            self._take_client_id = int(await self._take_redis.client_id())
+        await self._take_streams.direct.client_id()  # type: ignore[union-attr]  # known to `_stop_taking`
         # No await between the take loop's `resumed` check and here: a pause sees `_reading` and unblocks the read.
         self._reading = True
         try:
-            ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
-            streams, carried = self._take_streams, self._woken_tokens
-            idle = not self.index.generating and not carried
-            share = self.settings.worker.placement == "cost"
-            entries, left = await streams.take(self.worker_id, free, ttl_ms, carried, idle, share)
-            self._woken_tokens -= carried
+            idle, ttl_ms = not (self.index.generating or self._woken.tokens), int(self.settings.heartbeat_ttl_s * 1e3)
+            streams, share = self._take_streams, self.settings.worker.placement == "cost"
+            with self._woken.claimed() as (carried, pinned):
+                entries, left = await streams.take(self.worker_id, free, ttl_ms, carried, idle, share, pinned)
             if entries or left or free <= 0:
                 return entries, left
             woken = await streams.wait_for_entries(self.worker_id, self.settings.read_block_ms)
-            self._woken_tokens += sum(entry.cost for entry in woken)  # added to its load by its next take
+            self._woken.add(woken, self.keys.pinned_requests(self.worker_id))  # counted by its next take or publish
             return woken, False
         finally:
             self._reading = False
@@ -398,9 +397,9 @@ class Worker:
         deadline = time.monotonic() + self.settings.read_block_ms / 1000 + 1
         while self._reading and time.monotonic() < deadline:
             self._read_returned.clear()
-            if self._take_client_id is not None:
+            if (client_id := self._take_streams.direct.known_client_id) is not None:  # type: ignore[union-attr]
                 with contextlib.suppress(ResponseError, *REDIS_ERRORS):  # an old Redis, or fakeredis: wait instead
-                    await self.redis.client_unblock(self._take_client_id)
+                    await self.redis.client_unblock(client_id)
             with contextlib.suppress(TimeoutError):  # not blocked yet (the command not sent): unblock again
                 await asyncio.wait_for(self._read_returned.wait(), 0.005)
 

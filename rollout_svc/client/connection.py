@@ -112,6 +112,7 @@ class Connection:
         self._closed = asyncio.Event()
         self._reread: set[str] = set()  # shards whose reader goes back to the start of its stream (see `attach`)
         self.outbox: asyncio.Queue[_EnqueueOp | _CancelOp | _CutOp | None] = asyncio.Queue()
+        self._submitting: dict[str, RequestStreams] = {}  # shard -> the submitter's own connection there
         self.tasks: dict[str, list[asyncio.Task[None]]] = {}  # shard -> its reader and watcher
         self.submitter = asyncio.create_task(self._submit_ops())
         self.shard_watcher: asyncio.Task[None] | None = None
@@ -290,7 +291,18 @@ class Connection:
             if cut:
                 await self._cut(cut)
             if None in ops:
+                for streams in self._submitting.values():
+                    with contextlib.suppress(RedisError, OSError):
+                        await streams.aclose()
                 return
+
+    def _submit_streams(self, link: ShardLink) -> RequestStreams:
+        """The submitter's own connection to a shard (`RequestStreams.on_own_connection`: enqueues are the request's
+        hot path), anew for a link opened anew."""
+        streams = self._submitting.get(link.name)
+        if streams is None or streams.redis is not link.redis:
+            streams = self._submitting[link.name] = link.streams.on_own_connection()
+        return streams
 
     async def _cancel(self, request_ids: list[str]) -> None:
         """Cancel in each request's shard (in every shard, for one not yet placed)."""
@@ -352,7 +364,7 @@ class Connection:
             outcomes: list[Any]
             try:
                 outcomes = await retry_while_away(
-                    lambda: link.streams.enqueue_batches(batches, limits),
+                    lambda: self._submit_streams(link).enqueue_batches(batches, limits),
                     self.settings.client.redis_outage_s,
                     f"enqueue (shard {shard})",
                     stop=lambda: self._closing,
@@ -385,6 +397,14 @@ class Connection:
 
     async def _read_results(self, link: ShardLink) -> None:
         """A shard's reader: routes each result to its call by request id, ignores duplicates."""
+        streams = link.streams.on_own_connection()  # the results' hot path: a connection of its own, used directly
+        try:
+            await self._read_results_on(link, streams)
+        finally:
+            with contextlib.suppress(RedisError, OSError):
+                await streams.aclose()
+
+    async def _read_results_on(self, link: ShardLink, streams: RequestStreams) -> None:
         last_id, failures = b"0-0", 0
         done_ids: list[bytes] = []
         results = link.keys.results(self.producer_id)
@@ -393,7 +413,7 @@ class Connection:
                 last_id = b"0-0"
                 self._reread.discard(link.name)
             try:
-                records, committed, adapters = await link.streams.read_results(
+                records, committed, adapters = await streams.read_results(
                     results, last_id, done_ids, self.settings.read_block_ms, link.keys.state, sorted(self.adapters)
                 )
                 self.adapters.update(adapters)

@@ -190,15 +190,17 @@ return {'${ScriptReply.OK}', redis.call('DEL', skey)}
 """)
 
 # KEYS: [1] the loads hash, then the streams named (results and requests streams), each once. ARGV: [1] results ttl
-# s, [2] group, [3] the worker's id, [4] its free slots after this publish ('' to leave them), then 5 per item:
-# results key index (0: no result), payload, requests key index, entry id, its cost (tokens, taken off the worker's
-# load in `Keys.loads`). An item's result is added only if its XACK returned 1, that is if the entry was still
-# pending here; 0 means it was requeued while this worker was presumed dead, and the worker that takes the requeued
-# copy answers it. Returns how many were fenced.
+# s, [2] group, [3] the worker's id, [4] its free slots after this publish ('' to leave them and its load), [5] tokens
+# its blocking reads took that no take counted yet, [6] the part of them read from its pinned stream (both
+# `workers.inflight.Woken`), then 5 per item: results key index (0: no result), payload, requests key index, entry id,
+# its cost. The load (`Keys.loads` ID) gets [5] less the items' costs, ID:pinned loses [6]; neither goes below 0.
+# An item's result is added only if its XACK returned 1, that is if the entry was still pending here; 0 means it was
+# requeued while this worker was presumed dead, and the worker that takes the requeued copy answers it. Returns how
+# many were fenced.
 PUBLISH_LUA = lua("""
 local results_ttl_s, group, worker, free = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local fenced, touched, done = 0, {}, 0
-for a = 5, #ARGV, 5 do
+for a = 7, #ARGV, 5 do
   local stream, id = KEYS[tonumber(ARGV[a + 2])], ARGV[a + 3]
   done = done + tonumber(ARGV[a + 4])
   if redis.call('XACK', stream, group, id) == 1 then
@@ -216,7 +218,13 @@ for key in pairs(touched) do redis.call('EXPIRE', key, results_ttl_s) end
 if free ~= '' then
   local t = redis.call('TIME')
   local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  if done > 0 then redis.call('HINCRBY', KEYS[1], worker, -done) end
+  local function change(field, tokens)
+    local left = (tonumber(redis.call('HGET', KEYS[1], field) or '0') or 0) + tokens
+    redis.call('HSET', KEYS[1], field, math.max(0, left))
+  end
+  local woken = tonumber(ARGV[5])
+  if done ~= woken then change(worker, woken - done) end
+  if tonumber(ARGV[6]) > 0 then change(worker .. '${PINNED_SUFFIX}', -tonumber(ARGV[6])) end
   redis.call('HSET', KEYS[1], worker .. '${FREE_SUFFIX}', string.format('%d %d', free, now_ms))
 end
 return fenced
@@ -305,7 +313,8 @@ return 0
 # ARGV: [1] group, [2] worker id, [3] free slots, [4] loads TTL ms, [5] the most queued entries it peeks at, [6] tokens
 # it took outside (its blocking read of the next entry), added to its load, [7] 1 if it holds nothing (its load is
 # then 0: a request that left it other than by a publish, requeued or forwarded, would otherwise count for ever),
-# [8] 1 to share (placement `cost`), 0 to take whatever fits (`fifo`).
+# [8] 1 to share (placement `cost`), 0 to take whatever fits (`fifo`), [9] the part of [6] read from its pinned
+# stream (taken off ID:pinned first).
 # 1. Its pinned entries (its sessions), up to its free slots (ID:pinned less their cost, or 0 once none is left).
 # 2. Of the shared queue, the share that brings its load to the level the open workers' loads would reach if the
 # queued work were spread over them (water level: queued tokens plus their loads, over their number); open = said
@@ -323,6 +332,11 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local reply, left, spent = {}, false, tonumber(ARGV[6])
 local suffix_free = '${FREE_SUFFIX}'
 local held = math.max(0, tonumber(redis.call('HGET', loads, me) or '0'))
+local function take_off(field, tokens)
+  local left = (tonumber(redis.call('HGET', loads, field) or '0') or 0) - tokens
+  redis.call('HSET', loads, field, math.max(0, left))
+end
+if tonumber(ARGV[9]) > 0 then take_off(me .. '${PINNED_SUFFIX}', tonumber(ARGV[9])) end
 if ARGV[7] == '1' then
   held = 0
   redis.call('HSET', loads, me, 0)
@@ -349,8 +363,7 @@ if free > 0 then
   if free > 0 then
     redis.call('HSET', loads, me .. '${PINNED_SUFFIX}', 0)
   elseif spent > before then
-    local left = tonumber(redis.call('HGET', loads, me .. '${PINNED_SUFFIX}') or '0') or 0
-    redis.call('HSET', loads, me .. '${PINNED_SUFFIX}', math.max(0, left - (spent - before)))
+    take_off(me .. '${PINNED_SUFFIX}', spent - before)
   end
 end
 -- 2. shared: the open workers' loads, then the queue ahead of the group

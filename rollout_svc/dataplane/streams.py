@@ -28,6 +28,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, ResponseError
 
+from rollout_svc.dataplane.direct import DirectConnection, borrowed, stream_records
 from rollout_svc.dataplane.scripts import (
     DEAD_LETTER_LUA,
     ENQUEUE_LUA,
@@ -113,10 +114,15 @@ class Sweep:
 
 
 class RequestStreams:
-    """Data-plane operations on one Redis connection; caches the registered worker ids the scripts declare."""
+    """Data-plane operations on one Redis client; caches the registered worker ids the scripts declare.
 
-    def __init__(self, redis: Redis, keys: Keys, session_ttl_s: float) -> None:
-        self.redis, self.keys = redis, keys
+    `on_own_connection()` gives a copy for one sequential user of the hot paths (a worker's take loop or publisher,
+    a producer's submitter or result reader) whose take, blocking reads, publish, enqueue and result reads go over
+    a `DirectConnection`; everything else goes through the client."""
+
+    def __init__(self, redis: Redis, keys: Keys, session_ttl_s: float, direct: DirectConnection | None = None) -> None:
+        self.redis, self.keys, self.direct = redis, keys, direct
+        self._session_ttl_s = session_ttl_s
         self._session_ttl_ms = int(session_ttl_s * 1000)
         self._scripts = {
             name: redis.register_script(lua)
@@ -132,6 +138,33 @@ class RequestStreams:
             )
         }
         self._workers: list[str] | None = None  # registered worker ids, as the scripts were last given them
+
+    def on_own_connection(self) -> RequestStreams:
+        """A copy whose hot paths go over a connection of its own (`DirectConnection`), for one sequential user;
+        `aclose()` gives the connection back."""
+        return RequestStreams(self.redis, self.keys, self._session_ttl_s, DirectConnection(self.redis))
+
+    async def aclose(self) -> None:
+        """Give back the connection of `on_own_connection` (nothing to do for a copy without one)."""
+        if self.direct is not None:
+            await self.direct.aclose()
+
+    def _connection(self) -> contextlib.AbstractAsyncContextManager[DirectConnection]:
+        """The hot paths' connection (`DirectConnection`, not retried): this copy's own, or one borrowed from the
+        pool for the call."""
+        return contextlib.nullcontext(self.direct) if self.direct is not None else borrowed(self.redis)
+
+    async def _execute(self, *commands: Sequence[Any]) -> list[Any]:
+        """`commands` in one round trip on the hot paths' connection; their replies. Raises the first error."""
+        async with self._connection() as direct:
+            replies = await direct.execute(*commands)
+        if errors := [reply for reply in replies if isinstance(reply, ResponseError)]:
+            raise errors[0]
+        return replies
+
+    async def _script(self, name: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        async with self._connection() as direct:
+            return await direct.script(self._scripts[name], keys, args)
 
     async def ensure_group(self, stream: str) -> None:
         """Create the `workers` consumer group (and the stream) if missing. From id 0: nothing queued is skipped.
@@ -261,11 +294,8 @@ class RequestStreams:
         for attempt in range(STALE_RETRIES):
             workers = await self._fleet(refresh=attempt > 0)
             calls = {i: self._enqueue_call(*chunks[i], workers, []) for i in todo}
-            pipe = self.redis.pipeline(transaction=False)
-            for keys, args in calls.values():
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
             try:
-                replies = await pipe.execute()
+                replies = await self._execute(*(("EVALSHA", script.sha, len(k), *k, *a) for k, a in calls.values()))
             except NoScriptError:
                 script.sha = await self.redis.script_load(script.script)
                 continue
@@ -365,18 +395,20 @@ class RequestStreams:
         carried_tokens: int = 0,
         idle: bool = False,
         share: bool = True,
+        carried_pinned: int = 0,
     ) -> tuple[list[Entry], bool]:
         """One non-blocking take (`TAKE_LUA`): pinned entries, then the share of the shared queue that brings this
         worker's load (tokens) to the level of the open workers' loads with the queued work spread over them; at
         least one entry if it is the least loaded. Adds what it took, and `carried_tokens` (the cost of what its
         `wait_for_entries` took), to its load in `Keys.loads`, after setting it to 0 if `idle` (it holds nothing,
         every result published); `loads_ttl_ms`: how long a worker's reported free slots count (its heartbeat
-        TTL). Without `share` (placement `fifo`) it takes whatever fits its free slots. Returns the entries and
-        whether queued entries were left to other workers' shares."""
+        TTL). Without `share` (placement `fifo`) it takes whatever fits its free slots. `carried_pinned`: the part
+        of `carried_tokens` read from its pinned stream, taken off its pinned tokens (ID:pinned). Returns the
+        entries and whether queued entries were left to other workers' shares."""
         keys = [self.keys.pinned_requests(worker_id), self.keys.requests, self.keys.loads]
         args: list[str | int] = [WORKERS_GROUP, worker_id, free, loads_ttl_ms, TAKE_PEEK, carried_tokens, int(idle)]
-        args.append(int(share))
-        reply: Any = await self._scripts["take"](keys=keys, args=args)
+        args += [int(share), carried_pinned]
+        reply: Any = await self._script("take", keys, args)
         left = bool(reply) and reply[-1] == ScriptReply.LEFT
         entries = []
         for stream, records in reply[:-1] if left else reply or []:
@@ -438,9 +470,11 @@ class RequestStreams:
         return await self._readgroup(worker_id, {self.keys.token_requests: ">"}, count, block_ms)
 
     async def _readgroup(self, consumer: str, streams: dict, count: int, block_ms: int | None) -> list[Entry]:
-        reply: Any = await self.redis.xreadgroup(WORKERS_GROUP, consumer, streams, count=count, block=block_ms)
+        block = [] if block_ms is None else ["BLOCK", block_ms]
+        read = ("XREADGROUP", "GROUP", WORKERS_GROUP, consumer, "COUNT", count, *block, "STREAMS", *streams)
+        [reply] = await self._execute((*read, *streams.values()))
         entries = []
-        for stream, records in reply or []:
+        for stream, records in stream_records(reply):
             name = stream.decode() if isinstance(stream, bytes) else stream
             entries += [_entry(name, entry_id, fields, delivered=1) for entry_id, fields in records]
         return entries
@@ -450,19 +484,22 @@ class RequestStreams:
         items: Iterable[tuple[Entry, tuple[str, bytes] | None]],
         results_ttl_s: float,
         load: tuple[str, int] | None = None,
+        woken: tuple[int, int] = (0, 0),
     ) -> int:
         """Atomically (one script): for each (entry, (results stream, payload) or None), XACK + XDEL the entry
         and XADD its result, but only where the XACK returned 1. Returns how many were fenced (not published).
         `load`: (worker id, free slots after this publish): the entries' costs are taken off its load in
-        `Keys.loads` in the same call, so a take's fair share never counts work already answered."""
+        `Keys.loads` in the same call, so a take's fair share never counts work already answered; `woken`:
+        (tokens, pinned tokens) its blocking reads took that no take counted yet (`workers.inflight.Woken`): added
+        to its load, and taken off its pinned tokens, first. Neither goes below 0."""
         keys: dict[str, int] = {self.keys.loads: 1}  # stream name -> its 1-based index in KEYS
         load_args = ["", ""] if load is None else [load[0], str(max(load[1], 0))]
-        args: list[str | bytes | int] = [int(results_ttl_s), WORKERS_GROUP, *load_args]
+        args: list[str | bytes | int] = [int(results_ttl_s), WORKERS_GROUP, *load_args, *woken]
         for entry, result in items:
             reply_index = keys.setdefault(result[0], len(keys) + 1) if result else 0
             args += [reply_index, result[1] if result else b"", keys.setdefault(entry.stream, len(keys) + 1)]
             args += [entry.entry_id, entry.cost]
-        return int(await self._scripts["publish"](keys=list(keys), args=args))
+        return int(await self._script("publish", list(keys), args))
 
     async def send_chunk(self, stream: str, payload: bytes, results_ttl_s: float) -> None:
         """XADD a streaming chunk to a results stream (no ack: the final result is published with its ack), and
@@ -637,15 +674,13 @@ class RequestStreams:
         (and the newest version of each of `adapters`) from the state hash `state` as it is right after they arrived
         (Redis runs a connection's commands in order, so the HMGET waits behind the blocking read): one round trip.
         Returns (records, committed, {adapter: its newest version, for those loaded})."""
-        pipe = self.redis.pipeline(transaction=False)
-        if done_ids:
-            pipe.xdel(stream, *done_ids)
-        pipe.xread({stream: last_id}, count=1000, block=block_ms)
-        pipe.hmget(state, [StateField.WEIGHT_VERSION, *(StateField.adapter(name) for name in adapters)])
-        replies = await pipe.execute()
-        reply, (committed, *held) = replies[-2], replies[-1]
+        fields = [StateField.WEIGHT_VERSION, *(StateField.adapter(name) for name in adapters)]
+        commands: list[tuple[Any, ...]] = [("XDEL", stream, *done_ids)] if done_ids else []
+        commands += [("XREAD", "COUNT", 1000, "BLOCK", block_ms, "STREAMS", stream, last_id), ("HMGET", state, *fields)]
+        *_, reply, (committed, *held) = await self._execute(*commands)
         versions = {name: _adapter_version(value) for name, value in zip(adapters, held, strict=True) if value}
-        return (reply[0][1] if reply else []), int(committed or 0), versions
+        records = stream_records(reply)
+        return (records[0][1] if records else []), int(committed or 0), versions
 
     async def depth(self, stream: str) -> dict[str, int]:
         """Length (queued + in flight, since acked entries are deleted) and pending count of a requests stream."""

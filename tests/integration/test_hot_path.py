@@ -1,0 +1,181 @@
+"""A request's hot path on a real Redis: its own connections (`DirectConnection`: replies in order, errors as
+replies, a script Redis lost is loaded again, a broken call gives the connection up, the streams' reads parse as the
+client's do), and an idle worker's answer sent before its next take with its load counted exactly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from rollout_svc.client.rollout_client import RolloutClient
+from rollout_svc.config import Settings
+from rollout_svc.connections.urls import redis_async
+from rollout_svc.dataplane.direct import DirectConnection, stream_records
+from rollout_svc.dataplane.streams import RequestStreams
+from rollout_svc.keys import PAYLOAD_FIELD, PINNED_SUFFIX, WORKERS_GROUP
+
+
+def test_replies_come_in_order_with_an_error_in_its_place(redis_url: str, rds: redis.Redis) -> None:
+    async def main() -> list:
+        client = redis_async(redis_url, decode_responses=False)
+        direct = DirectConnection(client)
+        try:
+            return await direct.execute(("SET", "k", "v"), ("HGET", "k", "f"), ("GET", "k"))
+        finally:
+            await direct.aclose()
+            await client.aclose()
+
+    ok, error, value = asyncio.run(main())
+    assert ok in (b"OK", "OK", True)
+    assert isinstance(error, ResponseError) and "WRONGTYPE" in str(error)
+    assert value == b"v"  # the reply after an error is not lost
+
+
+def test_a_script_redis_lost_is_loaded_again(redis_url: str, rds: redis.Redis) -> None:
+    async def main() -> list:
+        client = redis_async(redis_url, decode_responses=False)
+        direct = DirectConnection(client)
+        script = client.register_script("return {KEYS[1], ARGV[1]}")
+        try:
+            first = await direct.script(script, ["a"], [1])
+            rds.script_flush()  # as after a restart: NOSCRIPT for the next EVALSHA
+            second = await direct.script(script, ["b"], [2])
+            with pytest.raises(ResponseError):
+                await direct.script(client.register_script("return redis.call('HGET', KEYS[1], 'f')"), ["k"], [])
+            return [first, second]
+        finally:
+            await direct.aclose()
+            await client.aclose()
+
+    rds.set("k", "v")
+    assert asyncio.run(main()) == [[b"a", b"1"], [b"b", b"2"]]
+
+
+def test_a_call_cut_short_gives_up_its_connection_and_the_next_uses_a_fresh_one(
+    redis_url: str, rds: redis.Redis
+) -> None:
+    async def main() -> tuple[int, int, int]:
+        client = redis_async(redis_url, decode_responses=False)
+        direct = DirectConnection(client)
+        try:
+            before = await direct.client_id()
+            blocked = asyncio.create_task(direct.execute(("BLPOP", "never", 5)))
+            await asyncio.sleep(0.2)
+            blocked.cancel()  # a reply left unread: the connection cannot be used again
+            with pytest.raises(asyncio.CancelledError):
+                await blocked
+            after = await direct.client_id()
+            rds.client_kill_filter(_id=after)
+            with pytest.raises((RedisConnectionError, ConnectionError)):
+                await direct.execute(("PING",))
+            return before, after, await direct.client_id()
+        finally:
+            await direct.aclose()
+            await client.aclose()
+
+    before, after, again = asyncio.run(main())
+    assert len({before, after, again}) == 3, (before, after, again)
+
+
+def test_stream_replies_parse_as_the_clients_do(settings: Settings, rds: redis.Redis) -> None:
+    """A worker's blocking read and a producer's read of results over its own connection give what the client's
+    (redis-py's callbacks) give."""
+    keys = settings.keys
+    stream = keys.requests
+
+    async def main() -> tuple:
+        client = redis_async(settings.redis_url, decode_responses=False)
+        shared = RequestStreams(client, keys, settings.session_ttl_s)
+        own = shared.on_own_connection()
+        try:
+            for name in (stream, keys.pinned_requests("w-direct"), keys.pinned_requests("w-client")):
+                await shared.ensure_group(name)
+            for i in range(3):
+                await client.xadd(stream, {PAYLOAD_FIELD: f"p{i}".encode()})
+            direct_read = await own.wait_for_entries("w-direct", 100)
+            client_read = await shared.wait_for_entries("w-client", 100)
+            await client.xadd("results", {PAYLOAD_FIELD: b"r0"})
+            direct_results = await own.read_results("results", b"0-0", [], 100, keys.state)
+            client_results = await shared.read_results("results", b"0-0", [], 100, keys.state)
+            return direct_read, client_read, direct_results, client_results
+        finally:
+            await own.aclose()
+            await client.aclose()
+
+    direct_read, client_read, direct_results, client_results = asyncio.run(main())
+    assert [e.payload for e in direct_read] == [b"p0"] and [e.payload for e in client_read] == [b"p1"]
+    assert direct_read[0].stream == client_read[0].stream == stream
+    assert direct_results[0] == [tuple(r) for r in client_results[0]] and direct_results[1:] == client_results[1:]
+    assert dict(direct_results[0][0][1]) == {PAYLOAD_FIELD: b"r0"}
+    assert rds.xpending(stream, WORKERS_GROUP)["pending"] == 2
+
+
+def test_stream_records_reads_both_protocols() -> None:
+    resp3 = {b"s": [[b"1-0", [b"a", b"1", b"b", b"2"]], [b"2-0", None]]}
+    resp2 = [[b"s", [[b"1-0", [b"a", b"1", b"b", b"2"]], [b"2-0", None]]]]
+    expected = [(b"s", [(b"1-0", {b"a": b"1", b"b": b"2"}), (b"2-0", {})])]
+    assert stream_records(resp3) == stream_records(resp2) == expected
+    assert stream_records(None) == stream_records({}) == []
+
+
+def test_an_idle_worker_s_answer_goes_out_before_its_next_take(settings: Settings, rds: redis.Redis) -> None:
+    """`Publisher.caught_up` returns once every result queued before it is in its results stream: the take loop
+    waits for it after a wake, so at one request in flight the answer is not held behind a take."""
+    from workers.inflight import InFlight
+    from workers.publisher import Publisher
+    from workers.state import WorkerState
+
+    keys = settings.keys
+
+    async def main() -> tuple[int, int]:
+        client = redis_async(settings.redis_url, decode_responses=False)
+        streams = RequestStreams(client, keys, settings.session_ttl_s)
+        await streams.ensure_group(keys.requests)
+        await client.xadd(keys.requests, {PAYLOAD_FIELD: b"request"})
+        [entry] = await _read_shared(streams, keys.requests)
+        released: list[InFlight] = []
+        publisher = Publisher(streams.on_own_connection(), WorkerState("w0"), 60, released.append)
+        stopping = asyncio.Event()
+        running = asyncio.create_task(publisher.run(stopping))
+        try:
+            record = InFlight(entry, True, reply_to="results", payload=b"answer")
+            publisher.put(record)
+            before = await client.xlen("results")
+            await publisher.caught_up(10)
+            after = await client.xlen("results")
+            assert released == [record]
+            await asyncio.wait_for(publisher.caught_up(10), 1)  # nothing queued: at once
+            return before, after
+        finally:
+            publisher.close()
+            await running
+            await publisher.streams.aclose()
+            await client.aclose()
+
+    assert asyncio.run(main()) == (0, 1)
+
+
+async def _read_shared(streams: RequestStreams, stream: str) -> list:
+    return await streams._readgroup("w0", {stream: ">"}, 1, 100)
+
+
+async def test_a_worker_counts_no_work_once_its_answer_arrives(settings: Settings, echo_workers, rds) -> None:
+    """An idle worker woken by a session's turn (read from its pinned stream by the blocking read) publishes the answer
+    before its next take; that publish counts what the read took (`Woken`), so when the answer arrives its load and
+    its pinned tokens are 0, and the next session is placed by the true loads (here: a tie, so the lower id)."""
+    [first, second] = echo_workers(2)
+    loads = settings.keys.loads
+    async with RolloutClient(settings) as client:
+        seen = []
+        for turn in range(20):
+            [t] = await client.generate([[1, 2, 3]], {"max_tokens": 3}, ["s"])
+            held = rds.hmget(loads, [t.worker_id, t.worker_id + PINNED_SUFFIX])
+            seen.append((turn, t.worker_id, held))
+        assert {worker for _, worker, _ in seen} == {first}, seen  # sticky
+        assert all(held == [b"0", b"0"] for _, _, held in seen[1:]), seen  # turn 0 came from the shared stream
+        [t] = await client.generate([[1, 2, 3]], {"max_tokens": 3}, ["another"])
+        assert t.worker_id == second  # the fewest sessions breaks the tie of loads
