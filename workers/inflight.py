@@ -24,11 +24,15 @@ class Woken:
 
     tokens: int = 0
     pinned: int = 0
+    drained: bool = False  # its last read took fewer entries of each stream than it asked: none was left to take
 
-    def add(self, entries: Iterable[Entry], pinned_stream: str) -> None:
+    def add(self, entries: list[Entry], pinned_stream: str, asked: int) -> None:
+        """What a blocking read that asked for up to `asked` entries of each stream took."""
         for entry in entries:
             self.tokens += entry.cost
             self.pinned += entry.cost if entry.stream == pinned_stream else 0
+        taken = [sum(1 for entry in entries if entry.stream == stream) for stream in {e.stream for e in entries}]
+        self.drained = bool(entries) and asked > 1 and max(taken) < asked
 
     @contextlib.contextmanager
     def claimed(self, claim: bool = True) -> Iterator[tuple[int, int]]:

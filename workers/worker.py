@@ -317,10 +317,9 @@ class Worker:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            if self._woken.tokens:  # woken from idle: its answers go out before the take that shares the rest
+            if self._woken.tokens and not self._woken.drained:  # woken: its answers go out before the next take
                 await self.publisher.caught_up(self.settings.read_block_ms / 1000)
-            taken = await self._read("take", self._take(free))
-            if taken is None:
+            if (taken := await self._read("take", self._take(free))) is None:
                 continue
             entries, left = taken
             if left and not entries:  # the queued work is other workers' share: until one of ours ends, or a moment
@@ -347,12 +346,13 @@ class Worker:
         try:
             idle, ttl_ms = not (self.index.generating or self._woken.tokens), int(self.settings.heartbeat_ttl_s * 1e3)
             streams, share = self._take_streams, self.settings.worker.placement == "cost"
-            with self._woken.claimed() as (carried, pinned):
-                entries, left = await streams.take(self.worker_id, free, ttl_ms, carried, idle, share, pinned)
-            if entries or left or free <= 0:
-                return entries, left
-            woken = await streams.wait_for_entries(self.worker_id, self.settings.read_block_ms)
-            self._woken.add(woken, self.keys.pinned_requests(self.worker_id))  # counted by its next take or publish
+            if not self._woken.drained:  # else its last read found nothing more queued: to the next read at once
+                with self._woken.claimed() as (carried, pinned):
+                    entries, left = await streams.take(self.worker_id, free, ttl_ms, carried, idle, share, pinned)
+                if entries or left or free <= 0:
+                    return entries, left
+            woken = await streams.wait_for_entries(self.worker_id, self.settings.read_block_ms, asked := min(free, 2))
+            self._woken.add(woken, self.keys.pinned_requests(self.worker_id), asked)  # counted by a take or publish
             return woken, False
         finally:
             self._reading = False

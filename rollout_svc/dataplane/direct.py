@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import hiredis
 import redis.asyncio
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
 class DirectConnection:
@@ -34,35 +37,40 @@ class DirectConnection:
         self.known_client_id: int | None = None  # its connection's CLIENT ID, once asked (`client_id`)
 
     async def execute(self, *commands: Sequence[Any]) -> list[Any]:
-        """Send `commands` (each a command and its arguments) in one write; their replies, in order. A command that
-        Redis answered with an error has the `ResponseError` as its reply (as redis-py's pipeline with
-        `raise_on_error=False`): one failed command does not lose the others' replies.
+        """Send `commands` (each a command and its arguments: str, bytes, int or float) in one write; their replies,
+        in order. A command that Redis answered with an error has the `ResponseError` as its reply (as redis-py's
+        pipeline with `raise_on_error=False`): one failed command does not lose the others' replies.
 
-        Raises redis-py's `ConnectionError` or `TimeoutError` (after `socket_timeout`) if Redis is away."""
+        The whole call (a blocking command's block included) gets the client's socket timeout, once: redis-py
+        arms one per write and per reply. Raises redis-py's `ConnectionError`, or its `TimeoutError` past that
+        timeout, if Redis is away."""
         connection = self._connection
         if connection is None:
             connection = self._connection = await self.client.connection_pool.get_connection()
+        timeout_s = connection.socket_timeout
         try:
-            await self._send(connection, connection.pack_commands(commands))
-            replies = []
-            for _ in commands:
-                try:
-                    replies.append(await connection.read_response())
-                except ResponseError as exc:
-                    replies.append(exc)
-            return replies
-        except BaseException:
+            async with asyncio.timeout(timeout_s):
+                await self._send(connection, _packed(commands))
+                replies = []
+                for _ in commands:
+                    try:
+                        replies.append(await connection.read_response(timeout=math.inf))  # timed above
+                    except ResponseError as exc:
+                        replies.append(exc)
+                return replies
+        except BaseException as exc:
             await self.aclose()
+            if isinstance(exc, TimeoutError):
+                raise RedisTimeoutError(f"no reply from Redis within {timeout_s} s") from exc
             raise
 
     @staticmethod
-    async def _send(connection: Any, packed: list[bytes]) -> None:
-        """Write `packed`, within the connection's socket timeout, as redis-py does but without its `wait_for`,
-        which on Python 3.11 runs each write in a task of its own (a loop iteration later, and ~20 us of CPU)."""
+    async def _send(connection: Any, packed: bytes) -> None:
+        """Write `packed` as redis-py does but without its `wait_for` (the caller times the call), which on Python
+        3.11 runs each write in a task of its own (a loop iteration later, and ~20 us of CPU)."""
         timeout, connection.socket_timeout = connection.socket_timeout, None
         try:
-            async with asyncio.timeout(timeout):
-                await connection.send_packed_command(packed, check_health=False)
+            await connection.send_packed_command(packed, check_health=False)
         finally:
             connection.socket_timeout = timeout
 
@@ -113,6 +121,11 @@ async def borrowed(client: redis.asyncio.Redis) -> AsyncIterator[DirectConnectio
         yield direct
     finally:
         await direct.release()
+
+
+def _packed(commands: Sequence[Sequence[Any]]) -> bytes:
+    """`commands` in the Redis protocol, packed by hiredis (in C: ~6x faster than redis-py's packer, same bytes)."""
+    return b"".join(hiredis.pack_command(tuple(command)) for command in commands)
 
 
 def stream_records(reply: Any) -> list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]:

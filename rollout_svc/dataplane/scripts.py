@@ -366,8 +366,21 @@ if free > 0 then
     take_off(me .. '${PINNED_SUFFIX}', spent - before)
   end
 end
--- 2. shared: the open workers' loads, then the queue ahead of the group
-if free > 0 and redis.call('EXISTS', shared) == 1 then
+-- 2. shared: the queue ahead of the group (nothing: done, the common case of an idle fleet), then the open workers'
+-- loads and its share
+local function ahead_of_group()
+  local last = '${StreamSyntax.FIRST_ID}'
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', shared)) do
+    local info = {}
+    for i = 1, 11, 2 do  -- not #g: a null field (entries-read) may end the table early under fakeredis
+      if g[i] then info[g[i]] = g[i + 1] end
+    end
+    if info['${StreamSyntax.GROUP_NAME}'] == group then last = info['${StreamSyntax.LAST_DELIVERED_ID}'] end
+  end
+  return '${StreamSyntax.EXCLUSIVE}' .. last
+end
+local after = free > 0 and redis.call('EXISTS', shared) == 1 and ahead_of_group()
+if after and #redis.call('XRANGE', shared, after, '+', 'COUNT', 1) > 0 then
   local mine = held + spent
   local open, level_sum, least = 1, mine, true
   local h = redis.call('HGETALL', loads)
@@ -384,16 +397,8 @@ if free > 0 and redis.call('EXISTS', shared) == 1 then
       end
     end
   end
-  local last = '${StreamSyntax.FIRST_ID}'
-  for _, g in ipairs(redis.call('XINFO', 'GROUPS', shared)) do
-    local info = {}
-    for i = 1, 11, 2 do  -- not #g: a null field (entries-read) may end the table early under fakeredis
-      if g[i] then info[g[i]] = g[i + 1] end
-    end
-    if info['${StreamSyntax.GROUP_NAME}'] == group then last = info['${StreamSyntax.LAST_DELIVERED_ID}'] end
-  end
   local enough = math.min(free * open, peek)  -- a queue this deep fills every open worker
-  local ahead = redis.call('XRANGE', shared, '${StreamSyntax.EXCLUSIVE}' .. last, '+', 'COUNT', enough)
+  local ahead = redis.call('XRANGE', shared, after, '+', 'COUNT', enough)
   local count = 0
   if #ahead >= enough or ARGV[8] == '0' then
     count = free

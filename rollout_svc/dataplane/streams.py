@@ -381,11 +381,12 @@ class RequestStreams:
         _, reply = await self._placement("pin", build)
         return reply[1].decode() or None
 
-    async def wait_for_entries(self, worker_id: str, block_ms: int) -> list[Entry]:
-        """Block up to `block_ms` on the worker's pinned stream and the shared one, taking the next entry of each
-        (one): what wakes an idle worker, whose next `take` shares out the rest."""
+    async def wait_for_entries(self, worker_id: str, block_ms: int, count: int = 1) -> list[Entry]:
+        """Block up to `block_ms` on the worker's pinned stream and the shared one, taking the next entries of each
+        (up to `count`): what wakes an idle worker, whose next `take` shares out the rest (fewer than `count` from
+        each: there was no rest)."""
         pinned, shared = self.keys.pinned_requests(worker_id), self.keys.requests
-        return await self._readgroup(worker_id, {pinned: ">", shared: ">"}, 1, block_ms)
+        return await self._readgroup(worker_id, {pinned: ">", shared: ">"}, count, block_ms)
 
     async def take(
         self,
