@@ -11,7 +11,7 @@ import pytest
 
 from rollout_svc.dataplane.streams import Entry
 from rollout_svc.protocol import Continuation, ControlCommand, RolloutRequest, TokenizeRequest
-from workers.inflight import REABORT_AFTER_S, RULE_TTL_S, AbortRules, InFlight, InFlightIndex, abort_hits
+from workers.inflight import REABORT_AFTER_S, RULE_TTL_S, AbortRules, InFlight, InFlightIndex, Woken, abort_hits
 
 
 class Engine:
@@ -209,3 +209,28 @@ async def test_wait_changed_returns_after_its_timeout_when_nothing_finishes(inde
     started = time.monotonic()
     await index.wait_changed(0.05)
     assert time.monotonic() - started >= 0.05
+
+
+def test_what_a_blocking_read_took_is_claimed_once_and_says_whether_a_take_is_needed() -> None:
+    def entry(stream: str, cost: int) -> Entry:
+        return Entry(stream, b"1-0", b"", 1, cost=cost)
+
+    woken = Woken()
+    woken.add([entry("pinned", 5), entry("shared", 7)], "pinned", asked=2)
+    assert (woken.tokens, woken.pinned, woken.drained) == (12, 5, True)  # one of each where 2 were asked: none left
+    with woken.claimed() as claimed:
+        assert claimed == (12, 5) and (woken.tokens, woken.pinned) == (0, 0)
+    with pytest.raises(ConnectionError), woken.claimed() as claimed:  # nothing left to claim
+        assert claimed == (0, 0)
+        raise ConnectionError
+    woken.add([entry("shared", 3), entry("shared", 4)], "pinned", asked=2)
+    assert woken.drained is False  # as many as asked: more may be queued, the next take shares them out
+    with pytest.raises(ConnectionError), woken.claimed():
+        raise ConnectionError  # the call failed: given back, for the next call to count
+    assert (woken.tokens, woken.pinned) == (7, 0)
+    with woken.claimed(claim=False) as claimed:
+        assert claimed == (0, 0) and woken.tokens == 7
+    woken.add([entry("shared", 1)], "pinned", asked=1)
+    assert woken.drained is False  # one asked, one taken: nothing known about the rest
+    woken.add([], "pinned", asked=2)
+    assert woken.drained is False and woken.tokens == 8  # a read that timed out: the next take looks
