@@ -3,8 +3,11 @@ adapters (`ServedModels`), and the request's session (`session_header`)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from fastapi import Request
 
@@ -12,6 +15,35 @@ from rollout_svc.client.fleet_calls import AdapterSpec
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.openai.errors import APIError
 from rollout_svc.protocol import WorkerStatus
+
+T = TypeVar("T")
+
+
+class Refreshed(Generic[T]):
+    """A value read anew at most once per `ttl_s`, by one read at a time: callers that find it stale while a read is
+    under way await that read (single flight). Without that, every request in flight when the value went stale
+    read it at once: 1,000 SkyRL generates at a moment took the client's connections past redis-py's pool limit
+    (100), and some were answered 503 "Too many connections". A failed read fails its waiters and is tried again
+    by the next caller."""
+
+    def __init__(self, read: Callable[[], Awaitable[T]], initial: T, ttl_s: float) -> None:
+        self.read, self.value, self.ttl_s = read, initial, ttl_s
+        self.read_at = float("-inf")
+        self._reading: asyncio.Future[T] | None = None
+
+    async def get(self) -> T:
+        if time.monotonic() - self.read_at <= self.ttl_s:
+            return self.value
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read())
+        return await asyncio.shield(self._reading)
+
+    async def _read(self) -> T:
+        try:
+            self.value, self.read_at = await self.read(), time.monotonic()
+            return self.value
+        finally:
+            self._reading = None
 
 
 def session_header(request: Request, body_session: str | None) -> str | None:
@@ -44,18 +76,14 @@ class ServedModels:
 
     def __init__(self, client: RolloutClient, served_model_names: list[str], ttl_s: float = 1.0) -> None:
         self.client, self.served, self.ttl_s = client, served_model_names, ttl_s
-        self._workers: list[WorkerStatus] = []
-        self._read_at = float("-inf")
+        self._workers = Refreshed(self._read_workers, [], ttl_s)
         self._seen: set[str] = set()  # models live workers reported, kept after they died
-        self._named: list[str] = []  # named models (`Settings.model_name`), each with queues of its own
-        self._named_read_at = float("-inf")
+        self._named = Refreshed(client.named_models, [], ttl_s)  # named models, each with queues of its own
         self._clients: dict[str, RolloutClient] = {}  # named model -> its client
 
     async def named(self) -> list[str]:
         """The named models of the deployment (their workers registered them), read at most once per `ttl_s`."""
-        if time.monotonic() - self._named_read_at > self.ttl_s:
-            self._named, self._named_read_at = await self.client.named_models(), time.monotonic()
-        return self._named
+        return await self._named.get()
 
     def client_for(self, model_name: str) -> RolloutClient:
         """The client of named model `model_name` ("": the fleet's default model, this app's own client)."""
@@ -70,10 +98,13 @@ class ServedModels:
             await client.close()
 
     async def workers(self) -> list[WorkerStatus]:
-        if time.monotonic() - self._read_at > self.ttl_s:
-            self._workers, self._read_at = await self.client.workers(), time.monotonic()
-            self._seen.update(w.model for w in self._workers if w.model)
-        return self._workers
+        """The live workers, read at most once per `ttl_s`."""
+        return await self._workers.get()
+
+    async def _read_workers(self) -> list[WorkerStatus]:
+        workers = await self.client.workers()
+        self._seen.update(w.model for w in workers if w.model)
+        return workers
 
     async def models(self) -> list[str]:
         """The default model's names (configured, or what its workers reported), then the named models."""
