@@ -160,6 +160,7 @@ class EnqueueKind:
     """The kind of an item of the enqueue script (`dataplane.scripts.ENQUEUE_LUA`): which stream it goes to."""
 
     ROLLOUT = "g"  # a rollout request: the shared stream, or its session's worker's pinned stream
+    FORWARD = "f"  # a session's request sent on to the worker holding the session: there even while it drains
     TOKENS = "t"  # a tokenize, detokenize or chat-template request: the token requests stream
 
 

@@ -110,7 +110,9 @@ class RequestServer:
             # one worker at a time (found by the chaos soak: two requests of one turn ran on two workers at once).
             holder = await self.streams.pin_session(request.session_id, self.state.worker_id)
             if holder is not None and holder != self.state.worker_id:
-                forward = Enqueue(entry.payload, entry.session_id, entry.deliveries - 1, entry.epoch, cost=entry.cost)
+                forward = Enqueue(
+                    entry.payload, entry.session_id, entry.deliveries - 1, entry.epoch, cost=entry.cost, forward=True
+                )  # to the holder even while it drains (found by the chaos soak: a pin to a draining worker dropped)
                 await self.streams.requeue([forward], [entry])  # placed on the holder; not counted as a delivery
                 return
         try:

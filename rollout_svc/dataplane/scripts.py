@@ -18,8 +18,9 @@ end
 
 # Shared by the placement scripts. fleet_at(kf, af): the fleet block of KEYS from index kf (Keys.fleet: state,
 # workers set, loads hash, then heartbeat, session set and pinned stream per worker) and of ARGV from index af (the
-# worker count, then the ids). place(): a live pin stays unless its worker sleeps, drains or is stale; otherwise the
-# preferred worker, if serving or paused, takes the session; otherwise the converged (applied the current epoch)
+# worker count, then the ids). place(): a live pin stays unless its worker sleeps, drains (kept for a forward) or is
+# stale; otherwise the preferred worker, if serving or paused, takes the session; otherwise the converged (applied the
+# current epoch)
 # serving or paused worker with the least work: the tokens it holds (`Keys.loads` ID) plus those placed in its pinned
 # stream and not taken yet (ID:pinned; `queued` counts a request placed there, `count_queued` adds this call's to
 # it), then the fewest unexpired sessions, then the lowest id. No such worker: false (the shared stream).
@@ -57,7 +58,7 @@ local function stale(f)
   return false
 end
 local function epoch_of(f) return tonumber(redis.call('HGET', f.state, '${StateField.EPOCH}') or '0') end
-local function place(f, epoch, ttl_ms, skey, sid, preferred)
+local function place(f, epoch, ttl_ms, skey, sid, preferred, keep_draining)
   local function pin(w)
     redis.call('SET', skey, w, 'PX', ttl_ms)
     redis.call('ZADD', f.zs[w], now_ms + ttl_ms, sid)
@@ -66,8 +67,8 @@ local function place(f, epoch, ttl_ms, skey, sid, preferred)
   local w = redis.call('GET', skey)
   if w and f.hb[w] then
     local state = redis.call('HGET', f.hb[w], '${HeartbeatField.STATE}')
-    if state and state ~= '${WorkerLabels.SLEEPING}' and state ~= '${WorkerLabels.DRAINING}'
-        and state ~= '${WorkerLabels.STALE}' then
+    if state and state ~= '${WorkerLabels.SLEEPING}' and state ~= '${WorkerLabels.STALE}'
+        and (state ~= '${WorkerLabels.DRAINING}' or keep_draining) then
       return pin(w)
     end
     redis.call('ZREM', f.zs[w], sid)
@@ -100,7 +101,8 @@ end
 # [4] worker count, worker ids, then the item count and 4 per item (kind, session id or '', cost in tokens or 0,
 # payload), then the ack
 # count and 2 per ack (key index, entry id). The kind is an `EnqueueKind` ('g' rollout request, 't' tokenize), and for
-# a requeue 'g DELIVERIES EPOCH' (a new request gets the current epoch, as does an empty EPOCH, and no delivery count).
+# a requeue 'g DELIVERIES EPOCH' (a new request gets the current epoch, as does an empty EPOCH, and no delivery count);
+# 'f' (a forward, `EnqueueKind.FORWARD`, as 'g' otherwise) keeps its session's pin to a worker that drains.
 # Returns (`ScriptReply`) {'stale'}, {'full', stream, length} or {'ok', entry id per item, then the target key index of
 # each session item}.
 # Placement happens before the admission check, so a refused chunk may still have pinned its sessions: harmless,
@@ -121,7 +123,8 @@ for i = 1, n do
   if ARGV[at] == '${EnqueueKind.TOKENS}' then
     target = tokens
   elseif ARGV[at + 1] ~= '' then
-    local w = place(f, tonumber(epoch), ttl_ms, KEYS[k], ARGV[at + 1], false)
+    local w = place(f, tonumber(epoch), ttl_ms, KEYS[k], ARGV[at + 1], false,
+      string.sub(ARGV[at], 1, 1) == '${EnqueueKind.FORWARD}')
     k = k + 1
     if w then
       target = f.pinned[w]
@@ -168,13 +171,14 @@ return reply
 
 # KEYS: the fleet, then the session key. ARGV: session ttl ms, worker count, worker ids, session id, worker id.
 # A worker that took a session's request from the shared stream pins the session to itself unless a live
-# worker holds it. Returns {'stale'} or {'ok', the pinned worker or ''}.
+# worker holds it (one that drains too: it may be running a request of the session; the caller forwards the
+# request to it, `EnqueueKind.FORWARD`). Returns {'stale'} or {'ok', the pinned worker or ''}.
 PIN_LUA = _FLEET_LUA + lua("""
 local ttl_ms = tonumber(ARGV[1])
 local f = fleet_at(1, 2)
 if stale(f) then return {'${ScriptReply.STALE}'} end
 local skey, sid, worker_id = KEYS[f.next_key], ARGV[f.next_arg], ARGV[f.next_arg + 1]
-local w = place(f, epoch_of(f), ttl_ms, skey, sid, worker_id)
+local w = place(f, epoch_of(f), ttl_ms, skey, sid, worker_id, true)
 return {'${ScriptReply.OK}', w or ''}
 """)
 

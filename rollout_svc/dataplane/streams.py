@@ -87,6 +87,9 @@ class Enqueue:
 
     `tokens`: a tokenize / detokenize / chat-template request (its own stream; no session). `cost`: the work a
     rollout request brings, in tokens (`RolloutRequest.cost_tokens`; 0: unknown), which placement shares out.
+    `forward`: a session's request sent on to the worker holding the session (`pin_session`), kept there even if
+    that worker drains: it runs a request of the session, and a session runs on one worker at a time (its drain
+    requeues what is left in its pinned stream, placed anew).
     """
 
     payload: bytes
@@ -95,6 +98,7 @@ class Enqueue:
     epoch: int | None = None  # None: the current control epoch
     tokens: bool = False
     cost: int = 0
+    forward: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,7 +320,7 @@ class RequestStreams:
             sid = "" if item.tokens else item.session_id or ""
             if sid:
                 keys.append(self.keys.session(sid))
-            kind = EnqueueKind.TOKENS if item.tokens else EnqueueKind.ROLLOUT
+            kind = EnqueueKind.TOKENS if item.tokens else EnqueueKind.FORWARD if item.forward else EnqueueKind.ROLLOUT
             if item.epoch is not None or item.deliveries:  # a requeue keeps its epoch and counts its deliveries
                 kind = f"{kind} {item.deliveries} {'' if item.epoch is None else item.epoch}"
             args += [kind, sid, item.cost, item.payload]
@@ -372,7 +376,8 @@ class RequestStreams:
     # --- workers ----------------------------------------------------------------------------------------
 
     async def pin_session(self, session_id: str, worker_id: str) -> str | None:
-        """Pin a session to `worker_id` unless a live worker already holds it; returns the holder."""
+        """Pin a session to `worker_id` unless a live worker already holds it (a draining one included: it may be
+        running a request of the session); returns the holder."""
 
         def build(workers: list[str]) -> tuple[list[str], list[Any]]:
             keys = [*self.keys.fleet(workers), self.keys.session(session_id)]

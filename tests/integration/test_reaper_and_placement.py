@@ -293,3 +293,23 @@ async def test_a_worker_a_straggler_was_just_moved_to_is_not_idle(plane, setting
     await streams.take("b", 4, 60_000)  # taken: its load now, and nothing left pinned
     assert rds.hget(keys.loads, "b") == b"100" and rds.hget(keys.loads, "b:pinned") == b"0"
     assert await streams.idle_workers("a", 60_000) == []
+
+
+async def test_a_request_forwarded_to_its_session_s_draining_worker_waits_there(plane, settings, rds):
+    """Both requests of a turn sat in the shared stream; w-a took one (pinning the session) and began to drain while it
+    ran it; w-b took the other. Its pin finds the session on w-a and forwards the request there: a session runs on
+    one worker at a time (the chaos soak saw the two run at once when a pin to a draining worker was dropped). What
+    is not a forward (a new turn, a drain's backlog requeued) is placed anew, as before."""
+    keys, streams = settings.keys, plane.streams
+    await register(plane, "w-a")
+    await register(plane, "w-b")
+    reply = keys.results("p")
+    assert await streams.pin_session("s1", "w-a") == "w-a"
+    await register(plane, "w-a", state="draining")
+    assert await streams.pin_session("s1", "w-b") == "w-a"  # w-a may be running the session's other request
+    payload = request("r2", reply, "s1").payload
+    [forwarded] = await streams.requeue([Enqueue(payload, "s1", deliveries=0, epoch=0, forward=True)], [])
+    assert forwarded.stream == keys.pinned_requests("w-a")
+    [requeued] = await streams.requeue([Enqueue(payload, "s1", deliveries=1, epoch=0)], [])  # the drain's backlog
+    assert requeued.stream == keys.pinned_requests("w-b")
+    assert await streams.pin_session("s1", "w-b") == "w-b"  # the session moved with it
