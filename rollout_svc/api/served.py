@@ -76,9 +76,9 @@ class ServedModels:
 
     def __init__(self, client: RolloutClient, served_model_names: list[str], ttl_s: float = 1.0) -> None:
         self.client, self.served, self.ttl_s = client, served_model_names, ttl_s
-        self._workers = Refreshed(self._read_workers, [], ttl_s)
+        self._workers: Refreshed[list[WorkerStatus]] = Refreshed(self._read_workers, [], ttl_s)
         self._seen: set[str] = set()  # models live workers reported, kept after they died
-        self._named = Refreshed(client.named_models, [], ttl_s)  # named models, each with queues of its own
+        self._named: Refreshed[list[str]] = Refreshed(client.named_models, [], ttl_s)  # named models, own queues each
         self._clients: dict[str, RolloutClient] = {}  # named model -> its client
 
     async def named(self) -> list[str]:
