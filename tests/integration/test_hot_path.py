@@ -134,9 +134,10 @@ def test_an_idle_worker_s_answer_goes_out_before_its_next_take(settings: Setting
     async def main() -> tuple[int, int]:
         client = redis_async(settings.redis_url, decode_responses=False)
         streams = RequestStreams(client, keys, settings.session_ttl_s)
-        await streams.ensure_group(keys.requests)
+        for name in (keys.requests, keys.pinned_requests("w0")):
+            await streams.ensure_group(name)
         await client.xadd(keys.requests, {PAYLOAD_FIELD: b"request"})
-        [entry] = await _read_shared(streams, keys.requests)
+        [entry] = await streams.wait_for_entries("w0", 100)
         released: list[InFlight] = []
         publisher = Publisher(streams.on_own_connection(), WorkerState("w0"), 60, released.append)
         stopping = asyncio.Event()
@@ -157,10 +158,6 @@ def test_an_idle_worker_s_answer_goes_out_before_its_next_take(settings: Setting
             await client.aclose()
 
     assert asyncio.run(main()) == (0, 1)
-
-
-async def _read_shared(streams: RequestStreams, stream: str) -> list:
-    return await streams._readgroup("w0", {stream: ">"}, 1, 100)
 
 
 async def test_a_worker_counts_no_work_once_its_answer_arrives(settings: Settings, echo_workers, rds) -> None:
