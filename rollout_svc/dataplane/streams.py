@@ -685,8 +685,7 @@ class RequestStreams:
         commands += [("XREAD", "COUNT", 1000, "BLOCK", block_ms, "STREAMS", stream, last_id), ("HMGET", state, *fields)]
         *_, reply, (committed, *held) = await self._execute(*commands)
         versions = {name: _adapter_version(value) for name, value in zip(adapters, held, strict=True) if value}
-        records = stream_records(reply)
-        return (records[0][1] if records else []), int(committed or 0), versions
+        return next((records for _, records in stream_records(reply)), []), int(committed or 0), versions
 
     async def depth(self, stream: str) -> dict[str, int]:
         """Length (queued + in flight, since acked entries are deleted) and pending count of a requests stream."""
