@@ -7,6 +7,7 @@ import contextlib
 import heapq
 import itertools
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -31,8 +32,7 @@ class Woken:
         for entry in entries:
             self.tokens += entry.cost
             self.pinned += entry.cost if entry.stream == pinned_stream else 0
-        taken = [sum(1 for entry in entries if entry.stream == stream) for stream in {e.stream for e in entries}]
-        self.drained = bool(entries) and asked > 1 and max(taken) < asked
+        self.drained = bool(entries) and asked > 1 and max(Counter(e.stream for e in entries).values()) < asked
 
     @contextlib.contextmanager
     def claimed(self, claim: bool = True) -> Iterator[tuple[int, int]]:

@@ -74,18 +74,19 @@ class DirectConnection:
         finally:
             connection.socket_timeout = timeout
 
-    async def script(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        """EVALSHA `script` (`register_script`'s) with `keys` and `args`; its reply. A Redis without the script (it
-        restarted: NOSCRIPT) is given it (SCRIPT LOAD) and the call is sent again. Raises the script's error."""
+    async def scripts(self, script: AsyncScript, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]) -> list[Any]:
+        """EVALSHA `script` (`register_script`'s) once per (keys, args) of `calls`, in one round trip; their replies.
+        A Redis without the script (it restarted: NOSCRIPT) is given it (SCRIPT LOAD) and the calls are sent again.
+        Raises the first call's error."""
         for _ in range(2):
-            [reply] = await self.execute(("EVALSHA", script.sha, len(keys), *keys, *args))
-            if isinstance(reply, NoScriptError):
+            replies = await self.execute(*(("EVALSHA", script.sha, len(keys), *keys, *args) for keys, args in calls))
+            if any(isinstance(reply, NoScriptError) for reply in replies):
                 [sha] = await self.execute(("SCRIPT", "LOAD", script.script))
                 script.sha = sha.decode() if isinstance(sha, bytes) else sha
                 continue
-            if isinstance(reply, ResponseError):
-                raise reply
-            return reply
+            if errors := [reply for reply in replies if isinstance(reply, ResponseError)]:
+                raise errors[0]
+            return replies
         raise NoScriptError("the script was not loaded; Redis lost it twice in a row")
 
     async def client_id(self) -> int:

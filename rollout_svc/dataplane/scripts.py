@@ -16,14 +16,22 @@ local function clamp_cost(value)
 end
 """)
 
+# Shared by the take and publish scripts: add `tokens` (negative: take off) to a field of the loads hash
+# (`Keys.loads`: a worker's load, or its ID:pinned), never leaving it below 0.
+_LOADS_LUA = lua("""
+local function add_to_load(loads, field, tokens)
+  local left = (tonumber(redis.call('HGET', loads, field) or '0') or 0) + tokens
+  redis.call('HSET', loads, field, math.max(0, left))
+end
+""")
+
 # Shared by the placement scripts. fleet_at(kf, af): the fleet block of KEYS from index kf (Keys.fleet: state,
 # workers set, loads hash, then heartbeat, session set and pinned stream per worker) and of ARGV from index af (the
 # worker count, then the ids). place(): a live pin stays unless its worker sleeps, drains (kept for a forward) or is
 # stale; otherwise the preferred worker, if serving or paused, takes the session; otherwise the converged (applied the
-# current epoch)
-# serving or paused worker with the least work: the tokens it holds (`Keys.loads` ID) plus those placed in its pinned
-# stream and not taken yet (ID:pinned; `queued` counts a request placed there, `count_queued` adds this call's to
-# it), then the fewest unexpired sessions, then the lowest id. No such worker: false (the shared stream).
+# current epoch) serving or paused worker with the least work: the tokens it holds (`Keys.loads` ID) plus those placed
+# in its pinned stream and not taken yet (ID:pinned; `queued` counts a request placed there, `count_queued` adds this
+# call's to it), then the fewest unexpired sessions, then the lowest id. No such worker: false (the shared stream).
 _FLEET_LUA = _COST_LUA + lua("""
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -201,7 +209,7 @@ return {'${ScriptReply.OK}', redis.call('DEL', skey)}
 # An item's result is added only if its XACK returned 1, that is if the entry was still pending here; 0 means it was
 # requeued while this worker was presumed dead, and the worker that takes the requeued copy answers it. Returns how
 # many were fenced.
-PUBLISH_LUA = lua("""
+PUBLISH_LUA = _LOADS_LUA + lua("""
 local results_ttl_s, group, worker, free = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local fenced, touched, done = 0, {}, 0
 for a = 7, #ARGV, 5 do
@@ -222,13 +230,9 @@ for key in pairs(touched) do redis.call('EXPIRE', key, results_ttl_s) end
 if free ~= '' then
   local t = redis.call('TIME')
   local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local function change(field, tokens)
-    local left = (tonumber(redis.call('HGET', KEYS[1], field) or '0') or 0) + tokens
-    redis.call('HSET', KEYS[1], field, math.max(0, left))
-  end
   local woken = tonumber(ARGV[5])
-  if done ~= woken then change(worker, woken - done) end
-  if tonumber(ARGV[6]) > 0 then change(worker .. '${PINNED_SUFFIX}', -tonumber(ARGV[6])) end
+  if done ~= woken then add_to_load(KEYS[1], worker, woken - done) end
+  if tonumber(ARGV[6]) > 0 then add_to_load(KEYS[1], worker .. '${PINNED_SUFFIX}', -tonumber(ARGV[6])) end
   redis.call('HSET', KEYS[1], worker .. '${FREE_SUFFIX}', string.format('%d %d', free, now_ms))
 end
 return fenced
@@ -327,7 +331,10 @@ return 0
 # the open workers' free slots (or the peek limit) is not shared: it takes up to its free slots. 3. Its load.
 # Returns the entries as XREADGROUP does: {stream, {{id, fields}, ...}} per stream with entries, then 'left' if it
 # left queued entries to other workers' shares (the caller then waits for a slot of its own, not for new entries).
-TAKE_LUA = _COST_LUA + lua("""
+TAKE_LUA = (
+    _COST_LUA
+    + _LOADS_LUA
+    + lua("""
 local pinned, shared, loads = KEYS[1], KEYS[2], KEYS[3]
 local group, me, free = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local ttl_ms, peek = tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -336,11 +343,7 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local reply, left, spent = {}, false, tonumber(ARGV[6])
 local suffix_free = '${FREE_SUFFIX}'
 local held = math.max(0, tonumber(redis.call('HGET', loads, me) or '0'))
-local function take_off(field, tokens)
-  local left = (tonumber(redis.call('HGET', loads, field) or '0') or 0) - tokens
-  redis.call('HSET', loads, field, math.max(0, left))
-end
-if tonumber(ARGV[9]) > 0 then take_off(me .. '${PINNED_SUFFIX}', tonumber(ARGV[9])) end
+if tonumber(ARGV[9]) > 0 then add_to_load(loads, me .. '${PINNED_SUFFIX}', -tonumber(ARGV[9])) end
 if ARGV[7] == '1' then
   held = 0
   redis.call('HSET', loads, me, 0)
@@ -367,7 +370,7 @@ if free > 0 then
   if free > 0 then
     redis.call('HSET', loads, me .. '${PINNED_SUFFIX}', 0)
   elseif spent > before then
-    take_off(me .. '${PINNED_SUFFIX}', spent - before)
+    add_to_load(loads, me .. '${PINNED_SUFFIX}', before - spent)
   end
 end
 -- 2. shared: the queue ahead of the group (nothing: done, the common case of an idle fleet), then the open workers'
@@ -425,3 +428,4 @@ redis.call('HSET', loads, me .. suffix_free, string.format('%d %d', math.max(fre
 if left then reply[#reply + 1] = '${ScriptReply.LEFT}' end
 return reply
 """)
+)

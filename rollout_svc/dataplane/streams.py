@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 
 from rollout_svc.dataplane.direct import DirectConnection, borrowed, stream_records
 from rollout_svc.dataplane.scripts import (
@@ -126,7 +126,6 @@ class RequestStreams:
 
     def __init__(self, redis: Redis, keys: Keys, session_ttl_s: float, direct: DirectConnection | None = None) -> None:
         self.redis, self.keys, self.direct = redis, keys, direct
-        self._session_ttl_s = session_ttl_s
         self._session_ttl_ms = int(session_ttl_s * 1000)
         self._scripts = {
             name: redis.register_script(lua)
@@ -146,7 +145,7 @@ class RequestStreams:
     def on_own_connection(self) -> RequestStreams:
         """A copy whose hot paths go over a connection of its own (`DirectConnection`), for one sequential user;
         `aclose()` gives the connection back."""
-        return RequestStreams(self.redis, self.keys, self._session_ttl_s, DirectConnection(self.redis))
+        return RequestStreams(self.redis, self.keys, self._session_ttl_ms / 1000, DirectConnection(self.redis))
 
     async def aclose(self) -> None:
         """Give back the connection of `on_own_connection` (nothing to do for a copy without one)."""
@@ -168,7 +167,8 @@ class RequestStreams:
 
     async def _script(self, name: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         async with self._connection() as direct:
-            return await direct.script(self._scripts[name], keys, args)
+            [reply] = await direct.scripts(self._scripts[name], [(keys, args)])
+            return reply
 
     async def ensure_group(self, stream: str) -> None:
         """Create the `workers` consumer group (and the stream) if missing. From id 0: nothing queued is skipped.
@@ -291,18 +291,16 @@ class RequestStreams:
     async def _run_enqueue_calls(self, chunks: Sequence[tuple[Sequence[Enqueue], int]]) -> list[tuple[list[str], Any]]:
         """EVALSHA each chunk in one pipeline; returns (keys, reply) per chunk. Not through redis-py's
         script-in-pipeline support: that costs a SCRIPT EXISTS round trip per pipeline. NOSCRIPT (Redis
-        restarted) reloads and retries, as does a stale worker set, for just the chunks that did not run."""
+        restarted) reloads the script and sends the calls again (`DirectConnection.scripts`); a stale worker set
+        is retried for just the chunks that did not run."""
         script = self._scripts["enqueue"]
         done: dict[int, tuple[list[str], Any]] = {}
         todo = list(range(len(chunks)))
         for attempt in range(STALE_RETRIES):
             workers = await self._fleet(refresh=attempt > 0)
             calls = {i: self._enqueue_call(*chunks[i], workers, []) for i in todo}
-            try:
-                replies = await self._execute(*(("EVALSHA", script.sha, len(k), *k, *a) for k, a in calls.values()))
-            except NoScriptError:
-                script.sha = await self.redis.script_load(script.script)
-                continue
+            async with self._connection() as direct:
+                replies = await direct.scripts(script, list(calls.values()))
             for i, reply in zip(todo, replies, strict=True):
                 if reply[0] != ScriptReply.STALE:
                     done[i] = (calls[i][0], reply)

@@ -41,11 +41,11 @@ def test_a_script_redis_lost_is_loaded_again(redis_url: str, rds: redis.Redis) -
         direct = DirectConnection(client)
         script = client.register_script("return {KEYS[1], ARGV[1]}")
         try:
-            first = await direct.script(script, ["a"], [1])
+            [first] = await direct.scripts(script, [(["a"], [1])])
             rds.script_flush()  # as after a restart: NOSCRIPT for the next EVALSHA
-            second = await direct.script(script, ["b"], [2])
+            [second] = await direct.scripts(script, [(["b"], [2])])
             with pytest.raises(ResponseError):
-                await direct.script(client.register_script("return redis.call('HGET', KEYS[1], 'f')"), ["k"], [])
+                await direct.scripts(client.register_script("return redis.call('HGET', KEYS[1], 'f')"), [(["k"], [])])
             return [first, second]
         finally:
             await direct.aclose()
