@@ -26,7 +26,7 @@ from rollout_svc.api.auth import Auth
 from rollout_svc.api.batches import batch_router
 from rollout_svc.api.errors import install_error_handlers
 from rollout_svc.api.generation import Generation, until_disconnected
-from rollout_svc.api.hot import HotLane
+from rollout_svc.api.hot import FastJSONResponse, HotLane
 from rollout_svc.api.metrics import install_metrics
 from rollout_svc.api.served import ServedModels, session_header
 from rollout_svc.api.skyrl import DetokenizedTexts, InFlight, control_router, data_router
@@ -66,9 +66,9 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
         description="OpenAI-compatible API in front of a rollout-svc fleet (Redis Streams + vLLM workers).",
     )
     install_error_handlers(app)
-    lane = HotLane(auth.data)  # SkyRL's two calls per completion, past Starlette's router (rollout_svc.api.hot)
-    app.add_middleware(lane.middleware)  # added before the metrics middleware: inside it, so its requests count
     metrics = install_metrics(app, client)
+    lane = HotLane(auth.data, metrics.observe_request)  # SkyRL's two calls per completion (rollout_svc.api.hot)
+    lane.outermost(app)  # in front of the middlewares: it counts its requests in `metrics` itself
     generation = Generation(client, metrics, settings.client.request_timeout_s)
     generation.client_for = served.client_for
     data = [auth.data_dependency()]
@@ -148,7 +148,7 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
                 [text] = await until_disconnected(request, client.detokenize([body.tokens]))
             except GenerationError as exc:
                 raise APIError(400, str(exc)) from exc
-        return JSONResponse({"prompt": text})
+        return FastJSONResponse({"prompt": text})
 
     @app.post("/v1/sessions/{session_id}/finish", dependencies=data)
     async def finish_session(session_id: str) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from rollout_svc.api.generation import Generation, until_disconnected, worker_header
-from rollout_svc.api.hot import HotLane
+from rollout_svc.api.hot import FastJSONResponse, HotLane
 from rollout_svc.api.served import ServedModels, session_header
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.config import MAX_LEASE_S
@@ -165,7 +165,9 @@ def data_router(
         detokenized.put(model, trajectories)
         if generation.metrics is not None:
             generation.metrics.count_tokens(len(body.token_ids), sum(len(t.completion_token_ids) for t in trajectories))
-        return JSONResponse(generate_response(body, model, trajectories, external), headers=worker_header(trajectories))
+        return FastJSONResponse(
+            generate_response(body, model, trajectories, external), headers=worker_header(trajectories)
+        )
 
     @router.get("/get_world_size")
     async def get_world_size(include_dp: Annotated[bool, Query()] = True) -> dict[str, int]:

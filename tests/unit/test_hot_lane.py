@@ -4,6 +4,8 @@ everything else to the app."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -23,13 +25,20 @@ class Echo(Body):
 
 
 def build() -> tuple[FastAPI, list[str]]:
-    """An app whose `/echo` is on the lane and `/slow` is FastAPI's; `seen` records which way each request went."""
+    """An app whose `/echo` is on the lane and `/slow` is FastAPI's; `seen` records which way each request went, and
+    what the lane counted (`observed:<path>:<status>`)."""
     app = FastAPI()
     install_error_handlers(app)
     auth = Auth([KEY], None)
-    lane = HotLane(auth.data)
-    app.add_middleware(lane.middleware)
     seen: list[str] = []
+    lane = HotLane(auth.data, lambda path, status, seconds: seen.append(f"observed:{path}:{status}"))
+    lane.outermost(app)
+
+    @app.middleware("http")
+    async def note(request: Request, call_next: Any) -> Response:  # added after: the lane is still in front of it
+        seen.append(f"middleware:{request.url.path}")
+        response: Response = await call_next(request)
+        return response
 
     @lane.post(app, "/echo", Echo, [auth.data_dependency()])
     async def echo(body: Echo, request: Request) -> Response:
@@ -60,7 +69,14 @@ async def test_the_lane_answers_its_routes_and_passes_the_rest_on() -> None:
         assert (await http.post("/slow", json={"tokens": [7]}, headers=AUTH)).json() == {"tokens": [7]}
         assert (await http.get("/echo", headers=AUTH)).status_code == 405  # a GET is FastAPI's: its route is POST
         assert (await http.post("/echo/", json={"tokens": [1]}, headers=AUTH)).status_code in (307, 404)
-        assert seen == ["echo:/echo", "slow"]
+        assert seen == [
+            "echo:/echo",
+            "observed:/echo:200",
+            "middleware:/slow",
+            "slow",
+            "middleware:/echo",  # the GET, and the path with a slash: FastAPI's, through the middleware
+            "middleware:/echo/",
+        ]
         # The FastAPI route is registered too (its OpenAPI entry), with the same body model.
         assert "/echo" in app.openapi()["paths"]
 
@@ -82,13 +98,17 @@ async def test_the_lane_checks_as_fastapi_does_and_answers_in_openai_shape() -> 
         assert not_json.status_code == 400 and "not JSON" in not_json.json()["error"]["message"]
         no_body = await http.post("/echo", headers=AUTH)
         assert no_body.status_code == 400
-        assert seen == []  # nothing reached an endpoint
+        lane_seen = [s for s in seen if not s.startswith("middleware:")]
+        # Nothing reached an endpoint; the lane counted what it answered.
+        assert lane_seen == [f"observed:/echo:{status}" for status in (401, 401, 400, 400, 400, 400)], seen
+        seen.clear()
 
         full = await http.post("/echo", json={"tokens": [429]}, headers=AUTH)
         assert full.status_code == 429 and full.headers["retry-after"] == "1"
         assert full.json()["error"]["code"] == "queue_full"
         bug = await http.post("/echo", json={"tokens": [500]}, headers=AUTH)
         assert bug.status_code == 500 and bug.json()["error"]["code"] == "internal_error"
+        assert seen == ["echo:/echo", "observed:/echo:429", "echo:/echo", "observed:/echo:500"]
 
 
 async def test_the_lane_matches_below_the_root_path() -> None:
@@ -97,4 +117,4 @@ async def test_the_lane_matches_below_the_root_path() -> None:
     async with httpx.AsyncClient(transport=transport, base_url="http://api") as http:
         answer = await http.post("/api/echo", json={"tokens": [4, 5]}, headers=AUTH)
         assert answer.status_code == 200 and answer.json() == {"tokens": [5, 4]}
-        assert seen == ["echo:/echo"]
+        assert seen == ["echo:/echo", "observed:/echo:200"]
