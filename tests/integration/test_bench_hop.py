@@ -36,11 +36,20 @@ def test_hop_bench_tiny(tmp_path: Path) -> None:
         batched_requests=1000,
         batched_runs=1,
         memory_levels=(1000,),
+        rounds=2,
     )
     figures = run_hop_bench(None, Console(quiet=True), tmp_path, plan, command="pytest")
     cpus = psutil.cpu_count()
 
-    points = [*figures.router, figures.router_single, figures.batched, *figures.ours, figures.ours_single]
+    assert [len(r) for r in figures.router_rounds] == [len(r) for r in figures.ours_rounds] == [2]
+    assert len(figures.router_single_rounds) == len(figures.ours_single_rounds) == 2
+    points = [
+        *(p for r in figures.router_rounds for p in r),
+        *figures.router_single_rounds,
+        figures.batched,
+        *(p for r in figures.ours_rounds for p in r),
+        *figures.ours_single_rounds,
+    ]
     for point in points:
         assert point.requests > 0 and point.requests_per_s > 0 and point.p50_ms > 0, point
         assert set(point.cpu_us) in ({"client", "router", "backends"}, {"client", "workers", "redis"}), point

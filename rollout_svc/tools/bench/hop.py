@@ -20,6 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import redis
@@ -35,10 +36,12 @@ from rollout_svc.tools.bench.router import (
     Point,
     RouterFleet,
     at_least,
-    closed_loop,
     cpu_of,
+    in_turn,
     measured,
+    median_round,
     read_meters,
+    round_ratios,
     router_fleet,
     router_sender,
 )
@@ -62,6 +65,7 @@ class HopPlan:
     single_requests: int = 1000  # at 1 in flight
     batched_requests: int = 20_000
     batched_runs: int = 2  # best of
+    rounds: int = 3  # each load measured this many times on each side, alternating which side goes first
     memory_levels: tuple[int, ...] = (1000, 10_000, 100_000)
 
 
@@ -86,17 +90,43 @@ class HopFigures:
     plan: HopPlan
     command: str
     router_command: str
-    router: list[Point]  # one per plan.in_flights
-    router_single: Point
+    router_rounds: list[list[Point]]  # per plan.in_flights, one point per round
+    router_single_rounds: list[Point]  # 1 in flight, one per round
     batched: Point
-    ours: list[Point]
-    ours_single: Point
+    ours_rounds: list[list[Point]]
+    ours_single_rounds: list[Point]
     memory: list[MemoryPoint]
     max_queued_requests: int  # ours' admission limit (the throughput runs)
 
     @property
+    def router(self) -> list[Point]:
+        """The router's median round (by requests/s) at each load."""
+        return [median_round(points) for points in self.router_rounds]
+
+    @property
+    def ours(self) -> list[Point]:
+        return [median_round(points) for points in self.ours_rounds]
+
+    @property
+    def router_single(self) -> Point:
+        """The router's median round at 1 in flight, by p50."""
+        return median_round(self.router_single_rounds, "p50_ms")
+
+    @property
+    def ours_single(self) -> Point:
+        return median_round(self.ours_single_rounds, "p50_ms")
+
+    @property
     def router_best(self) -> Point:
         return max(self.router, key=lambda p: p.requests_per_s)
+
+    def rate_ratios(self, i: int) -> list[float]:
+        """Ours / the router's requests/s at load i, one per round."""
+        return round_ratios(self.ours_rounds[i], self.router_rounds[i], "requests_per_s")
+
+    def p50_ratios(self) -> list[float]:
+        """Ours / the router's p50 at 1 in flight, one per round."""
+        return round_ratios(self.ours_single_rounds, self.router_single_rounds, "p50_ms")
 
     def ratios(self) -> list[tuple[str, float, str, bool | None]]:
         """(what, ratio, goal, met) for each of the issue's goals; met None where there is none (for comparison)."""
@@ -109,14 +139,14 @@ class HopFigures:
             ),
             *(
                 (
-                    f"single-request, {ours.in_flight:,} in flight: ours / vllm-router's",
-                    ours.requests_per_s / theirs.requests_per_s,
+                    f"single-request, {n:,} in flight: ours / vllm-router's",
+                    median(self.rate_ratios(i)),
                     ">= 1.2",
                 )
-                for ours, theirs in zip(self.ours, self.router, strict=True)
-                if ours.in_flight in (64, 256)
+                for i, n in enumerate(self.plan.in_flights)
+                if n in (64, 256)
             ),
-            ("p50 at 1 in flight: ours / vllm-router's", self.ours_single.p50_ms / self.router_single.p50_ms, "<= 1.5"),
+            ("p50 at 1 in flight: ours / vllm-router's", median(self.p50_ratios()), "<= 1.5"),
             (
                 f"ours, {high:,} in flight / {low:,} in flight",
                 self.ours[-1].requests_per_s / self.ours[0].requests_per_s,
@@ -182,9 +212,10 @@ def redis_cpu(client: redis.Redis) -> CpuMeter:
 
 async def _measure_hops(
     fleet: RouterFleet, settings: Settings, worker_pids: list[int], plan: HopPlan
-) -> tuple[list[Point], Point, Point, list[Point], Point]:
-    """Both sides, up at once and measured in turn at each load (router first), so drift hits both alike:
-    the router's points and its 1-in-flight point, our batched call, our points and our 1-in-flight point."""
+) -> tuple[list[list[Point]], list[Point], Point, list[list[Point]], list[Point]]:
+    """Both sides, up at once and measured in turn at each load, `plan.rounds` times (`in_turn`: the router first
+    in odd rounds, ours in even ones), so drift hits both alike: the router's rounds at each load and at 1 in
+    flight, our best batched call, our rounds at each load and at 1 in flight."""
     params = {"max_tokens": len(HOP_PROMPT)}
     with contextlib.closing(redis_sync(settings.redis_url)) as rds:
         ours_meters = {"client": time.process_time, "workers": cpu_of(worker_pids), "redis": redis_cpu(rds)}
@@ -199,16 +230,16 @@ async def _measure_hops(
 
             await client.generate([HOP_PROMPT] * 100, params)  # warm-up: connections, scripts loaded
             batched = [await _batched(client, plan.batched_requests, ours_meters) for _ in range(plan.batched_runs)]
-            router: list[Point] = []
-            ours: list[Point] = []
+            sides = ((router_send, router_meters), (ours_send, ours_meters))
+            router: list[list[Point]] = []
+            ours: list[list[Point]] = []
             for in_flight in plan.in_flights:
-                for send, meters, points in ((router_send, router_meters, router), (ours_send, ours_meters, ours)):
-                    await closed_loop(send, in_flight, {}, requests=in_flight)  # warm-up: connections opened
-                    points.append(
-                        await closed_loop(send, in_flight, meters, plan.duration_s, min_requests=plan.min_requests)
-                    )
-            router_single = await closed_loop(router_send, 1, router_meters, requests=plan.single_requests)
-            ours_single = await closed_loop(ours_send, 1, ours_meters, requests=plan.single_requests)
+                theirs, mine = await in_turn(
+                    sides, in_flight, plan.rounds, plan.duration_s, min_requests=plan.min_requests
+                )
+                router.append(theirs)
+                ours.append(mine)
+            router_single, ours_single = await in_turn(sides, 1, plan.rounds, requests=plan.single_requests)
     return router, router_single, max(batched, key=lambda p: p.requests_per_s), ours, ours_single
 
 
@@ -277,6 +308,11 @@ async def _enqueue(settings: Settings, prompts: list[list[int]], count: int) -> 
 # --- the report ----------------------------------------------------------------------------------------------------
 
 
+def _listed(ratios: list[float]) -> str:
+    """A median of rounds' ratios, then the rounds' own: `1.21 (1.21, 1.30, 1.02)`."""
+    return f"{median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})"
+
+
 def render_hop(f: HopFigures) -> str:
     """The report's hop section (markdown): the command, the setup, then the figures beside vllm-router's."""
     plan, rs, us = f.plan, f.router_single, f.ours_single
@@ -287,7 +323,11 @@ def render_hop(f: HopFigures) -> str:
         f"Command: `{f.command}`.",
         "Every figure here is read beside vllm-router 0.1.17 (the Rust router vLLM users pick), measured in the same"
         " run: both",
-        "sides up at once, measured in turn at each load (the router first), all load from one Python process.",
+        f"sides up at once, measured in turn at each load, {plan.rounds} rounds (the router first in odd rounds, ours"
+        " first in even ones):",
+        "each side's figures are its median round (by req/s; at 1 in flight by p50), each ratio the median of the"
+        " rounds' ratios (listed:",
+        "this machine is shared and noisy). All load from one Python process.",
         "vllm-router: `POST /v1/completions` (16 token ids in) through it to two trivial aiohttp backends, each"
         " answering one fixed",
         "completion of 16 tokens; one `aiohttp` session, a keep-alive connection per request in flight. It ran as",
@@ -306,15 +346,15 @@ def render_hop(f: HopFigures) -> str:
         f"| one batched `generate` of {plan.batched_requests:,} | - | - | - | {f.batched.requests_per_s:,.0f} | - | - |"
         f" {f.batched.requests_per_s / f.router_best.requests_per_s:.2f} (of the router's best) |",
     ]
-    for router, ours in zip(f.router, f.ours, strict=True):
+    for i, (router, ours) in enumerate(zip(f.router, f.ours, strict=True)):
         lines.append(
             f"| {router.in_flight:,} in flight | {router.requests_per_s:,.0f} | {router.p50_ms:.2f} |"
             f" {router.p99_ms:.2f} | {ours.requests_per_s:,.0f} | {ours.p50_ms:.2f} | {ours.p99_ms:.2f} |"
-            f" {ours.requests_per_s / router.requests_per_s:.2f} |"
+            f" {_listed(f.rate_ratios(i))} |"
         )
     lines += [
         f"| 1 in flight | {rs.requests_per_s:,.0f} | {rs.p50_ms:.2f} | {rs.p99_ms:.2f} | {us.requests_per_s:,.0f} |"
-        f" {us.p50_ms:.2f} | {us.p99_ms:.2f} | p50: {us.p50_ms / rs.p50_ms:.2f} |",
+        f" {us.p50_ms:.2f} | {us.p99_ms:.2f} | p50: {_listed(f.p50_ratios())} |",
         "",
         "The issue's goals, beside the figures (not asserted):",
         "",

@@ -143,6 +143,38 @@ async def closed_loop(
     return measured(len(latencies_s), elapsed_s, latencies_s, in_flight, cpu)
 
 
+async def in_turn(
+    sides: tuple[tuple[Send, dict[str, CpuMeter]], tuple[Send, dict[str, CpuMeter]]],
+    in_flight: int,
+    rounds: int,
+    duration_s: float | None = None,
+    requests: int | None = None,
+    min_requests: int = 0,
+) -> tuple[list[Point], list[Point]]:
+    """Two sides (how each sends one request, and its CPU meters) at one load: a warm-up round of `in_flight` sends
+    each (connections opened), then `rounds` closed loops each (`closed_loop`, with `duration_s` or `requests`,
+    and `min_requests`), in turn: the first side first in odd rounds, the second first in even ones, so a drift of
+    the machine's speed hits both alike. Each side's points, one per round."""
+    for send, _ in sides:
+        await closed_loop(send, in_flight, {}, requests=in_flight)
+    points: tuple[list[Point], list[Point]] = ([], [])
+    for r in range(rounds):
+        for side in (0, 1) if r % 2 == 0 else (1, 0):
+            send, meters = sides[side]
+            points[side].append(await closed_loop(send, in_flight, meters, duration_s, requests, min_requests))
+    return points
+
+
+def median_round(points: list[Point], by: str = "requests_per_s") -> Point:
+    """One side's median round at one load, ranked by the `Point` field `by` (of an even count, the lower middle)."""
+    return sorted(points, key=lambda p: float(getattr(p, by)))[(len(points) - 1) // 2]
+
+
+def round_ratios(ours: list[Point], theirs: list[Point], of: str) -> list[float]:
+    """Round by round, ours over theirs of the `Point` field `of` (rounds measured in turn: `in_turn`)."""
+    return [float(getattr(o, of)) / float(getattr(t, of)) for o, t in zip(ours, theirs, strict=True)]
+
+
 def at_least(requests: int) -> str:
     """How a closed loop's `min_requests` reads after its duration in a bench's text (nothing when it has none)."""
     return f" (and until {requests:,} were sent)" if requests else ""

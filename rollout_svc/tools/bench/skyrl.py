@@ -42,8 +42,10 @@ from rollout_svc.tools.bench.router import (
     CpuMeter,
     Point,
     at_least,
-    closed_loop,
     cpu_of,
+    in_turn,
+    median_round,
+    round_ratios,
     router_fleet,
 )
 from rollout_svc.tools.progress import Progress
@@ -74,19 +76,18 @@ class SkyRLFigures:
     @property
     def router(self) -> list[Point]:
         """The router's median round (by requests/s) at each load."""
-        return [_median_point(points) for points in self.router_rounds]
+        return [median_round(points) for points in self.router_rounds]
 
     @property
     def ours(self) -> list[Point]:
-        return [_median_point(points) for points in self.ours_rounds]
+        return [median_round(points) for points in self.ours_rounds]
 
     def rate_ratios(self, i: int) -> list[float]:
         """serve / router requests/s at load i, one per round."""
-        pairs = zip(self.ours_rounds[i], self.router_rounds[i], strict=True)
-        return [o.requests_per_s / r.requests_per_s for o, r in pairs]
+        return round_ratios(self.ours_rounds[i], self.router_rounds[i], "requests_per_s")
 
     def p50_ratios(self, i: int) -> list[float]:
-        return [o.p50_ms / r.p50_ms for o, r in zip(self.ours_rounds[i], self.router_rounds[i], strict=True)]
+        return round_ratios(self.ours_rounds[i], self.router_rounds[i], "p50_ms")
 
     def ratios(self) -> list[tuple[str, float, str, bool | None]]:
         """(what, value, goal, met) for the issue's goals at 64 in flight and at 1: medians of the rounds' ratios."""
@@ -101,10 +102,6 @@ class SkyRLFigures:
                 what = f"req/s at {in_flight:,} in flight: serve / vllm-router"
                 rows.append((what, median(self.rate_ratios(i)), "-"))
         return [(what, value, goal, goal_met(value, goal)) for what, value, goal in rows]
-
-
-def _median_point(points: list[Point]) -> Point:
-    return sorted(points, key=lambda p: p.requests_per_s)[(len(points) - 1) // 2]
 
 
 def run_skyrl_bench(
@@ -169,21 +166,12 @@ async def _measure(router_side: Side, ours_side: Side, plan: SkyRLPlan) -> tuple
         for proxy, servers, _ in (router_side, ours_side)
     ]
     try:
-        by_side = [router_side[2], ours_side[2]]
-        sides = [(_sender(client), meters) for client, meters in zip(clients, by_side, strict=True)]
+        sides = ((_sender(clients[0]), router_side[2]), (_sender(clients[1]), ours_side[2]))
         points: tuple[list[list[Point]], list[list[Point]]] = ([], [])
         for in_flight in plan.in_flights:
-            for (send, _), out in zip(sides, points, strict=True):
-                await closed_loop(send, in_flight, {}, requests=in_flight)  # warm-up: connections opened
-                out.append([])
-            for r in range(plan.rounds):
-                order = [0, 1] if r % 2 == 0 else [1, 0]
-                for side in order:
-                    send, side_meters = sides[side]
-                    point = await closed_loop(
-                        send, in_flight, side_meters, plan.duration_s, min_requests=plan.min_requests
-                    )
-                    points[side][-1].append(point)
+            router, ours = await in_turn(sides, in_flight, plan.rounds, plan.duration_s, min_requests=plan.min_requests)
+            points[0].append(router)
+            points[1].append(ours)
         return points
     finally:
         for client in clients:
