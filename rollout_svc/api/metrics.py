@@ -116,11 +116,16 @@ class ApiMetrics:
         )
         self.fleet = FleetCollector()
         self.registry.register(self.fleet)
+        self._by_label: dict[tuple[str, int], tuple[Any, Any]] = {}  # (route, status): its counter and histogram
 
     def observe_request(self, route: str, status: int, duration_s: float) -> None:
         """Count one answered request: `route` a path template (or `other`), `status` its HTTP status code."""
-        self.requests.labels(route, str(status)).inc()
-        self.duration.labels(route).observe(duration_s)
+        children = self._by_label.get((route, status))
+        if children is None:  # prometheus-client's labels() takes a lock and builds its key on every call
+            children = (self.requests.labels(route, str(status)), self.duration.labels(route))
+            self._by_label[route, status] = children
+        children[0].inc()
+        children[1].observe(duration_s)
 
     def count_tokens(self, prompt: int, completion: int) -> None:
         """Add one response's token counts (prompt tokens, generated tokens; both >= 0)."""

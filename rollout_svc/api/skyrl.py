@@ -21,6 +21,7 @@ the trainer's `WeightSender` or an operator stays).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import uuid
 from array import array
@@ -43,6 +44,9 @@ from rollout_svc.openai.tokens import GenerateBody, generate_params, generate_re
 from rollout_svc.protocol import Trajectory
 
 HOLDER = "http"  # the pause holder of the HTTP control routes
+# Request ids this process makes: a random prefix of its own (ids stay apart across serve processes), then a counter;
+# uuid4 per request read the OS's random source (a system call) twice a generate.
+_ID_PREFIX, _ids = uuid.uuid4().hex[:20], itertools.count()
 PauseMode = Literal["keep", "abort", "wait"]
 
 
@@ -143,8 +147,9 @@ def data_router(
         model, runs = target.name, served.client_for(target.model_name)
         params, n = generate_params(body)
         session = session_header(request, body.session_id)
-        external = body.request_id or uuid.uuid4().hex
-        ours = [f"gen:{external}:{uuid.uuid4().hex[:12]}:{j}" for j in range(n)]
+        external = body.request_id or f"{_ID_PREFIX}{next(_ids):012x}"
+        attempt = next(_ids)  # apart from another call that names the same request_id
+        ours = [f"gen:{external}:{attempt:x}:{j}" for j in range(n)]
         requests = await runs.rollout_requests(
             [list(body.token_ids)] * n,
             group_params(params, n),

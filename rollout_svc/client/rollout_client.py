@@ -110,7 +110,9 @@ class RolloutClient(FleetCalls, TokenCalls):
     async def _connect(self) -> Connection:
         """The started connection of this event loop. Concurrent first calls share one start (none sees a
         connection before it has discovered the shards); a start that failed is tried again by the next call."""
-        connection = self._connection
+        connection, starting = self._connection, self._starting
+        if _started(starting) and connection is not None and connection.loop is asyncio.get_running_loop():
+            return connection  # no shield, no await: this runs several times a request
         if connection is None or connection.loop is not asyncio.get_running_loop():
             connection = self._connection = Connection(self.settings, self.producer_id)
             self._starting = asyncio.ensure_future(self._start(connection))
@@ -665,3 +667,8 @@ def _resolve(done: asyncio.Future[None]) -> None:
     """A call's deadline: wake its caller, which then expires what did not finish."""
     if not done.done():
         done.set_result(None)
+
+
+def _started(start: asyncio.Future[None] | None) -> bool:
+    """Whether a connection's start finished without an error."""
+    return start is not None and start.done() and not start.cancelled() and start.exception() is None
