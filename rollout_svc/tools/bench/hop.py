@@ -33,11 +33,13 @@ from rollout_svc.deploy.local import LocalCluster, PrivateRedis
 from rollout_svc.tools.bench.router import (
     HOP_PROMPT,
     CpuMeter,
+    InTurnFigures,
     Point,
     RouterFleet,
     at_least,
     cpu_of,
     in_turn,
+    listed,
     measured,
     median_round,
     read_meters,
@@ -86,7 +88,7 @@ class MemoryPoint:
 
 
 @dataclass
-class HopFigures:
+class HopFigures(InTurnFigures):
     plan: HopPlan
     command: str
     router_command: str
@@ -97,15 +99,6 @@ class HopFigures:
     ours_single_rounds: list[Point]
     memory: list[MemoryPoint]
     max_queued_requests: int  # ours' admission limit (the throughput runs)
-
-    @property
-    def router(self) -> list[Point]:
-        """The router's median round (by requests/s) at each load."""
-        return [median_round(points) for points in self.router_rounds]
-
-    @property
-    def ours(self) -> list[Point]:
-        return [median_round(points) for points in self.ours_rounds]
 
     @property
     def router_single(self) -> Point:
@@ -119,10 +112,6 @@ class HopFigures:
     @property
     def router_best(self) -> Point:
         return max(self.router, key=lambda p: p.requests_per_s)
-
-    def rate_ratios(self, i: int) -> list[float]:
-        """Ours / the router's requests/s at load i, one per round."""
-        return round_ratios(self.ours_rounds[i], self.router_rounds[i], "requests_per_s")
 
     def p50_ratios(self) -> list[float]:
         """Ours / the router's p50 at 1 in flight, one per round."""
@@ -308,11 +297,6 @@ async def _enqueue(settings: Settings, prompts: list[list[int]], count: int) -> 
 # --- the report ----------------------------------------------------------------------------------------------------
 
 
-def _listed(ratios: list[float]) -> str:
-    """A median of rounds' ratios, then the rounds' own: `1.21 (1.21, 1.30, 1.02)`."""
-    return f"{median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})"
-
-
 def render_hop(f: HopFigures) -> str:
     """The report's hop section (markdown): the command, the setup, then the figures beside vllm-router's."""
     plan, rs, us = f.plan, f.router_single, f.ours_single
@@ -350,11 +334,11 @@ def render_hop(f: HopFigures) -> str:
         lines.append(
             f"| {router.in_flight:,} in flight | {router.requests_per_s:,.0f} | {router.p50_ms:.2f} |"
             f" {router.p99_ms:.2f} | {ours.requests_per_s:,.0f} | {ours.p50_ms:.2f} | {ours.p99_ms:.2f} |"
-            f" {_listed(f.rate_ratios(i))} |"
+            f" {listed(f.rate_ratios(i))} |"
         )
     lines += [
         f"| 1 in flight | {rs.requests_per_s:,.0f} | {rs.p50_ms:.2f} | {rs.p99_ms:.2f} | {us.requests_per_s:,.0f} |"
-        f" {us.p50_ms:.2f} | {us.p99_ms:.2f} | p50: {_listed(f.p50_ratios())} |",
+        f" {us.p50_ms:.2f} | {us.p99_ms:.2f} | p50: {listed(f.p50_ratios())} |",
         "",
         "The issue's goals, beside the figures (not asserted):",
         "",

@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 
 from rollout_svc.deploy.processes import die_with_parent, free_port
 from rollout_svc.tools.runs import percentile
@@ -173,6 +174,33 @@ def median_round(points: list[Point], by: str = "requests_per_s") -> Point:
 def round_ratios(ours: list[Point], theirs: list[Point], of: str) -> list[float]:
     """Round by round, ours over theirs of the `Point` field `of` (rounds measured in turn: `in_turn`)."""
     return [float(getattr(o, of)) / float(getattr(t, of)) for o, t in zip(ours, theirs, strict=True)]
+
+
+class InTurnFigures:
+    """What figures of two sides measured in turn (`in_turn`) have alike: each side's points at each load, one per
+    round (`router_rounds`, `ours_rounds`, set by the dataclass that mixes this in), each side's median round and the
+    rounds' ratios of a load."""
+
+    router_rounds: list[list[Point]]
+    ours_rounds: list[list[Point]]
+
+    @property
+    def router(self) -> list[Point]:
+        """The router's median round (by requests/s) at each load."""
+        return [median_round(points) for points in self.router_rounds]
+
+    @property
+    def ours(self) -> list[Point]:
+        return [median_round(points) for points in self.ours_rounds]
+
+    def rate_ratios(self, i: int) -> list[float]:
+        """Ours / the router's requests/s at load i, one per round."""
+        return round_ratios(self.ours_rounds[i], self.router_rounds[i], "requests_per_s")
+
+
+def listed(ratios: list[float]) -> str:
+    """The rounds' ratios as a report lists them: their median, then each: `1.21 (1.21, 1.30, 1.02)`."""
+    return f"{median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})"
 
 
 def at_least(requests: int) -> str:

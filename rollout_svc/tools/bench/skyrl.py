@@ -40,11 +40,12 @@ from rollout_svc.tools.bench.router import (
     HOP_PROMPT,
     MODEL,
     CpuMeter,
+    InTurnFigures,
     Point,
     at_least,
     cpu_of,
     in_turn,
-    median_round,
+    listed,
     round_ratios,
     router_fleet,
 )
@@ -66,25 +67,12 @@ class SkyRLPlan:
 
 
 @dataclass
-class SkyRLFigures:
+class SkyRLFigures(InTurnFigures):
     plan: SkyRLPlan
     command: str
     router_command: str
     router_rounds: list[list[Point]]  # per plan.in_flights, one point per round
     ours_rounds: list[list[Point]]
-
-    @property
-    def router(self) -> list[Point]:
-        """The router's median round (by requests/s) at each load."""
-        return [median_round(points) for points in self.router_rounds]
-
-    @property
-    def ours(self) -> list[Point]:
-        return [median_round(points) for points in self.ours_rounds]
-
-    def rate_ratios(self, i: int) -> list[float]:
-        """serve / router requests/s at load i, one per round."""
-        return round_ratios(self.ours_rounds[i], self.router_rounds[i], "requests_per_s")
 
     def p50_ratios(self, i: int) -> list[float]:
         return round_ratios(self.ours_rounds[i], self.router_rounds[i], "p50_ms")
@@ -224,8 +212,7 @@ def render_skyrl(f: SkyRLFigures) -> str:
         rates, p50s = f.rate_ratios(i), f.p50_ratios(i)
         lines.append(
             f"| {router.in_flight:,} | {router.requests_per_s:,.0f} | {router.p50_ms:.2f} | {router.p99_ms:.2f} |"
-            f" {ours.requests_per_s:,.0f} | {ours.p50_ms:.2f} | {ours.p99_ms:.2f} | {median(rates):.2f}"
-            f" ({', '.join(f'{x:.2f}' for x in rates)}) | {median(p50s):.2f} ({', '.join(f'{x:.2f}' for x in p50s)}) |"
+            f" {ours.requests_per_s:,.0f} | {ours.p50_ms:.2f} | {ours.p99_ms:.2f} | {listed(rates)} | {listed(p50s)} |"
         )
     met_text = {True: "yes", False: "no", None: "-"}
     lines += ["", "The issue's goals, beside the figures (not asserted):", "", "| ratio | value | goal | met |"]
