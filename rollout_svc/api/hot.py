@@ -132,7 +132,7 @@ async def _body(request: Request, model: type[B]) -> B:
     one step by pydantic-core (`model_validate_json`: JSON's types are the same in both of pydantic's modes). Raises
     `APIError` 400: not JSON, no body, or `invalid_body` naming every field that failed."""
     raw = await request.body()
-    if not raw.strip() or raw.strip() == b"null":
+    if raw.strip() in (b"", b"null"):
         raise APIError(400, "body: Field required (send a JSON object)", param="body")
     try:
         return model.model_validate_json(raw)
