@@ -156,9 +156,12 @@ class WorkerHost:
             with self._lock:
                 if self._stopping.is_set():
                     return
-                process = self._process = self._spawn()
-            if self.pid_path is not None:
-                self.pid_path.write_text(str(process.pid))
+                process = self._spawn()
+                if self.pid_path is not None:  # before the child is visible: whoever sees it finds its pid file
+                    temp = self.pid_path.with_suffix(".tmp")
+                    temp.write_text(str(process.pid))
+                    temp.replace(self.pid_path)  # atomic: a reader never finds it empty or half-written
+                self._process = process
             while process.poll() is None:
                 if self._stopping.wait(0.5):
                     return
