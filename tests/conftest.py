@@ -72,6 +72,22 @@ def rds(redis_url: str) -> Iterator[redis.Redis]:
     client.close()
 
 
+WORKER_LOG_TAIL = 4000  # characters of each worker's log a failed test's report shows
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A test that failed with worker processes running shows the end of each one's log in its report (a flaky
+    failure in CI is then readable from CI's output alone)."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    procs = getattr(item, "funcargs", {}).get("workers")
+    if report.when == "call" and report.failed and isinstance(procs, WorkerProcs):
+        for worker_id in procs.procs:
+            with contextlib.suppress(OSError):
+                report.sections.append((f"worker {worker_id}'s log (end)", procs.log(worker_id)[-WORKER_LOG_TAIL:]))
+
+
 @pytest.fixture
 def settings(request: pytest.FixtureRequest, redis_url: str, rds: redis.Redis) -> Settings:
     """Fast heartbeats so death is noticed within ~2 s; short blocks so tests stay quick. A test marked
