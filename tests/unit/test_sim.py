@@ -158,6 +158,29 @@ async def test_time_passes_as_the_cost_model_says_scaled():
     assert expected_s / 10 * 0.9 < wall_s < expected_s / 10 + 0.5  # about 0.14 s
 
 
+async def test_a_busy_event_loop_does_not_stretch_simulated_time():
+    # 40 requests ending one after another wake the step loop 40 times; a neighbour (another engine of the process,
+    # the worker) holds the event loop 3 ms at a time. The steps start where the last one ended on the simulated
+    # clock, so the wall time is the cost model's, scaled, give or take one hold: not a hold more per wake-up.
+    engine = SimEngine(H100_SXM, QWEN25_7B, time_scale=10.0)
+    stop = False
+
+    async def neighbour() -> None:
+        while not stop:
+            time.sleep(0.003)  # holding the event loop is the point
+            await asyncio.sleep(0.001)
+
+    busy = asyncio.create_task(neighbour())
+    started = time.monotonic()
+    runs = [engine.generate(f"r{i}", [1] * 16, SamplingParams(max_tokens=40 + 8 * i)) for i in range(40)]
+    await asyncio.gather(*runs)
+    wall_s = time.monotonic() - started
+    stop = True
+    await busy
+    simulated_wall_s = engine.stats.busy_s / 10
+    assert simulated_wall_s > 0.2 and wall_s < simulated_wall_s * 1.1 + 0.05, (wall_s, simulated_wall_s)
+
+
 async def test_keep_pause_freezes_abort_pause_cuts_and_resume_continues():
     engine = SimEngine(H100_SXM, QWEN25_7B, time_scale=100.0)  # ~7 ms a step: 0.07 ms of wall clock
     task = asyncio.create_task(engine.generate("r", [1] * 16, SamplingParams(max_tokens=100_000)))

@@ -22,6 +22,8 @@ from workers.sim.scheduler import Scheduler, Sequence, Step
 ACTIVATION_RESERVE_BYTES = 2e9  # what vLLM's memory profiling keeps back for activations (an estimate, 7B class)
 MAX_REPEATS = 256  # decode steps simulated as one sleep, at most
 MAX_SLEEP_S = 0.05  # and at most this much wall clock: streams and progress advance at least 20 times a second
+# How far behind its simulated clock an engine may fall (wall s) and still catch up (`_elapse`).
+MAX_LAG_S = 0.5
 PRINTABLE = 95  # generated tokens are printable ASCII bytes (32..126): the echo vocabulary has text for them
 
 
@@ -101,6 +103,7 @@ class SimEngine(EchoEngine):
         self._between_steps = asyncio.Event()
         self._between_steps.set()
         self._loop_task: asyncio.Task[None] | None = None
+        self._clock: float | None = None  # the loop time its simulated clock stands at (a step's end); None: idle
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -191,6 +194,7 @@ class SimEngine(EchoEngine):
             # 1. Wait for work, and for no pause.
             while self._paused or not (scheduler.running or scheduler.waiting):
                 self._wake.clear()
+                self._clock = None  # idle: simulated time stands still until there is work
                 await self._wake.wait()
             # 2. Plan a step, and how many times it repeats unchanged.
             step = scheduler.schedule()
@@ -228,18 +232,25 @@ class SimEngine(EchoEngine):
         return durations_s
 
     async def _elapse(self, durations_s: list[float]) -> int:
-        """Sleep the steps' time (scaled); returns how many completed: all, or up to the one running at a wake-up."""
+        """Sleep the steps' time (scaled); returns how many completed: all, or up to the one running at a wake-up.
+
+        The steps start where the last one ended on the simulated clock, not when this is called: the time the event
+        loop took between them (this process's other engines, the worker, a loaded machine) is caught up, so a busy
+        process does not stretch simulated time, as long as it falls no more than `MAX_LAG_S` behind."""
         loop = asyncio.get_running_loop()
-        ends = list(itertools.accumulate(d / self.time_scale for d in durations_s))
-        started = loop.time()
+        now = loop.time()
+        start = self._clock if self._clock is not None and now - self._clock < MAX_LAG_S else now
+        ends = [start + end for end in itertools.accumulate(d / self.time_scale for d in durations_s)]
         self._wake.clear()
         try:
-            await asyncio.wait_for(self._wake.wait(), ends[-1])
+            await asyncio.wait_for(self._wake.wait(), max(0.0, ends[-1] - now))
         except TimeoutError:
+            self._clock = ends[-1]
             return len(ends)
-        elapsed = loop.time() - started
-        index = min(bisect.bisect_right(ends, elapsed), len(ends) - 1)  # the step running now completes
-        await asyncio.sleep(max(0.0, ends[index] - elapsed))
+        now = loop.time()
+        index = min(bisect.bisect_right(ends, now), len(ends) - 1)  # the step running now completes
+        await asyncio.sleep(max(0.0, ends[index] - now))
+        self._clock = ends[index]
         return index + 1
 
     def _finish(self, request_id: str) -> None:
