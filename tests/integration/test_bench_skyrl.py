@@ -53,3 +53,5 @@ def test_only_replaces_its_section_and_keeps_the_rest() -> None:
     )
     first_time = replace_section("# B\n\n## (h) Hop\n\nh\n\n## (s) Shards\n\ns\n", "## (i) ", "\n## (i) SkyRL\n\nnew\n")
     assert first_time == "# B\n\n## (h) Hop\n\nh\n\n## (i) SkyRL\n\nnew\n\n## (s) Shards\n\ns\n"
+    # a section rendered without the blank lines around it (or with more) still sits one blank line from each side
+    assert replace_section(report, "## (i) ", "## (i) SkyRL\n\nnew\n\n\n") == replaced

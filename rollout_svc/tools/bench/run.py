@@ -184,8 +184,8 @@ def replace_section(report: str, heading: str, body: str) -> str:
         start = end = next((i for i, line in enumerate(lines) if line.startswith("## ") and line > heading), len(lines))
     else:
         end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    head = "".join(lines[:start]).rstrip("\n") + "\n"
-    return head + body + ("\n" + "".join(lines[end:]) if end < len(lines) else "")
+    head, body = "".join(lines[:start]).rstrip("\n"), body.strip("\n") + "\n"  # one blank line either side
+    return (head + "\n\n" if head else "") + body + ("\n" + "".join(lines[end:]) if end < len(lines) else "")
 
 
 # --- (a) queue overhead --------------------------------------------------------------------------------------
