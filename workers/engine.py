@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import os
 import tempfile
 import uuid
@@ -24,6 +25,8 @@ from rollout_svc.protocol import (
 )
 from workers.dtype import engine_dtype
 from workers.weight_extension import WORKER_EXTENSION
+
+log = logging.getLogger("rollout_svc.worker")
 
 # A transfer job in vLLM's worker process (`WeightSyncExtension`) says it ended by creating a marker file, watched every
 # MARK_POLL_S; its outcome is then asked once (`rollout_poll`). The engine is asked anyway every JOB_POLL_S (a rank
@@ -206,17 +209,21 @@ class Engine(Protocol):
         ...
 
 
-OUTPUTS_WAIT_S = 0.02  # vLLM's own sleep after a pause: the longest `_outputs_processed` waits
+OUTPUTS_WAIT_S = 0.02  # vLLM's own sleep after a pause: what `_outputs_processed` waits where it cannot watch
+OUTPUTS_DRAIN_MAX_S = 1.0  # the longest `_outputs_processed` waits for a handler it watches to become idle
 
 
 async def _outputs_processed(llm: Any) -> None:
     """Return once `llm`'s output handler has processed every output its engine-core client has queued: the queue
     is empty and the handler waits on it for more (an `asyncio.Queue` getter), or there is no handler running (vLLM
-    starts it with the first request: before that, no output exists). At most `OUTPUTS_WAIT_S`: where the vLLM
-    client does not look as this expects (no `outputs_queue`), or the handler is busy elsewhere, it waits as vLLM's
-    `pause_generation` does."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + OUTPUTS_WAIT_S
+    starts it with the first request: before that, no output exists). Where the vLLM client does not look as this
+    expects (no `outputs_queue`), it waits `OUTPUTS_WAIT_S`, as vLLM's `pause_generation` does.
+
+    The wait for a watched handler is bounded by `OUTPUTS_DRAIN_MAX_S` of wall clock, not by vLLM's 20 ms: the
+    handler processes each output in a few loop turns, but on a loaded host the process can lose 20 ms to the
+    scheduler with outputs still queued (a CI run returned with 2 of 5 processed), and a count read then would put
+    tokens of the old weights in the new version's span. The handler never waits on anything but its queue for
+    long (an abort's send to the engine core, a chunk boundary), so the bound is met only by a stalled process."""
     queue = getattr(llm.engine_core, "outputs_queue", None)
     if not isinstance(queue, asyncio.Queue):
         await asyncio.sleep(OUTPUTS_WAIT_S)
@@ -224,11 +231,14 @@ async def _outputs_processed(llm: Any) -> None:
     handler = getattr(llm, "output_handler", None)
     if handler is None or handler.done():
         return
-    while loop.time() < deadline:
-        if queue.empty() and getattr(queue, "_getters", None):  # idle: waiting for outputs that are not there
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + OUTPUTS_DRAIN_MAX_S
+    while not (queue.empty() and getattr(queue, "_getters", None)):  # idle: waiting for outputs that are not there
+        if loop.time() >= deadline:
+            busy = OUTPUTS_DRAIN_MAX_S
+            log.warning("vLLM's output handler still busy %.1f s after a pause: token counts may be short", busy)
             return
         await asyncio.sleep(0)
-    await asyncio.sleep(max(0.0, deadline - loop.time()))
 
 
 def vllm_engine_args(

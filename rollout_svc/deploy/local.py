@@ -129,6 +129,7 @@ class PrivateRedis:
             return
         if self.data_dir is not None:
             self.data_dir.mkdir(parents=True, exist_ok=True)
+        said = ""  # what the last Redis that said anything said: one killed at the deadline may not have yet
         while True:
             with tempfile.TemporaryFile() as output:  # Redis logs to it (unlinked: gone once both ends close)
                 self.process = subprocess.Popen(die_with_parent(self.args(binary)), stdout=output, stderr=output)
@@ -136,7 +137,7 @@ class PrivateRedis:
                     return
                 self.process.kill()  # out of time before it answered or exited; a no-op if it exited
                 self.process.wait()
-                said = _last_words(output)
+                said = _last_words(output) or said
             if "already in use" in said and time.monotonic() < deadline:
                 time.sleep(0.5)
                 continue
