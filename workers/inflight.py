@@ -161,6 +161,10 @@ class InFlightIndex:
     def records(self) -> list[InFlight]:
         return list(self._by_key.values())
 
+    def entry_keys(self) -> set[tuple[str, bytes]]:
+        """(stream, entry id) of every request in flight."""
+        return set(self._by_key)
+
     @property
     def generating(self) -> int:
         """Rollout requests in flight (what counts against the engine's capacity)."""

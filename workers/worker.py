@@ -107,6 +107,7 @@ class Worker:
         self._woken = Woken()  # the cost of entries its blocking reads took, not yet counted in Redis
         self._read_failures: dict[str, int] = {}  # loop name -> reads failed in a row
         self._redis_run_id: str | None = None  # the Redis server's run_id when last asked (a new one: it restarted)
+        self._forgotten_check = False  # after a reconcile: requeue what Redis holds pending here that is not in flight
 
     @property
     def worker_id(self) -> str:
@@ -456,17 +457,15 @@ class Worker:
         await self._announce_shard()
         await self.reaper.requeue_orphans(self.worker_id)
         records = self.index.records()
-        pending = {
-            stream: await self.streams.pending_ids(stream, self.worker_id, len(records) + 1000)
-            for stream in {record.entry.stream for record in records}
-        }
-        lost = [record for record in records if record.entry.entry_id not in pending[record.entry.stream]]
+        pending = await self.reaper.pending_keys(self.worker_id, {r.entry.stream for r in records}, len(records) + 1000)
+        lost = [record for record in records if (record.entry.stream, record.entry.entry_id) not in pending]
         if lost:
             log.warning(
                 "Redis no longer holds %d of the %d requests in flight here: aborting them (their producers resubmit)",
                 len(lost), len(records),
             )  # fmt: skip
             await self.index.cancel_all(lost, "shutdown")
+        self._forgotten_check = True  # and the other way round, by the reap loop (it waits between two looks)
         self._wake.set()
         self._weights_wake.set()
 
@@ -474,6 +473,9 @@ class Worker:
         while not self._stopping.is_set():
             if not self._fenced:
                 try:
+                    if self._forgotten_check:
+                        await self.reaper.requeue_forgotten(self.worker_id, self.index.entry_keys)
+                        self._forgotten_check = False
                     await self.reaper.reap_dead(self.worker_id)
                 except REDIS_ERRORS as exc:
                     log.warning("reaping dead workers failed (%s); retrying", exc)

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable, Collection
 
 from redis.asyncio import Redis
 
@@ -158,6 +159,47 @@ class Reaper:
                 await self.registry.release_reap_lock(f"orphans:{stream}", worker_id)
         if moved:
             log.warning("Redis brought back %d requests behind the consumer group (no read gets them): requeued", moved)
+        return moved
+
+    async def pending_keys(self, worker_id: str, streams: Collection[str], count: int) -> set[tuple[str, bytes]]:
+        """(stream, entry id) of up to `count` entries of each of `streams` pending on `worker_id` (XPENDING)."""
+        return {(s, i) for s in streams for i in await self.streams.pending_ids(s, worker_id, count)}
+
+    async def requeue_forgotten(
+        self, worker_id: str, held: Callable[[], Collection[tuple[str, bytes]]], settle_s: float | None = None
+    ) -> int:
+        """After a Redis restart that lost its last second of writes (killed, `appendfsync everysec`): requeue the
+        entries Redis holds pending on `worker_id` (shared, pinned and token streams) that the worker no longer has
+        in flight. A request it answered in that second comes back so: the publish script's result, ack and delete
+        were lost together, perhaps after its producer read the result; nothing reads a worker's own pending list
+        but the reaper of a dead worker, so such an entry stayed pending for good (a chaos run's drain found one),
+        and a producer that lost the result too and asked `RequestStreams.held` would have waited on it.
+
+        `held()`: (stream, entry id) of what the worker has in flight now. Two looks `settle_s` apart: an entry a
+        read had delivered but the worker had not yet put in flight at the first look is held at the second, and
+        one it answered meanwhile is acked; only an entry unheld at both is requeued (served again: a producer that
+        has its result drops the second one). `settle_s` defaults to a blocking read's time and a second. Returns
+        how many moved (and logs it)."""
+
+        async def unheld() -> list[Entry]:
+            found: list[Entry] = []
+            for stream in (self.keys.requests, self.keys.pinned_requests(worker_id), self.keys.token_requests):
+                pending = await self.streams.pending_of(stream, worker_id)
+                now_held = set(held())
+                found += [entry for entry in pending if (stream, entry.entry_id) not in now_held]
+            return found
+
+        first = {(entry.stream, entry.entry_id) for entry in await unheld()}
+        if not first:
+            return 0
+        await asyncio.sleep(self.settings.read_block_ms / 1e3 + 1 if settle_s is None else settle_s)
+        entries = [entry for entry in await unheld() if (entry.stream, entry.entry_id) in first]
+        moved = await self.requeue(entries) if entries else 0
+        if entries:
+            log.warning(
+                "Redis holds %d requests pending on %s that it no longer has in flight (answered before a restart "
+                "that lost the acknowledgement): requeued", len(entries), worker_id,
+            )  # fmt: skip
         return moved
 
     async def requeue(self, entries: list[Entry]) -> int:

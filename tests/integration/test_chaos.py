@@ -34,7 +34,11 @@ def test_a_short_chaos_run_injects_every_kind_of_fault_and_leaves_a_clean_ledger
     # The violations first: a long story is cut where CI prints it.
     violations = summary["violations"]
     logs = named_logs(violations, tmp_path) if violations else {}
-    assert violations == [], (violations[:5], summary.get("worker_error_samples"), story[-2000:], logs)
+    # A string, not a tuple: pytest prints a non-string message through saferepr, cut to 240 characters (as a CI
+    # run's was, leaving the logs out).
+    parts = [json.dumps(violations[:5], indent=1), str(summary.get("worker_error_samples")), story[-2000:]]
+    parts += [f"--- {name}\n{text}" for name, text in logs.items()]
+    assert violations == [], "\n".join(parts)
     assert run.returncode == 0, story
     assert summary["requests"] >= 100, story
     assert summary["answered"] == summary["requests"]

@@ -313,3 +313,32 @@ async def test_a_request_forwarded_to_its_session_s_draining_worker_waits_there(
     [requeued] = await streams.requeue([Enqueue(payload, "s1", deliveries=1, epoch=0)], [])  # the drain's backlog
     assert requeued.stream == keys.pinned_requests("w-b")
     assert await streams.pin_session("s1", "w-b") == "w-b"  # the session moved with it
+
+
+async def test_entries_pending_on_a_live_worker_that_it_no_longer_holds_are_requeued_after_a_second_look(
+    plane, settings, rds
+):
+    """After a Redis restart that lost its last writes, a request the worker answered comes back pending on it (the
+    publish script's ack and delete lost; a chaos run's drain found one, pending for good). The worker's reap loop
+    requeues such entries: pending on it and not in flight at two looks a moment apart. One that a read had just
+    delivered is in flight at the second look, one answered meanwhile is acked: neither moves."""
+    keys, streams = settings.keys, plane.streams
+    await register(plane, "w0")
+    reply = keys.results("p")
+    await streams.enqueue([request(f"r{i}", reply) for i in range(4)], 100)
+    taken, _ = await streams.take("w0", 4, 60_000)
+    by_id = {decode(e.payload).request_id: e for e in taken}
+    assert sorted(by_id) == ["r0", "r1", "r2", "r3"]
+    held = {(e.stream, e.entry_id) for e in (by_id["r0"],)}  # r0 in flight throughout
+    reaper = Reaper(plane.redis, settings)
+    looking = asyncio.ensure_future(reaper.requeue_forgotten("w0", lambda: held, settle_s=0.5))
+    await asyncio.sleep(0.2)  # between the looks: r1 put in flight (its read had returned), r2 answered
+    held.add((by_id["r1"].stream, by_id["r1"].entry_id))
+    rds.xack(keys.requests, WORKERS_GROUP, by_id["r2"].entry_id)
+    assert await looking == 1  # r3: pending on w0 at both looks, never in flight
+    pending = await reaper.pending_keys("w0", [keys.requests], 100)
+    assert pending == {(by_id[r].stream, by_id[r].entry_id) for r in ("r0", "r1")}
+    await register(plane, "w1")
+    [again], _ = await streams.take("w1", 4, 60_000)
+    assert decode(again.payload).request_id == "r3" and again.deliveries == 2  # its first delivery carried
+    assert await reaper.requeue_forgotten("w0", lambda: held, settle_s=0.1) == 0  # r0 and r1 held: nothing

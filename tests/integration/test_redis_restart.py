@@ -267,3 +267,32 @@ async def test_entries_redis_brings_back_behind_the_consumer_group_are_requeued_
         assert [t.completion_token_ids for t in trajectories] == [_prompt(i)[:16] for i in range(8)]
         await async_wait_until(lambda: sum(rds.xlen(s) for s in streams) == 0, 10, "every request stream drained")
     rds.close()
+
+
+@pytest.mark.parametrize("server", [True], indirect=True, ids=["appendonly"])
+async def test_a_request_pending_on_a_worker_that_no_longer_holds_it_is_served_after_a_restart(
+    server: RedisServer, fleet: tuple[Settings, WorkerProcs]
+) -> None:
+    """A Redis killed within a second of a worker's answer can come back with the answer's ack, delete and result
+    all lost: the entry pending on a worker that finished with it, and a producer still waiting. Made here by
+    delivering a queued entry to w1's consumer from outside w1. After the restart w1 finds it pending and not in
+    flight, twice, and requeues it: the call is answered, and the streams drain (a chaos run's drain once found
+    such an entry pending for good)."""
+    settings, procs = fleet
+    rds = redis.Redis.from_url(settings.redis_url)
+    async with RolloutClient(settings) as client:
+        await client.pause("wait", holder="test")  # nothing is taken: the request stays queued
+        task = asyncio.ensure_future(client.generate([_prompt(1)], {"max_tokens": 16}, timeout_s=60))
+        await async_wait_until(lambda: rds.xlen(settings.keys.requests) == 1, 10, "the request queued")
+        [(_, [(entry_id, _)])] = rds.xreadgroup("workers", "w1", {settings.keys.requests: ">"}, count=1)
+        pending = rds.xpending_range(settings.keys.requests, "workers", "-", "+", 10, consumername="w1")
+        assert [p["message_id"] for p in pending] == [entry_id]  # pending on w1, which never read it
+        server.stop(signal.SIGTERM)
+        server.start()
+        await client.resume(holder="test")
+        [trajectory] = await task
+        assert trajectory.completion_token_ids == _prompt(1)[:16]
+        assert "no longer has in flight" in procs.log("w1")
+        await async_wait_until(lambda: rds.xlen(settings.keys.requests) == 0, 10, "the requests stream drained")
+        assert not rds.xpending_range(settings.keys.requests, "workers", "-", "+", 10, consumername="w1")
+    rds.close()
