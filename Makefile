@@ -33,7 +33,7 @@ model: $(STAMP)
 	$(VENV)/bin/rollout-svc model prepare
 
 test: $(STAMP) model
-	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 # Soaks and long scenario runs (minutes each): the chaos soak, the RL loop example, a Ray group of vLLM workers.
 test-long: $(STAMP) model
