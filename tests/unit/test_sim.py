@@ -260,6 +260,18 @@ def test_the_cpu_fit_recovers_a_known_profile_from_its_step_times():
         assert p.modelled_s(fitted) == pytest.approx(p.seconds, rel=0.1)
 
 
+def test_the_fit_leaves_out_decode_points_whose_sequences_do_not_fit_in_the_kv_cache():
+    """Where B sequences of C + 97 tokens overflow the KV cache, the real engine preempts and runs them in waves: not
+    one step's cost, so not a fit point (here 32 x 1024 pulled the fitted KV read rate to a third)."""
+    from rollout_svc.tools.bench.simfit import FitPlan
+
+    plan = FitPlan()  # 512 MiB: 23,301 SmolLM2 tokens in bf16 (23,040 bytes a token), half that in float32
+    assert plan.kv_tokens(2) == 512 * 2**20 // 23_040 and plan.kv_tokens(4) == plan.kv_tokens(2) // 2
+    bf16, float32 = plan.decode_points(2), plan.decode_points(4)
+    assert (32, 512) in bf16 and (32, 1024) not in bf16 and len(bf16) == 8
+    assert (32, 512) not in float32 and (8, 1024) in float32 and len(float32) == 7
+
+
 def test_a_profile_may_read_the_kv_cache_slower_than_the_weights():
     slow_kv = StepCost(H100_SXM.__class__(**{**H100_SXM.__dict__, "kv_bytes_per_s": 1e11}), QWEN25_7B)
     fast = StepCost(H100_SXM, QWEN25_7B)

@@ -5,13 +5,22 @@ on 2 workers) and compare its makespan with the measured one.
 1. Fit. Two real vLLM workers (one core each, as `up` binds them); every fit call runs on both at once.
    For each batch size B and context C: B requests of C random prompt tokens, once for 1 output token and once for
    97 (`ignore_eos`); a decode step is their time difference over 96. A prefill is one request of C tokens for 1
-   token. The profile (the weights' and the KV cache's effective read bandwidth, effective FLOP/s, overhead per
-   step and per sequence in it: `workers/sim/cost.py`'s roofline plus overheads) is the least relative squared
-   error: the rates over a log grid, then a finer one, the two overheads in closed form for each.
+   token. A decode point whose B sequences of C + 97 tokens do not fit in the KV cache is left out: there the real
+   engine preempts and runs the batch in waves, which the simulator's scheduler models, not its cost of one step
+   (measured with one: 32 x 1024 took 317 ms a step against 150 ms at 32 x 512, and pulled the fitted KV read rate
+   to a third of what the points that fit give). The profile (the weights' and the KV cache's effective read
+   bandwidth, effective FLOP/s, overhead per step and per sequence in it: `workers/sim/cost.py`'s roofline plus
+   overheads) is the least relative squared error: the rates over a log grid, then a finer one, the two overheads
+   in closed form for each.
 2. Predict. The ShareGPT workload (first user turns, chat-templated by the real model, each for as many tokens as
    ShareGPT's reply had, capped, `ignore_eos`) goes to the 2 real workers, then, as the same token ids, to 2 sim
    workers with the fitted profile (the same capacity, KV cache and context, chunked prefill off as on the real CPU
    engine), in real time. Makespan: the call's wall clock, first submit to last answer.
+
+The real engine's runs come in `FitPlan.repeats` rounds, each every fit point and then the workload once, and each
+figure is the median over the rounds: a shared machine's speed drifts over minutes, and measured in rounds the fit
+and the workload see the same drift (measured one after the other, three fits and then three workloads, the
+prediction error moved from -20% to +25% between two runs of the section).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from rollout_svc.deploy.local import LocalCluster
 from rollout_svc.tools import dataset
 from rollout_svc.tools.progress import Progress
 from rollout_svc.tools.runs import private_settings
+from workers.dtype import engine_dtype
 from workers.sim.cost import StepCost
 from workers.sim.profiles import SMOLLM2_135M, GPUProfile
 
@@ -53,9 +63,20 @@ class FitPlan:
     max_reply_tokens: int = 160
     max_prompt_chars: int = 2400
     capacity: int = 64
-    # Each fit point and each makespan is the median of this many runs: one run of each moved 20-25% between two
+    # Each fit point and each makespan is the median of this many rounds: one run of each moved 20-25% between two
     # runs here minutes apart (2026-11-27: the real engine's makespan 27.7 s, then 21.3 s).
     repeats: int = 3
+    kv_cache_memory_bytes: int = EngineSettings.model_fields["kv_cache_memory_bytes"].default
+
+    def kv_tokens(self, dtype_bytes: int) -> int:
+        """Tokens the real engine's KV cache holds, its KV in `dtype_bytes` an element (SmolLM2-135M's shape)."""
+        return self.kv_cache_memory_bytes // (SMOLLM2_135M.kv_bytes_per_token // SMOLLM2_135M.dtype_bytes * dtype_bytes)
+
+    def decode_points(self, dtype_bytes: int) -> list[tuple[int, int]]:
+        """The (batch, context) decode points whose sequences fit in the KV cache for the longer of the two calls."""
+        limit = self.kv_tokens(dtype_bytes)
+        grid = itertools.product(self.batches, self.contexts)
+        return [(b, c) for b, c in grid if b * (c + 1 + self.decode_tokens) <= limit]
 
 
 @dataclass
@@ -88,6 +109,7 @@ class FitFigures:
     requests: int = 0
     output_tokens: int = 0
     command: str = ""
+    dtype_bytes: int = 2  # of the real engine's KV cache: 4 where it runs in float32 (workers/dtype.py)
 
     @property
     def makespan_error(self) -> float:
@@ -100,7 +122,9 @@ def run_fit_bench(
     """Fit, write the profile to `log_dir/cpu-profile.json`, predict; raises what the clusters raise."""
     plan = plan or FitPlan()
     figures = FitFigures(plan, command=command)
-    engine = EngineSettings(engine="vllm", model=str(model), max_num_seqs=plan.capacity)
+    engine = EngineSettings(
+        engine="vllm", model=str(model), max_num_seqs=plan.capacity, kv_cache_memory_bytes=plan.kv_cache_memory_bytes
+    )
     settings = private_settings(redis_url, "bench-simfit")
     real = LocalCluster(settings, 2, engine, log_dir=log_dir)
     with Progress(None, "bench (k) the real engine: fit points and the workload"), real.running(ready_timeout_s=900):
@@ -108,12 +132,18 @@ def run_fit_bench(
     figures.profile, figures.fit_error = fit_profile(figures.points)
     profile_path = log_dir / "cpu-profile.json"
     profile_path.write_text(json.dumps(asdict(figures.profile)))
+    # what the figures came from, to replay offline: the fit points, and the workload's lengths in tokens
+    (log_dir / "simfit-runs.json").write_text(json.dumps({
+        "points": [asdict(p) for p in figures.points], "measured_s": figures.measured_s,
+        "prompt_tokens": [len(p) for p in prompts], "max_tokens": [q["max_tokens"] for q in params],
+    }))  # fmt: skip
     sim = EngineSettings(
         engine="sim",
         sim_gpu=str(profile_path),
         sim_model="smollm2-135m",
         max_num_seqs=plan.capacity,
-        kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
+        # as many tokens as the real engine's cache holds: the sim's SmolLM2 keeps its KV in bf16
+        kv_cache_memory_bytes=engine.kv_cache_memory_bytes * SMOLLM2_135M.dtype_bytes // figures.dtype_bytes,
         max_model_len=engine.max_model_len,
         # The real engine's budget: vLLM 0.32 without chunked prefill (off on CPU, workers/engine.py) takes the
         # larger of max_model_len and SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS (2048) tokens a step.
@@ -128,12 +158,23 @@ def run_fit_bench(
 
 
 async def _real_runs(settings: Settings, plan: FitPlan, figures: FitFigures) -> tuple[list[list[int]], list[dict]]:
+    """`plan.repeats` rounds of every fit point and then the workload, on the real engine; the medians."""
+    figures.dtype_bytes = 4 if engine_dtype("auto", cpu_backend=True) == "float32" else 2
+    rng = random.Random(0)  # fresh random prompts every call: no run finds another's in the prefix cache
+    rounds: list[list[FitPoint]] = []
+    makespans: list[float] = []
     async with RolloutClient(settings) as client:
         await _warm_up(client)
-        figures.points = await _fit_points(client, plan)
         prompts, params = await _sharegpt_workload(client, plan)
-        figures.measured_s, figures.output_tokens = await _workload(settings, prompts, params, plan.repeats)
-        figures.requests = len(prompts)
+        for _ in range(plan.repeats):
+            rounds.append(await _fit_points(client, plan, plan.decode_points(figures.dtype_bytes), rng))
+            makespan, figures.output_tokens = await _run_workload(client, prompts, params)
+            makespans.append(makespan)
+    figures.points = [
+        FitPoint(p.kind, p.batch, p.context, statistics.median(r[i].seconds for r in rounds))
+        for i, p in enumerate(rounds[0])
+    ]
+    figures.measured_s, figures.requests = statistics.median(makespans), len(prompts)
     return prompts, params
 
 
@@ -142,8 +183,10 @@ async def _warm_up(client: RolloutClient) -> None:
         await client.generate([[100] * 64] * 4, {"max_tokens": 8, "ignore_eos": True}, [session] * 4)
 
 
-async def _fit_points(client: RolloutClient, plan: FitPlan) -> list[FitPoint]:
-    rng = random.Random(0)
+async def _fit_points(
+    client: RolloutClient, plan: FitPlan, decode_points: list[tuple[int, int]], rng: random.Random
+) -> list[FitPoint]:
+    """One run of each of `decode_points` (batch, context) and of each prefill of `plan`, on prompts from `rng`."""
 
     def prompts(count: int, length: int) -> list[list[int]]:
         return [[rng.randrange(1000, 20000) for _ in range(length)] for _ in range(count)]
@@ -162,13 +205,11 @@ async def _fit_points(client: RolloutClient, plan: FitPlan) -> list[FitPoint]:
         many = await timed(prompts(batch, context), 1 + plan.decode_tokens)
         return max(1e-4, (many - one) / plan.decode_tokens)
 
-    points = []  # fresh random prompts every call: no run finds another's in the prefix cache
-    for batch, context in itertools.product(plan.batches, plan.contexts):
-        runs = [await decode_s(batch, context) for _ in range(plan.repeats)]
-        points.append(FitPoint("decode", batch, context, statistics.median(runs)))
+    points = []
+    for batch, context in decode_points:
+        points.append(FitPoint("decode", batch, context, await decode_s(batch, context)))
     for context in plan.prefills:
-        runs = [await timed(prompts(1, context), 1) for _ in range(plan.repeats)]
-        points.append(FitPoint("prefill", 1, context, statistics.median(runs)))
+        points.append(FitPoint("prefill", 1, context, await timed(prompts(1, context), 1)))
     return points
 
 
@@ -262,20 +303,26 @@ async def _sharegpt_workload(client: RolloutClient, plan: FitPlan) -> tuple[list
     return prompts, [{"max_tokens": n, "ignore_eos": True, "temperature": 0.0} for n in replies]
 
 
+async def _run_workload(client: RolloutClient, prompts: list[list[int]], params: list[dict]) -> tuple[float, int]:
+    """Every request at once, the prefix cache reset first: (wall seconds from the first submit to the last answer,
+    output tokens)."""
+    await client.reset_prefix_cache()  # the same prompts again: none of them prefilled already
+    started = time.monotonic()
+    results = await asyncio.gather(*(client.generate([p], q) for p, q in zip(prompts, params, strict=True)))
+    return time.monotonic() - started, sum(len(t.completion_token_ids) for [t] in results)
+
+
 async def _workload(
     settings: Settings, prompts: list[list[int]], params: list[dict], repeats: int = 1
 ) -> tuple[float, int]:
-    """Every request at once, `repeats` times, the prefix cache reset before each; (the median of the runs' wall
-    seconds from the first submit to the last answer, output tokens of one run)."""
+    """`_run_workload` `repeats` times: (the median of the makespans, output tokens of one run)."""
     runs = []
     async with RolloutClient(settings) as client:
         await client.generate([[100] * 16], {"max_tokens": 2, "ignore_eos": True})  # connections, scripts
         for _ in range(repeats):
-            await client.reset_prefix_cache()  # the same prompts again: none of them prefilled already
-            started = time.monotonic()
-            results = await asyncio.gather(*(client.generate([p], q) for p, q in zip(prompts, params, strict=True)))
-            runs.append(time.monotonic() - started)
-    return statistics.median(runs), sum(len(t.completion_token_ids) for [t] in results)
+            makespan, tokens = await _run_workload(client, prompts, params)
+            runs.append(makespan)
+    return statistics.median(runs), tokens
 
 
 def render_fit(f: FitFigures) -> str:
@@ -288,8 +335,10 @@ def render_fit(f: FitFigures) -> str:
         "call on both at once), then used to predict a different workload: "
         f"{f.requests} ShareGPT first turns, each for its ShareGPT reply's length in tokens (capped at "
         f"{f.plan.max_reply_tokens}; {f.output_tokens} output tokens in all), at once on 2 workers. Each fit point "
-        f"and each makespan is the median of {f.plan.repeats} runs (the prefix cache reset before each run of the "
-        "workload).\n",
+        f"and each makespan is the median of {f.plan.repeats} rounds, each every fit point and then the workload "
+        "(the prefix cache reset before each run of the workload). Decode points whose sequences do not fit in the "
+        f"KV cache ({f.plan.kv_tokens(f.dtype_bytes):,} tokens) are left out: there the engine preempts, which the "
+        "simulator's scheduler models, not its step cost.\n",
         f"Fitted profile: the weights read at {profile.hbm_bytes_per_s / 1e9:.1f} GB/s and the KV cache at "
         f"{profile.kv_bytes_per_s / 1e9:.1f}, {profile.peak_flops / 1e9:.1f} GFLOP/s, "
         f"{profile.step_overhead_s * 1e3:.1f} ms per step and {profile.seq_overhead_s * 1e3:.2f} ms per sequence in "
