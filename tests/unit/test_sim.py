@@ -272,6 +272,19 @@ def test_the_fit_leaves_out_decode_points_whose_sequences_do_not_fit_in_the_kv_c
     assert (32, 512) not in float32 and (8, 1024) in float32 and len(float32) == 7
 
 
+def test_the_fit_workload_replays_offline_through_the_scheduler_and_cost_model():
+    from rollout_svc.tools.bench.simfit import _profile, replay_workload
+
+    profile = _profile(4e10, 3e11, 0.006, seq_overhead=0.0015)
+    cost = StepCost(profile, SMOLLM2_135M)
+    alone = cost.prefill_s(100) + sum(cost.decode_s(1, 100 + k) for k in range(9))
+    assert replay_workload(profile, [100], [10], kv_tokens=4096) == pytest.approx(alone, rel=1e-9)
+    # two such requests go to the two workers, which run side by side: the same makespan, not twice it
+    assert replay_workload(profile, [100, 100], [10, 10], kv_tokens=4096) == pytest.approx(alone, rel=1e-9)
+    # on one worker they share its steps: longer than one alone, shorter than one after the other
+    assert alone < replay_workload(profile, [100, 100], [10, 10], kv_tokens=4096, workers=1) < 2 * alone
+
+
 def test_a_profile_may_read_the_kv_cache_slower_than_the_weights():
     slow_kv = StepCost(H100_SXM.__class__(**{**H100_SXM.__dict__, "kv_bytes_per_s": 1e11}), QWEN25_7B)
     fast = StepCost(H100_SXM, QWEN25_7B)
