@@ -262,7 +262,7 @@ def test_the_cpu_fit_recovers_a_known_profile_from_its_step_times():
 
 def test_the_fit_leaves_out_decode_points_whose_sequences_do_not_fit_in_the_kv_cache():
     """Where B sequences of C + 97 tokens overflow the KV cache, the real engine preempts and runs them in waves: not
-    one step's cost, so not a fit point (here 32 x 1024 pulled the fitted KV read rate to a third)."""
+    one step's cost, so not a fit point (here 32 x 1024 pulled the fitted KV read rate from 8.9 to 5.6 GB/s)."""
     from rollout_svc.tools.bench.simfit import FitPlan
 
     plan = FitPlan()  # 512 MiB: 23,301 SmolLM2 tokens in bf16 (23,040 bytes a token), half that in float32

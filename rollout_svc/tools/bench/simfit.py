@@ -2,16 +2,16 @@
 on SmolLM2-135M here (step times against batch size and context), then predict a different workload (ShareGPT turns
 on 2 workers) and compare its makespan with the measured one.
 
-1. Fit. Two real vLLM workers (one core each, as `up` binds them); every fit call runs on both at once.
-   For each batch size B and context C: B requests of C random prompt tokens, once for 1 output token and once for
-   97 (`ignore_eos`); a decode step is their time difference over 96. A prefill is one request of C tokens for 1
-   token. A decode point whose B sequences of C + 97 tokens do not fit in the KV cache is left out: there the real
-   engine preempts and runs the batch in waves, which the simulator's scheduler models, not its cost of one step
-   (measured with one: 32 x 1024 took 317 ms a step against 150 ms at 32 x 512, and pulled the fitted KV read rate
-   to a third of what the points that fit give). The profile (the weights' and the KV cache's effective read
-   bandwidth, effective FLOP/s, overhead per step and per sequence in it: `workers/sim/cost.py`'s roofline plus
-   overheads) is the least relative squared error: the rates over a log grid, then a finer one, the two overheads
-   in closed form for each.
+1. Fit. Two real vLLM workers (one core each, as `up` binds them); every fit call runs on both at once. For each
+   batch size B and context C: B requests of C random prompt tokens, once for 1 output token and once for 97
+   (`ignore_eos`); a decode step is their time difference over 96. A prefill is one request of C tokens for 1 token,
+   or B of them at once in one step (16 of 128: short prompts as a chat workload prefills them). A decode point
+   whose B sequences of C + 97 tokens do not fit in the KV cache is left out: there the real engine preempts and
+   runs the batch in waves, which the simulator's scheduler models, not its cost of one step (measured with one: 32
+   x 1024 took 317 ms a step against 150 ms at 32 x 512, and pulled the fitted KV read rate from the 8.9 GB/s the
+   points that fit give to 5.6). The profile (the weights' and the KV cache's effective read bandwidth, effective
+   FLOP/s, overhead per step and per sequence in it: `workers/sim/cost.py`'s roofline plus overheads) is the least
+   relative squared error: the rates over a log grid, then a finer one, the two overheads in closed form for each.
 2. Predict. The ShareGPT workload (first user turns, chat-templated by the real model, each for as many tokens as
    ShareGPT's reply had, capped, `ignore_eos`) goes to the 2 real workers, then, as the same token ids, to 2 sim
    workers with the fitted profile (the same capacity, KV cache and context, chunked prefill off as on the real CPU
@@ -60,6 +60,9 @@ class FitPlan:
     batches: tuple[int, ...] = (1, 8, 32)
     contexts: tuple[int, ...] = (64, 512, 1024)
     prefills: tuple[int, ...] = (256, 1024, 1900)
+    # (prompts, tokens each) prefilled in one step: short prompts many to a step, as a workload of chat turns has
+    # them (the single long prompts above alone left the prefill of ~100-token prompts to extrapolation)
+    batched_prefills: tuple[tuple[int, int], ...] = ((16, 128),)
     decode_tokens: int = 96  # a decode step: the difference of two calls over this (32 left the points noisy)
     workload_prompts: int = 96
     max_reply_tokens: int = 160
@@ -83,7 +86,7 @@ class FitPlan:
 
 @dataclass
 class FitPoint:
-    kind: str  # "decode" (one step of `batch` sequences of `context` tokens) or "prefill" (`context` tokens)
+    kind: str  # "decode" (one step of `batch` sequences of `context` tokens) or "prefill" (`batch` of `context`)
     batch: int
     context: int
     seconds: float
@@ -91,13 +94,16 @@ class FitPoint:
     @property
     def sequences(self) -> int:
         """The sequences in one step of this point."""
-        return self.batch if self.kind == "decode" else 1
+        return self.batch
 
     def modelled_s(self, cost: StepCost) -> float:
         """What `cost` says this point takes."""
         if self.kind == "decode":
             return cost.decode_s(self.batch, self.batch * self.context)
-        return cost.prefill_s(self.context)
+        if self.batch == 1:
+            return cost.prefill_s(self.context)
+        tokens = self.batch * self.context  # `batch` prompts of `context` tokens in one step
+        return cost.step_s(tokens, tokens, self.batch * self.context * (self.context + 1) / 2, self.batch)
 
 
 @dataclass
@@ -213,8 +219,8 @@ async def _fit_points(
     points = []
     for batch, context in decode_points:
         points.append(FitPoint("decode", batch, context, await decode_s(batch, context)))
-    for context in plan.prefills:
-        points.append(FitPoint("prefill", 1, context, await timed(prompts(1, context), 1)))
+    for batch, context in [*((1, c) for c in plan.prefills), *plan.batched_prefills]:
+        points.append(FitPoint("prefill", batch, context, await timed(prompts(batch, context), 1)))
     return points
 
 
