@@ -181,20 +181,18 @@ class Reaper:
         has its result drops the second one). `settle_s` defaults to a blocking read's time and a second. Returns
         how many moved (and logs it)."""
 
-        async def unheld() -> list[Entry]:
-            found: list[Entry] = []
-            for stream in (self.keys.requests, self.keys.pinned_requests(worker_id), self.keys.token_requests):
-                pending = await self.streams.pending_of(stream, worker_id)
-                now_held = set(held())
-                found += [entry for entry in pending if (stream, entry.entry_id) not in now_held]
-            return found
-
-        first = {(entry.stream, entry.entry_id) for entry in await unheld()}
+        streams = (self.keys.requests, self.keys.pinned_requests(worker_id), self.keys.token_requests)
+        first = await self.pending_keys(worker_id, streams, 1000) - set(held())  # ids only: most are held
         if not first:
             return 0
         await asyncio.sleep(self.settings.read_block_ms / 1e3 + 1 if settle_s is None else settle_s)
-        entries = [entry for entry in await unheld() if (entry.stream, entry.entry_id) in first]
-        moved = await self.requeue(entries) if entries else 0
+        forgotten = first & (await self.pending_keys(worker_id, streams, 1000) - set(held()))
+        if not forgotten:
+            return 0
+        entries = [
+            e for s in streams for e in await self.streams.pending_of(s, worker_id) if (s, e.entry_id) in forgotten
+        ]
+        moved = await self.requeue(entries)
         if entries:
             log.warning(
                 "Redis holds %d requests pending on %s that it no longer has in flight (answered before a restart "

@@ -41,6 +41,7 @@ from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.deploy.local import LocalCluster
 from rollout_svc.tools import dataset
+from rollout_svc.tools.bench.simpublished import BLOCK_SIZE
 from rollout_svc.tools.progress import Progress
 from rollout_svc.tools.runs import private_settings
 from workers.dtype import engine_dtype
@@ -142,9 +143,10 @@ def run_fit_bench(
     profile_path = log_dir / "cpu-profile.json"
     profile_path.write_text(json.dumps(asdict(figures.profile)))
     # what the figures came from, to replay offline: the fit points, and the workload's lengths in tokens
+    prompt_tokens, max_tokens = [len(p) for p in prompts], [q["max_tokens"] for q in params]
     (log_dir / "simfit-runs.json").write_text(json.dumps({
         "points": [asdict(p) for p in figures.points], "measured_s": figures.measured_s,
-        "prompt_tokens": [len(p) for p in prompts], "max_tokens": [q["max_tokens"] for q in params],
+        "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
     }))  # fmt: skip
     sim = EngineSettings(
         engine="sim",
@@ -162,8 +164,9 @@ def run_fit_bench(
     simulated = LocalCluster(sim_settings, 2, sim, log_dir=log_dir)
     with Progress(None, "bench (k) the simulator: the same workload"), simulated.running(ready_timeout_s=120):
         figures.predicted_s, _ = asyncio.run(_workload(sim_settings, prompts, params, plan.repeats))
-    lengths = [len(p) for p in prompts], [q["max_tokens"] for q in params]
-    figures.replayed_s = replay_workload(figures.profile, *lengths, plan.kv_tokens(figures.dtype_bytes))
+    figures.replayed_s = replay_workload(
+        figures.profile, prompt_tokens, max_tokens, plan.kv_tokens(figures.dtype_bytes)
+    )
     console.print(figures)
     return figures
 
@@ -348,8 +351,9 @@ def replay_workload(
     """The workload's makespan (s) through the sim's scheduler and cost model alone, offline: no worker, no Redis,
     no clock. Each request (`prompt_tokens[i]` distinct prompt tokens, `max_tokens[i]` out) goes to the worker with
     the least work in tokens (prompt plus output), as placement by cost does when every request arrives at once;
-    each worker's engine holds `kv_tokens` tokens of KV in 16-token blocks, without chunked prefill (the real CPU
-    engine's). What this gives beside the live sim's figure separates the cost model's error from the stack's."""
+    each worker's engine holds `kv_tokens` tokens of KV in blocks of the sim's `BLOCK_SIZE` tokens, without chunked
+    prefill (the real CPU engine's). What this gives beside the live sim's figure separates the cost model's error
+    from the stack's."""
     loads = [0] * workers
     parts: list[list[Sequence]] = [[] for _ in range(workers)]
     for i, (n, m) in enumerate(zip(prompt_tokens, max_tokens, strict=True)):
@@ -358,7 +362,8 @@ def replay_workload(
         parts[w].append(Sequence(str(i), list(range(i * 100_000, i * 100_000 + n)), m, lambda _: 0))
     cost, ends = StepCost(profile, SMOLLM2_135M), []
     for part in parts:
-        scheduler = Scheduler(BlockPool(kv_tokens // 16, 16), max_num_seqs, max_num_batched_tokens, False)
+        blocks = BlockPool(kv_tokens // BLOCK_SIZE, BLOCK_SIZE)
+        scheduler = Scheduler(blocks, max_num_seqs, max_num_batched_tokens, False)
         for seq in part:
             scheduler.add(seq)
         now = 0.0
