@@ -141,7 +141,7 @@ def _measure(cluster: LocalCluster, where: str, nodes: list[redis.Redis] | None,
         shard_of_pid = {p.pid: s for p, s in zip(cluster.processes, cluster.worker_shards(), strict=True)}
         nodes = nodes or [stack.enter_context(redis_sync(cluster.settings.redis_url))]
         meters = {"redis": _redis_cpu(nodes), "workers": cpu_of(list(shard_of_pid)), "client": time.process_time}
-        meters["machine"] = _machine_busy
+        meters["machine"] = _machine_busy  # last: read next to the run's clock at both ends (`_batched_runs`)
         elapsed_s, cpu, served = asyncio.run(_batched_runs(cluster.settings, shard_of_pid, meters, plan))
         producers = _parallel_producers(cluster.settings, plan) if plan.producers else (None, None)
     shards = len(set(shard_of_pid.values()))
@@ -162,7 +162,10 @@ async def _batched_runs(
         for _ in range(plan.runs):
             before, started = read_meters(meters), time.perf_counter()
             trajectories = await client.generate([HOP_PROMPT] * plan.requests, params)
-            elapsed_s, after = time.perf_counter() - started, read_meters(meters)
+            # Read back in reverse, so the whole machine's meter (read last before) is read first after: both next to
+            # the clock. Read after Redis's INFO (which can take 100 ms on a loaded host), it counted the machine's
+            # busy time over a window that long beyond the run's, more than its cores could give over the run alone.
+            elapsed_s, after = time.perf_counter() - started, read_meters(dict(reversed(meters.items())))
             assert all(t.finish_reason == "stop" for t in trajectories), "an echo request did not finish"
             served.update(shard_of.get(t.worker_id, "?") for t in trajectories)
             if elapsed_s < best[0]:
