@@ -160,14 +160,16 @@ async def test_time_passes_as_the_cost_model_says_scaled():
 
 async def test_a_busy_event_loop_does_not_stretch_simulated_time():
     # 40 requests ending one after another wake the step loop 40 times; a neighbour (another engine of the process,
-    # the worker) holds the event loop 3 ms at a time. The steps start where the last one ended on the simulated
-    # clock, so the wall time is the cost model's, scaled, give or take one hold: not a hold more per wake-up.
+    # the worker) holds the event loop 10 ms at a time. The steps start where the last one ended on the simulated
+    # clock, so the wall time is the cost model's, scaled, give or take one hold: not a hold more per wake-up (a
+    # clock that a wake-up's wait stretches ran 0.40 s for 0.24 s with 3 ms holds, 0.53-0.56 s with these). The margin
+    # is a loaded host's: a make test run here was descheduled 80 ms within the 0.24 s.
     engine = SimEngine(H100_SXM, QWEN25_7B, time_scale=10.0)
     stop = False
 
     async def neighbour() -> None:
         while not stop:
-            time.sleep(0.003)  # holding the event loop is the point
+            time.sleep(0.010)  # holding the event loop is the point
             await asyncio.sleep(0.001)
 
     busy = asyncio.create_task(neighbour())
@@ -178,7 +180,7 @@ async def test_a_busy_event_loop_does_not_stretch_simulated_time():
     stop = True
     await busy
     simulated_wall_s = engine.stats.busy_s / 10
-    assert simulated_wall_s > 0.2 and wall_s < simulated_wall_s * 1.1 + 0.05, (wall_s, simulated_wall_s)
+    assert simulated_wall_s > 0.2 and wall_s < simulated_wall_s * 1.1 + 0.15, (wall_s, simulated_wall_s)
 
 
 async def test_keep_pause_freezes_abort_pause_cuts_and_resume_continues():
