@@ -3,7 +3,7 @@ chat, completions (text and token ids), real streaming, n, a sticky 5-turn sessi
 `tool_choice` through structured outputs; `auto` parsing by vLLM's hermes parser on canned model text) and a
 `json_schema` answer, and token-in/token-out equal to `RolloutClient.generate`.
 
-One module fixture: two float32 workers (one CPU core each) and one `rollout-svc serve`.
+The session's two float32 workers (one CPU core each; tests/e2e/conftest.py) behind this module's `rollout-svc serve`.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ import pytest
 from openai import OpenAI
 
 from rollout_svc import SyncRolloutClient
-from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.config import Settings
 from rollout_svc.model import prepare_model
+from tests.e2e.conftest import Fleet
 from tests.integration.test_api import KEY, serve
-from tests.support import vllm_workers
 
 pytestmark = pytest.mark.vllm
-MiB = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +32,11 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet(
-    redis_url: str, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Settings, OpenAI]]:
-    settings = Settings(
-        redis_url=redis_url, key_prefix=f"api-{uuid.uuid4().hex[:6]}", heartbeat_interval_s=0.5, heartbeat_ttl_s=10
-    )
-    engine = EngineSettings(model=str(model_dir), dtype="float32", max_num_seqs=16, kv_cache_memory_bytes=256 * MiB)
-    logs = tmp_path_factory.mktemp("api-vllm")
-    with vllm_workers(settings, engine, logs), serve(settings, logs / "serve.log") as base:
+def fleet(two_vllm_workers: Fleet) -> Iterator[tuple[Settings, OpenAI]]:
+    """The session's two float32 vLLM workers (tests/e2e/conftest.py), behind a `serve` of this module's (its data-plane
+    key and admin token)."""
+    settings = two_vllm_workers.settings
+    with serve(settings, two_vllm_workers.logs / "serve-api.log") as base:
         yield settings, OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=600)
 
 

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,21 +11,14 @@ import pytest
 from rollout_svc import RolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.model import prepare_model
-from rollout_svc.tools import dataset
-from tests.support import ROOT, WorkerProcs
+from tests.e2e.conftest import REFERENCE_ARGS, REFERENCE_MAX_TOKENS, Reference, cpu_env
+from tests.support import WorkerProcs
 
 pytestmark = pytest.mark.vllm
 
-MiB = 2**20
-# float32, one request at a time, the same settings both ways: bf16 and batching change the numerics.
-ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8"]
-ENGINE_ARGS += ["--kv-cache-memory-bytes", str(256 * MiB)]
-GREEDY = {"temperature": 0.0, "max_tokens": 32}
-
-
-def cpu_env() -> dict[str, str]:
-    cpus = sorted(os.sched_getaffinity(0))
-    return {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}-{cpus[-1]}")}
+# The reference's settings (tests/e2e/conftest.py): float32, one request at a time, the same settings both ways.
+ENGINE_ARGS = REFERENCE_ARGS
+GREEDY = {"temperature": 0.0, "max_tokens": REFERENCE_MAX_TOKENS}
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +39,8 @@ def vllm_service(redis_url: str, model_dir: Path, tmp_path_factory: pytest.TempP
         procs.stop_all()
 
 
-def direct_vllm(model_dir: Path, prompts: list[list[int]], tmp_path: Path) -> list[dict]:
-    """vLLM called directly (no queue), with the worker's engine settings, one prompt at a time."""
-    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    args = [sys.executable, "-m", "workers.direct", "--model", str(model_dir), *ENGINE_ARGS, "--sequential"]
-    args += ["--prompts-file", str(tmp_path / "prompts.json"), "--out", str(tmp_path / "out.json")]
-    args += ["--temperature", "0", "--max-tokens", str(GREEDY["max_tokens"])]
-    subprocess.run(args, check=True, cwd=ROOT, env={**os.environ, **cpu_env()}, timeout=300, capture_output=True)
-    return json.loads((tmp_path / "out.json").read_text())["outputs"]
-
-
-async def test_greedy_generate_is_token_identical_to_direct_vllm(vllm_service, model_dir, tmp_path):
-    conversations = dataset.first_turns(2, max_chars=600)  # one at a time: ~8 s each here (make test keeps to 15 min)
+async def test_greedy_generate_is_token_identical_to_direct_vllm(vllm_service, direct_reference: Reference):
+    conversations = direct_reference.conversations["sharegpt"]  # one at a time: ~8 s each here
     async with RolloutClient(vllm_service) as client:
         prompts = await client.apply_chat_template(conversations)
         trajectories, elapsed_s = [], []
@@ -69,7 +48,8 @@ async def test_greedy_generate_is_token_identical_to_direct_vllm(vllm_service, m
             started = time.time()
             trajectories += await client.generate([prompt], GREEDY)
             elapsed_s.append(time.time() - started)
-    direct = direct_vllm(model_dir, prompts, tmp_path)
+    assert prompts == direct_reference.prompts["sharegpt"], "the workers' chat template renders as Hugging Face's"
+    direct = direct_reference.outputs["sharegpt"]
     for prompt, trajectory, reference, call_s in zip(prompts, trajectories, direct, elapsed_s, strict=True):
         assert trajectory.prompt_token_ids == prompt
         assert trajectory.completion_token_ids == reference["completion_token_ids"]

@@ -7,7 +7,8 @@ templating fields on that template; `/fetch_weights` from a checkpoint changes S
 and the original checkpoint restores it.
 
 Not here (not built yet): a SkyRL generator class itself (`SkyRLGymGenerator` needs skyrl-gym, omegaconf and torch
-pins beyond the client's). One module fixture: two workers (one CPU core each), one `serve`.
+pins beyond the client's). The session's two workers (one CPU core each; tests/e2e/conftest.py) behind this
+module's `serve`.
 """
 
 from __future__ import annotations
@@ -24,31 +25,23 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rollout_svc import RolloutClient
-from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.config import Settings
 from rollout_svc.integrations.skyrl import skyrl_module
 from rollout_svc.model import prepare_model
+from tests.e2e.conftest import Fleet
 from tests.integration.test_skyrl_client import CLIENT
-from tests.support import serve, vllm_workers
+from tests.support import serve
 
 pytestmark = pytest.mark.vllm
-MiB = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
-def fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, str, str]]:
-    model_dir = prepare_model(Settings().cache_dir)
-    settings = Settings(
-        redis_url=redis_url,
-        key_prefix=f"skyrl-{uuid.uuid4().hex[:6]}",
-        heartbeat_interval_s=0.5,
-        heartbeat_ttl_s=10,
-        checkpoint_root=tmp_path_factory.mktemp("checkpoints"),
-        control_timeout_s=120,
-    )
-    engine = EngineSettings(model=str(model_dir), dtype="float32", max_num_seqs=16, kv_cache_memory_bytes=256 * MiB)
-    logs = tmp_path_factory.mktemp("skyrl-vllm")
-    with vllm_workers(settings, engine, logs), serve(settings, logs / "serve.log", "--open-control") as base:
-        yield settings, base, model_dir.name
+def fleet(two_vllm_workers: Fleet) -> Iterator[tuple[Settings, str, str]]:
+    """The session's two float32 vLLM workers (tests/e2e/conftest.py), behind a `serve` of this module's that serves
+    SkyRL's control routes without a token (`--open-control`, as SkyRL's client sends none)."""
+    settings = two_vllm_workers.settings
+    with serve(settings, two_vllm_workers.logs / "serve-skyrl.log", "--open-control") as base:
+        yield settings, base, two_vllm_workers.model_dir.name
 
 
 def skyrl(base: str, model: str) -> Any:

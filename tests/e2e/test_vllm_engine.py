@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,33 +14,22 @@ from rollout_svc.config import Settings
 from rollout_svc.errors import InvalidRequestError
 from rollout_svc.model import prepare_model
 from rollout_svc.protocol import SamplingParams
-from workers.engine import MiB, VLLMEngine
+from tests.e2e.conftest import PROMPT_SETS, REFERENCE_MAX_TOKENS, REFERENCE_SETTINGS, Reference, cpu_env
+from workers.engine import VLLMEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-# float32 and the same settings on both sides: bf16 and batching change numerics, so greedy ids could differ.
-ENGINE_SETTINGS = {"dtype": "float32", "max_model_len": 2048, "kv_cache_memory_bytes": 256 * MiB, "max_num_seqs": 8}
-MAX_TOKENS = 24
-DIRECT_TIMEOUT_S = 200  # startup ~20 s, generation ~5 s: generous for a loaded 2-core host
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain recursion in one sentence.",
-    "List three prime numbers.",
-]
-
-
-def cpu_env() -> dict[str, str]:
-    """The environment for an engine: on CPU, vLLM's default thread binding leaves a 2-core host half idle."""
-    env = dict(os.environ)
-    if len(os.sched_getaffinity(0)) >= 2:
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    return env
+# The reference's settings (tests/e2e/conftest.py): float32, so greedy ids and logprobs can be compared.
+ENGINE_SETTINGS = REFERENCE_SETTINGS
+MAX_TOKENS = REFERENCE_MAX_TOKENS
 
 
 def engine_processes() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]
+    """This process's own engine's processes: its `VLLM::` children and theirs (not the engines of the worker
+    processes a shared fixture started: tests/e2e/conftest.py)."""
+    cores = [p for p in psutil.Process().children() if p.name().startswith("VLLM::")]
+    ranks = [child for core in cores for child in core.children(recursive=True) if child.name().startswith("VLLM::")]
+    return [*cores, *ranks]
 
 
 @pytest.fixture(scope="module")
@@ -64,54 +50,27 @@ async def engine(model_dir: Path) -> AsyncIterator[VLLMEngine]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def prompts(engine: VLLMEngine) -> list[list[int]]:
-    return [await engine.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS]
-
-
-async def run_direct_cli(model_dir: Path, prompts: list[list[int]], tmp_path: Path) -> dict:
-    """`python -m workers.direct --sequential` in a child process, killed if it overruns."""
-    prompts_file, out_file = tmp_path / "prompts.json", tmp_path / "out.json"
-    prompts_file.write_text(json.dumps(prompts))
-    args = ["--model", str(model_dir), "--prompts-file", str(prompts_file), "--out", str(out_file), "--sequential"]
-    args += ["--dtype", "float32", "--max-tokens", str(MAX_TOKENS), "--temperature", "0"]
-    args += ["--max-model-len", "2048", "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(256 * MiB)]
-    child = await asyncio.create_subprocess_exec(
-        *[sys.executable, "-m", "workers.direct", *args],
-        cwd=REPO_ROOT,
-        env=cpu_env(),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    try:
-        output, _ = await asyncio.wait_for(child.communicate(), timeout=DIRECT_TIMEOUT_S)
-    except TimeoutError:
-        child.kill()
-        output, _ = await child.communicate()
-        pytest.fail(f"workers.direct ran past {DIRECT_TIMEOUT_S} s:\n{output.decode(errors='replace')[-4000:]}")
-    finally:
-        if child.returncode is None:  # the test itself was interrupted
-            child.kill()
-            await child.wait()
-    assert child.returncode == 0, output.decode(errors="replace")[-4000:]
-    return json.loads(out_file.read_text())
+    return [await engine.chat_prompt(conversation) for conversation in PROMPT_SETS["questions"]()]
 
 
 async def test_greedy_float32_is_token_identical_to_direct_vllm(
-    engine: VLLMEngine, model_dir: Path, prompts: list[list[int]], tmp_path: Path
+    engine: VLLMEngine, prompts: list[list[int]], direct_reference: Reference
 ) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     ours = [await engine.generate(f"greedy-{i}", prompt, params) for i, prompt in enumerate(prompts)]
-    direct = await run_direct_cli(model_dir, prompts, tmp_path)
+    direct = direct_reference.outputs["questions"]
 
-    assert [c.completion_token_ids for c in ours] == [o["completion_token_ids"] for o in direct["outputs"]]
-    for prompt, completion, reference in zip(prompts, ours, direct["outputs"], strict=True):
+    assert prompts == direct_reference.prompts["questions"], "the engine's chat template renders as Hugging Face's"
+    assert [c.completion_token_ids for c in ours] == [o["completion_token_ids"] for o in direct]
+    for prompt, completion, reference in zip(prompts, ours, direct, strict=True):
         assert completion.prompt_token_ids == prompt
         assert completion.logprobs == pytest.approx(reference["logprobs"], abs=1e-5)
         assert len(completion.logprobs) == len(completion.completion_token_ids) > 0
         assert all(lp <= 0.0 for lp in completion.logprobs)
         assert completion.finish_reason in ("stop", "length")
         assert completion.text == await engine.detokenize(completion.completion_token_ids, True)
-    assert direct["output_tokens"] == sum(len(c.completion_token_ids) for c in ours)
-    assert direct["output_tokens_per_s"] > 0
+    assert direct_reference.output_tokens >= sum(len(c.completion_token_ids) for c in ours)
+    assert direct_reference.output_tokens_per_s > 0
 
 
 async def test_prompt_longer_than_context_is_invalid_and_engine_serves_on(

@@ -1,0 +1,141 @@
+"""What the real-engine test modules share, each started once per test session: the reference they compare against
+(vLLM called directly, `workers.direct`, no queue) for every prompt set they use, and a fleet of two float32 vLLM
+workers for the modules that only call one (the OpenAI API's and SkyRL's, each with a `serve` of its own over it).
+
+Starting a vLLM engine is most of what a real-engine test costs (three interpreters importing torch and vLLM: about
+40 s alone on a 2-core host without avx512, minutes under make test's load), so these start once, not once per module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.model import prepare_model
+from rollout_svc.tools import dataset
+from tests.support import ROOT, redis_server, vllm_workers
+
+MiB = 2**20
+# float32 and the same settings on every side: bf16 and batching change the numerics, so greedy ids could differ.
+# The engines compared with the reference run these (`VLLMEngine(**REFERENCE_SETTINGS)`, `python -m workers`
+# with `REFERENCE_ARGS`).
+REFERENCE_SETTINGS = {"dtype": "float32", "max_model_len": 2048, "kv_cache_memory_bytes": 256 * MiB, "max_num_seqs": 8}
+REFERENCE_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8"]
+REFERENCE_ARGS += ["--kv-cache-memory-bytes", str(256 * MiB)]
+REFERENCE_MAX_TOKENS = 32  # greedy, one prompt at a time
+REFERENCE_TIMEOUT_S = 600  # startup ~40 s alone on a slow host; make test's load has made it minutes
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain recursion in one sentence.",
+    "List three prime numbers.",
+]
+# Each set's conversations: one user turn each. "sharegpt": the first 2 of the bundled ShareGPT sample (600
+# characters at most: ~8 s each to generate here).
+PROMPT_SETS: dict[str, Callable[[], list[list[dict[str, str]]]]] = {
+    "questions": lambda: [[{"role": "user", "content": q}] for q in QUESTIONS],
+    "sharegpt": lambda: dataset.first_turns(2, max_chars=600),
+}
+
+
+def cpu_env() -> dict[str, str]:
+    """An engine's environment: on CPU, vLLM's default thread binding leaves a 2-core host half idle."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}-{cpus[-1]}")}
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Per prompt set: its conversations, their prompts (token ids under the model's chat template, as Hugging
+    Face's `apply_chat_template` renders them), and vLLM's greedy outputs for them (`workers.direct`'s
+    `{"completion_token_ids", "logprobs"}`, in order)."""
+
+    conversations: dict[str, list[list[dict[str, str]]]]
+    prompts: dict[str, list[list[int]]]
+    outputs: dict[str, list[dict[str, Any]]]
+    output_tokens: int  # over every set, as workers.direct counted them
+    output_tokens_per_s: float
+
+
+@pytest.fixture(scope="session")
+def direct_reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    """Every prompt set run once, greedily, one prompt at a time, on vLLM called directly with `REFERENCE_ARGS`."""
+    from transformers import AutoTokenizer
+
+    model_dir = prepare_model(Settings().cache_dir)  # Settings reads ROLLOUT_CACHE_DIR (the modules' model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    conversations = {name: make() for name, make in PROMPT_SETS.items()}
+    prompts = {
+        name: [
+            # as VLLMEngine.chat_prompt: the template writes every special token, the encoding adds none
+            tokenizer.encode(
+                tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+            )
+            for c in convs
+        ]
+        for name, convs in conversations.items()
+    }
+    folder = tmp_path_factory.mktemp("direct-reference")
+    every = [p for name in PROMPT_SETS for p in prompts[name]]
+    (folder / "prompts.json").write_text(json.dumps(every))
+    args = [sys.executable, "-m", "workers.direct", "--model", str(model_dir), *REFERENCE_ARGS, "--sequential"]
+    args += ["--prompts-file", str(folder / "prompts.json"), "--out", str(folder / "out.json")]
+    args += ["--temperature", "0", "--max-tokens", str(REFERENCE_MAX_TOKENS)]
+    try:
+        run = subprocess.run(
+            args,
+            cwd=ROOT,
+            env={**os.environ, **cpu_env()},
+            timeout=REFERENCE_TIMEOUT_S,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+    except subprocess.TimeoutExpired as exc:
+        output = (exc.output or b"").decode(errors="replace")[-4000:]
+        pytest.fail(f"workers.direct ran past {REFERENCE_TIMEOUT_S} s:\n{output}")
+    assert run.returncode == 0, run.stdout.decode(errors="replace")[-4000:]
+    result = json.loads((folder / "out.json").read_text())
+    outputs, start = {}, 0
+    for name in PROMPT_SETS:
+        outputs[name] = result["outputs"][start : start + len(prompts[name])]
+        start += len(prompts[name])
+    return Reference(conversations, prompts, outputs, result["output_tokens"], result["output_tokens_per_s"])
+
+
+@dataclass(frozen=True)
+class Fleet:
+    settings: Settings  # its Redis, key prefix, checkpoint root
+    model_dir: Path
+    logs: Path  # the workers' logs; a module's serve may log here too
+
+
+@pytest.fixture(scope="session")
+def two_vllm_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Two float32 vLLM workers (`vllm-0`, `vllm-1`, a core each; 16 sequences, 256 MiB of KV cache each) on a
+    redis-server of their own (the other tests flush theirs), with a checkpoint root for `/fetch_weights`. A module
+    that changes the fleet puts it back (weights, pauses, sleep) before its last test ends."""
+    model_dir = prepare_model(Settings().cache_dir)
+    folder = tmp_path_factory.mktemp("two-vllm-workers")
+    (folder / "redis").mkdir()
+    (folder / "checkpoints").mkdir()
+    with redis_server(folder / "redis") as url:
+        settings = Settings(
+            redis_url=url,
+            key_prefix="e2e-fleet",
+            heartbeat_interval_s=0.5,
+            heartbeat_ttl_s=30,  # idle between its modules at make test's lower priority (tests/conftest.py)
+            checkpoint_root=folder / "checkpoints",
+            control_timeout_s=120,
+        )
+        engine = EngineSettings(model=str(model_dir), dtype="float32", max_num_seqs=16, kv_cache_memory_bytes=256 * MiB)
+        with vllm_workers(settings, engine, folder):
+            yield Fleet(settings, model_dir, folder)
