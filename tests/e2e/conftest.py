@@ -66,6 +66,32 @@ class Reference:
     output_tokens_per_s: float
 
 
+def run_direct(
+    model_dir: Path, prompts: list[list[int]], folder: Path, args: list[str], env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """`python -m workers.direct --sequential --temperature 0` on `prompts` with engine `args` (and `--max-tokens`),
+    its files in `folder`, in `env` (default: this environment with `cpu_env()`); its OUT.json dict. Fails the test
+    with the tail of its output if it exits non-zero or runs past `REFERENCE_TIMEOUT_S`."""
+    (folder / "prompts.json").write_text(json.dumps(prompts))
+    command = [sys.executable, "-m", "workers.direct", "--model", str(model_dir), *args, "--sequential"]
+    command += ["--prompts-file", str(folder / "prompts.json"), "--out", str(folder / "out.json"), "--temperature", "0"]
+    try:
+        run = subprocess.run(
+            command,
+            cwd=ROOT,
+            env=env if env is not None else {**os.environ, **cpu_env()},
+            timeout=REFERENCE_TIMEOUT_S,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+    except subprocess.TimeoutExpired as exc:
+        output = (exc.output or b"").decode(errors="replace")[-4000:]
+        pytest.fail(f"workers.direct ran past {REFERENCE_TIMEOUT_S} s:\n{output}")
+    assert run.returncode == 0, run.stdout.decode(errors="replace")[-4000:]
+    result: dict[str, Any] = json.loads((folder / "out.json").read_text())
+    return result
+
+
 @pytest.fixture(scope="session")
 def direct_reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
     """Every prompt set run once, greedily, one prompt at a time, on vLLM called directly with `REFERENCE_ARGS`."""
@@ -84,26 +110,13 @@ def direct_reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
         ]
         for name, convs in conversations.items()
     }
-    folder = tmp_path_factory.mktemp("direct-reference")
     every = [p for name in PROMPT_SETS for p in prompts[name]]
-    (folder / "prompts.json").write_text(json.dumps(every))
-    args = [sys.executable, "-m", "workers.direct", "--model", str(model_dir), *REFERENCE_ARGS, "--sequential"]
-    args += ["--prompts-file", str(folder / "prompts.json"), "--out", str(folder / "out.json")]
-    args += ["--temperature", "0", "--max-tokens", str(REFERENCE_MAX_TOKENS)]
-    try:
-        run = subprocess.run(
-            args,
-            cwd=ROOT,
-            env={**os.environ, **cpu_env()},
-            timeout=REFERENCE_TIMEOUT_S,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-    except subprocess.TimeoutExpired as exc:
-        output = (exc.output or b"").decode(errors="replace")[-4000:]
-        pytest.fail(f"workers.direct ran past {REFERENCE_TIMEOUT_S} s:\n{output}")
-    assert run.returncode == 0, run.stdout.decode(errors="replace")[-4000:]
-    result = json.loads((folder / "out.json").read_text())
+    result = run_direct(
+        model_dir,
+        every,
+        tmp_path_factory.mktemp("direct-reference"),
+        [*REFERENCE_ARGS, "--max-tokens", str(REFERENCE_MAX_TOKENS)],
+    )
     outputs, start = {}, 0
     for name in PROMPT_SETS:
         outputs[name] = result["outputs"][start : start + len(prompts[name])]

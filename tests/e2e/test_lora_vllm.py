@@ -11,10 +11,7 @@ A new version while 100 requests run on the old one (a long run, ~1-2 min): test
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +23,8 @@ from rollout_svc import RolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.errors import ModelNotFoundError
 from rollout_svc.model import prepare_model
-from tests.support import ROOT, WorkerProcs, serve
+from tests.e2e.conftest import run_direct
+from tests.support import WorkerProcs, serve
 
 pytestmark = pytest.mark.vllm
 
@@ -98,12 +96,9 @@ def fleet(
 
 def direct(model_dir: Path, prompts: list[list[int]], lora_path: Path, tmp_path: Path) -> list[list[int]]:
     """Greedy completions from vLLM called directly (no queue), with the worker's engine settings and adapter."""
-    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    args = [sys.executable, "-m", "workers.direct", "--model", str(model_dir), *ENGINE, *LORA, "--sequential"]
-    args += ["--prompts-file", str(tmp_path / "prompts.json"), "--out", str(tmp_path / "out.json")]
-    args += ["--temperature", "0", "--max-tokens", str(GREEDY["max_tokens"]), "--lora-path", str(lora_path)]
-    subprocess.run(args, check=True, cwd=ROOT, env=dict(os.environ), timeout=600, capture_output=True)
-    return [o["completion_token_ids"] for o in json.loads((tmp_path / "out.json").read_text())["outputs"]]
+    args = [*ENGINE, *LORA, "--max-tokens", str(GREEDY["max_tokens"]), "--lora-path", str(lora_path)]
+    result = run_direct(model_dir, prompts, tmp_path, args, env=dict(os.environ))  # the worker's thread binding
+    return [o["completion_token_ids"] for o in result["outputs"]]
 
 
 async def test_an_adapter_loaded_fleet_wide_generates_what_vllm_does_with_it_and_unloaded_answers_404(
