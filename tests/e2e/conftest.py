@@ -133,9 +133,10 @@ class Fleet:
 
 @pytest.fixture(scope="session")
 def two_vllm_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """Two float32 vLLM workers (`vllm-0`, `vllm-1`, a core each; 16 sequences, 256 MiB of KV cache each) on a
-    redis-server of their own (the other tests flush theirs), with a checkpoint root for `/fetch_weights`. A module
-    that changes the fleet puts it back (weights, pauses, sleep) before its last test ends."""
+    """Two float32 vLLM workers (`vllm-0`, `vllm-1`, a core each; 64 sequences, so the control module's 100 requests
+    are all in flight, and 256 MiB of KV cache each) on a redis-server of their own (the other tests flush theirs),
+    with a checkpoint root for `/fetch_weights`. The OpenAI API's, SkyRL's and the control plane's modules run on it;
+    a module that changes the fleet puts it back (weights, pauses, sleep) before its last test ends."""
     model_dir = prepare_model(Settings().cache_dir)
     folder = tmp_path_factory.mktemp("two-vllm-workers")
     (folder / "redis").mkdir()
@@ -149,6 +150,6 @@ def two_vllm_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet
             checkpoint_root=folder / "checkpoints",
             control_timeout_s=120,
         )
-        engine = EngineSettings(model=str(model_dir), dtype="float32", max_num_seqs=16, kv_cache_memory_bytes=256 * MiB)
+        engine = EngineSettings(model=str(model_dir), dtype="float32", max_num_seqs=64, kv_cache_memory_bytes=256 * MiB)
         with vllm_workers(settings, engine, folder):
             yield Fleet(settings, model_dir, folder)

@@ -1,6 +1,7 @@
 """The control plane on the real engine: pauses with 100 generations in flight, token-exact retries, sleep.
 
-One module fixture: two float32 vLLM workers (one CPU core each), so greedy outputs are comparable.
+On the session's fleet (`two_vllm_workers`): two float32 vLLM workers (one CPU core each, 64 sequences), so greedy
+outputs are comparable. Every test leaves the fleet serving, unpaused and awake, for the modules that share it.
 """
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,12 +16,13 @@ import redis
 
 from rollout_svc import ControlCommandError, RolloutClient
 from rollout_svc.client.status import fleet_status
-from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.config import Settings
 from rollout_svc.keys import PAYLOAD_FIELD
 from rollout_svc.model import prepare_model
 from rollout_svc.protocol import decode
 from rollout_svc.tools import dataset
-from tests.support import Streaming, async_wait_until, vllm_workers
+from tests.e2e.conftest import Fleet
+from tests.support import Streaming, async_wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -35,15 +36,9 @@ ONE_PARAMS = {"temperature": 0.0, "max_tokens": 128, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def vllm_fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    """Two float32 vLLM workers for the module, under a key prefix of their own (other tests flush the db)."""
-    settings = Settings(
-        redis_url=redis_url, key_prefix="e2e-control", heartbeat_ttl_s=30, request_timeout_s=600, control_timeout_s=120
-    )
-    model = str(prepare_model(Settings().cache_dir))
-    engine = EngineSettings(model=model, dtype="float32", max_num_seqs=64, kv_cache_memory_bytes=256 * MiB)
-    with vllm_workers(settings, engine, tmp_path_factory.mktemp("vllm-workers")):
-        yield settings
+def vllm_fleet(two_vllm_workers: Fleet) -> Settings:
+    """The session's two float32 vLLM workers (tests/e2e/conftest.py), on a Redis of their own."""
+    return two_vllm_workers.settings
 
 
 async def prompts(client: RolloutClient, count: int) -> list[list[int]]:
