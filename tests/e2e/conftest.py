@@ -1,6 +1,7 @@
 """What the real-engine test modules share, each started once per test session: the reference they compare against
 (vLLM called directly, `workers.direct`, no queue) for every prompt set they use, and a fleet of two float32 vLLM
-workers for the modules that only call one (the OpenAI API's and SkyRL's, each with a `serve` of its own over it).
+workers for the modules that run on one (the OpenAI API's and SkyRL's, each with a `serve` of its own over it, the
+control plane's and weight sync's).
 
 Starting a vLLM engine is most of what a real-engine test costs (three interpreters importing torch and vLLM: about
 40 s alone on a 2-core host without avx512, minutes under make test's load), so these start once, not once per module.
@@ -22,7 +23,7 @@ import pytest
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.model import prepare_model
 from rollout_svc.tools import dataset
-from tests.support import ROOT, redis_server, vllm_workers
+from tests.support import ROOT, WorkerProcs, redis_server, vllm_workers
 
 MiB = 2**20
 # float32 and the same settings on every side: bf16 and batching change the numerics, so greedy ids could differ.
@@ -129,14 +130,17 @@ class Fleet:
     settings: Settings  # its Redis, key prefix, checkpoint root
     model_dir: Path
     logs: Path  # the workers' logs; a module's serve may log here too
+    engine: EngineSettings  # what the workers run (a module that restarts one starts it with these)
+    procs: WorkerProcs
 
 
 @pytest.fixture(scope="session")
 def two_vllm_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """Two float32 vLLM workers (`vllm-0`, `vllm-1`, a core each; 64 sequences, so the control module's 100 requests
     are all in flight, and 256 MiB of KV cache each) on a redis-server of their own (the other tests flush theirs),
-    with a checkpoint root for `/fetch_weights`. The OpenAI API's, SkyRL's and the control plane's modules run on it;
-    a module that changes the fleet puts it back (weights, pauses, sleep) before its last test ends."""
+    with a checkpoint root for `/fetch_weights` and checkpoint syncs. The OpenAI API's, SkyRL's, the control plane's
+    and weight sync's modules run on it; a module that changes the fleet puts it back (weights, pauses, sleep, a
+    worker it stopped) before its last test ends, so the others find it serving the model's own outputs."""
     model_dir = prepare_model(Settings().cache_dir)
     folder = tmp_path_factory.mktemp("two-vllm-workers")
     (folder / "redis").mkdir()
@@ -146,10 +150,13 @@ def two_vllm_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet
             redis_url=url,
             key_prefix="e2e-fleet",
             heartbeat_interval_s=0.5,
-            heartbeat_ttl_s=30,  # idle between its modules at make test's lower priority (tests/conftest.py)
+            # This shared machine freezes for about a minute at times (a monitor's 5 s-bounded ping took 68 s): every
+            # heartbeat lapsed mid-sync at 60 s. The TTL outlasts such a freeze (and the idle wait between modules at
+            # make test's lower priority, tests/conftest.py).
+            heartbeat_ttl_s=180,
             checkpoint_root=folder / "checkpoints",
             control_timeout_s=120,
         )
         engine = EngineSettings(model=str(model_dir), dtype="float32", max_num_seqs=64, kv_cache_memory_bytes=256 * MiB)
-        with vllm_workers(settings, engine, folder):
-            yield Fleet(settings, model_dir, folder)
+        with vllm_workers(settings, engine, folder) as procs:
+            yield Fleet(settings, model_dir, folder, engine, procs)

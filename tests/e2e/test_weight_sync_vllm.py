@@ -1,17 +1,17 @@
 """Weight sync on the real engine: two float32 vLLM workers, the trainer sends SmolLM2's own tensors.
 
-One module fixture: two workers (one CPU core each) under a checkpoint root. Greedy float32 outputs are compared
-token for token: perturbed weights change them on both workers, the original weights restore them, a checkpoint
-of the perturbed weights gives the same output as their broadcast, and a keep-pause across a sync splits a
-generation exactly at the token it was frozen at; a checkpoint or a broadcast loaded but never committed gives way to
-the committed broadcast version the engines still hold. The last test restarts one worker after a sync it missed: it
-catches up from its peer and generates exactly what the peer generates.
+On the session's fleet (`two_vllm_workers`): two workers (one CPU core each) under a checkpoint root. Greedy float32
+outputs are compared token for token: perturbed weights change them on both workers, the original weights restore
+them, a checkpoint of the perturbed weights gives the same output as their broadcast, and a keep-pause across a sync
+splits a generation exactly at the token it was frozen at; a checkpoint or a broadcast loaded but never committed
+gives way to the committed broadcast version the engines still hold. The last test restarts one worker after a sync
+it missed: it catches up from its peer and generates exactly what the peer generates. Every test ends on the model's
+own weights, for the modules that share the fleet.
 """
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,8 @@ from rollout_svc.client.weight_sender import WeightSender
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.model import prepare_model
 from rollout_svc.protocol import WeightSyncOrder
-from tests.support import Streaming, WorkerProcs, async_wait_until, vllm_workers
+from tests.e2e.conftest import Fleet
+from tests.support import Streaming, WorkerProcs, async_wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -39,24 +40,11 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet_procs(
-    redis_url: str, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Settings, EngineSettings, WorkerProcs]]:
-    root = tmp_path_factory.mktemp("checkpoints")
-    settings = Settings(
-        redis_url=redis_url,
-        key_prefix="e2e-weights",
-        # This shared machine freezes for about a minute at times (a monitor's 5 s-bounded ping took 68 s): every
-        # heartbeat lapsed mid-sync at 60 s. The TTL and the sync's pause lease outlast such a freeze.
-        heartbeat_ttl_s=180,
-        request_timeout_s=300,
-        control_timeout_s=120,
-        pause_lease_s=240,
-        checkpoint_root=root,
-    )
-    engine = EngineSettings(model=str(model_dir), dtype="float32", max_num_seqs=16, kv_cache_memory_bytes=256 * MiB)
-    with vllm_workers(settings, engine, tmp_path_factory.mktemp("vllm-workers")) as procs:
-        yield settings, engine, procs
+def fleet_procs(two_vllm_workers: Fleet) -> tuple[Settings, EngineSettings, WorkerProcs]:
+    """The session's two float32 vLLM workers (tests/e2e/conftest.py), under its checkpoint root; a sync's pause
+    lease outlasts a minute's freeze of this shared machine, as the fleet's heartbeat TTL does."""
+    settings = two_vllm_workers.settings.copy_with(request_timeout_s=300, pause_lease_s=240)
+    return settings, two_vllm_workers.engine, two_vllm_workers.procs
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +94,7 @@ async def test_updates_change_and_restore_greedy_output_by_broadcast_and_by_chec
         assert inside.paused_during_transfer and not report.paused_during_transfer
         assert await outputs(client, prompt, version + 2) == base, "the original weights did not restore the output"
 
-        checkpoint = fleet.weight_sync.checkpoint_root / "perturbed"
+        checkpoint = fleet.weight_sync.checkpoint_root / "weight-sync-perturbed"  # SkyRL's module has a "perturbed"
         checkpoint.mkdir()
         save_file(perturbed, str(checkpoint / "model.safetensors"))
         report = await sender.update_from_checkpoint(str(checkpoint), version=version + 3)
@@ -161,7 +149,7 @@ async def test_a_checkpoint_never_committed_gives_way_to_the_broadcast_version_t
         version = await sender.committed_version() + 1
         await sender.update(perturbed.items(), version=version)
         committed = await outputs(client, prompt, version)
-        checkpoint = fleet.weight_sync.checkpoint_root / "never-committed"
+        checkpoint = fleet.weight_sync.checkpoint_root / "weight-sync-never-committed"
         checkpoint.mkdir()
         save_file(original, str(checkpoint / "model.safetensors"))
         await client.pause("keep", holder="weight-sync", lease_s=2.0, renew=False)  # the trainer's, then it dies
