@@ -262,10 +262,20 @@ async def test_a_session_queued_in_the_shared_stream_runs_on_one_worker(settings
         )
         await async_wait_until(lambda: rds.xlen(settings.keys.requests) == 16, 5, "the requests in the shared stream")
         # The fast one takes the other's halves; the slow one is slow enough (4 tokens at 0.25 s, 2 at a time) to hold
-        # work still queued while the fast one starts, however long a busy machine takes to start it.
-        for worker_id, delay in (("echo-0", "0.25"), ("echo-1", "0.01")):
-            workers.start(worker_id, "--engine", "echo", "--max-num-seqs", "2", "--echo-token-delay-s", delay)
-            workers.wait_live(worker_id)  # the slow one first: it holds sessions whose halves still wait
+        # work still queued while the fast one starts, however long a busy machine takes to start it. The slow one
+        # first, holding sessions whose halves still wait before the fast one starts: live is not enough (in a CI run
+        # the slow one was live but not yet taking when the fast one started, and the fast one took all 16).
+        echo = ("--engine", "echo", "--max-num-seqs", "2", "--echo-token-delay-s")
+        workers.start("echo-0", *echo, "0.25")
+        stream = settings.keys.requests
+
+        def taking() -> bool:  # an entry pending on it, or one done (acked entries are deleted)
+            groups = {g["name"]: g["pending"] for g in rds.xinfo_groups(stream)}  # the worker makes the group
+            return groups.get(WORKERS_GROUP.encode(), 0) > 0 or rds.xlen(stream) < 16
+
+        await async_wait_until(taking, 60, "echo-0 taking")
+        workers.start("echo-1", *echo, "0.01")
+        workers.wait_live("echo-1")
         trajectories = await task
     by_session: dict[str, set[str]] = {}
     for session, trajectory in zip(sessions, trajectories, strict=True):
