@@ -30,8 +30,9 @@ MiB = 2**20
 # The engines compared with the reference run these (`VLLMEngine(**REFERENCE_SETTINGS)`, `python -m workers`
 # with `REFERENCE_ARGS`).
 REFERENCE_SETTINGS = {"dtype": "float32", "max_model_len": 2048, "kv_cache_memory_bytes": 256 * MiB, "max_num_seqs": 8}
-REFERENCE_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8"]
-REFERENCE_ARGS += ["--kv-cache-memory-bytes", str(256 * MiB)]
+REFERENCE_ARGS = [
+    arg for name, value in REFERENCE_SETTINGS.items() for arg in (f"--{name.replace('_', '-')}", str(value))
+]
 REFERENCE_MAX_TOKENS = 32  # greedy, one prompt at a time
 REFERENCE_TIMEOUT_S = 600  # startup ~40 s alone on a slow host; make test's load has made it minutes
 QUESTIONS = [
@@ -52,6 +53,15 @@ def cpu_env() -> dict[str, str]:
     """An engine's environment: on CPU, vLLM's default thread binding leaves a 2-core host half idle."""
     cpus = sorted(os.sched_getaffinity(0))
     return {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}-{cpus[-1]}")}
+
+
+def perturb_weights(weights: dict[str, Any]) -> dict[str, Any]:
+    """`weights` (name -> torch tensor) each moved by seeded noise of a tenth of its standard deviation: enough to
+    change greedy outputs (what the weight-loading tests need to see), the same every call."""
+    import torch  # here, not at import: the modules that only call the fleet do not import torch
+
+    noise = torch.Generator().manual_seed(0)
+    return {n: t + 0.1 * t.std() * torch.randn(t.shape, generator=noise) for n, t in weights.items()}
 
 
 @dataclass(frozen=True)

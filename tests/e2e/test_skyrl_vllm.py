@@ -21,14 +21,13 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from rollout_svc import RolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.integrations.skyrl import skyrl_module
 from rollout_svc.model import prepare_model
-from tests.e2e.conftest import Fleet
+from tests.e2e.conftest import Fleet, perturb_weights
 from tests.integration.test_skyrl_client import CLIENT
 from tests.support import serve
 
@@ -174,11 +173,7 @@ def test_fetch_weights_from_a_checkpoint_changes_the_output_and_restores_it(flee
     root = settings.weight_sync.checkpoint_root
     assert root is not None
     original = load_file(str(prepare_model(Settings().cache_dir) / "model.safetensors"))
-    noise = torch.Generator().manual_seed(0)
-    for name, tensors in {
-        "original": original,
-        "perturbed": {n: t + 0.1 * t.std() * torch.randn(t.shape, generator=noise) for n, t in original.items()},
-    }.items():
+    for name, tensors in {"original": original, "perturbed": perturb_weights(original)}.items():
         (root / name).mkdir()
         save_file(tensors, str(root / name / "model.safetensors"))
     params = {"temperature": 0.0, "max_tokens": 12, "stop": None}

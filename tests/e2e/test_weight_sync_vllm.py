@@ -12,7 +12,6 @@ own weights, for the modules that share the fleet.
 from __future__ import annotations
 
 import signal
-from pathlib import Path
 
 import pytest
 import redis
@@ -22,9 +21,8 @@ from safetensors.torch import load_file, save_file
 from rollout_svc import RolloutClient
 from rollout_svc.client.weight_sender import WeightSender
 from rollout_svc.config import EngineSettings, Settings
-from rollout_svc.model import prepare_model
 from rollout_svc.protocol import WeightSyncOrder
-from tests.e2e.conftest import Fleet
+from tests.e2e.conftest import Fleet, perturb_weights
 from tests.support import Streaming, WorkerProcs, async_wait_until
 
 pytestmark = pytest.mark.vllm
@@ -32,11 +30,6 @@ pytestmark = pytest.mark.vllm
 MiB = 2**20
 GREEDY = {"temperature": 0.0, "max_tokens": 16}
 SESSIONS = [f"s{i}" for i in range(4)]  # least-loaded placement spreads 4 sessions over both workers
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return prepare_model(Settings().cache_dir)
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +46,10 @@ def fleet(fleet_procs: tuple[Settings, EngineSettings, WorkerProcs]) -> Settings
 
 
 @pytest.fixture(scope="module")
-def weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    original = load_file(str(model_dir / "model.safetensors"))
-    noise = torch.Generator().manual_seed(0)
-    perturbed = {n: t + 0.1 * t.std() * torch.randn(t.shape, generator=noise) for n, t in original.items()}
-    return original, perturbed
+def weights(two_vllm_workers: Fleet) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The model's own tensors, and the same perturbed (`perturb_weights`, as SkyRL's module perturbs them)."""
+    original = load_file(str(two_vllm_workers.model_dir / "model.safetensors"))
+    return original, perturb_weights(original)
 
 
 async def outputs(client: RolloutClient, prompt: list[int], version: int) -> list[list[int]]:
