@@ -58,6 +58,11 @@ from rollout_svc.protocol import (
 
 log = logging.getLogger("rollout_svc.client")
 REDIS_CHECK_S = 1.0  # how often a connection asks each shard's Redis for its run_id, and whether workers live there
+# Loop turns a shard's reader yields after routing results, before it sends its next read: the callers it woke run in
+# the first, and what they wrote in it goes out in the second where writes are joined at the end of a turn (`serve`'s
+# responses: rollout_svc.api.http). With one turn the next read's write (and Redis's wake-up) came before serve's
+# response (a write and a wake-up of Redis in the way of every answer at 1 in flight: docs/benchmarks.md, (i)).
+CALLER_TURNS = 2
 
 
 @dataclass
@@ -436,7 +441,8 @@ class Connection:
                     done_ids.append(entry_id)
                 self._route(fields.get(PAYLOAD_FIELD, b""))
             if records:
-                await asyncio.sleep(0)  # let the callers just woken run before the next read is sent
+                for _ in range(CALLER_TURNS):  # the callers just woken run, and answer, before the next read is sent
+                    await asyncio.sleep(0)
 
     def _route(self, payload: bytes) -> None:
         try:

@@ -1,6 +1,7 @@
 """A request's hot path on a real Redis: its own connections (`DirectConnection`: replies in order, errors as
 replies, a script Redis lost is loaded again, a broken call gives the connection up, the streams' reads parse as the
-client's do), and an idle worker's answer sent before its next take with its load counted exactly."""
+client's do), an idle worker's answer sent before its next take with its load counted exactly, and a caller's answer
+sent before the results reader's next read."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
+from rollout_svc.client.connection import Connection
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.connections.urls import redis_async
@@ -176,3 +178,34 @@ async def test_a_worker_counts_no_work_once_its_answer_arrives(settings: Setting
         assert all(held == [b"0", b"0"] for _, _, held in seen[1:]), seen  # turn 0 came from the shared stream
         [t] = await client.generate([[1, 2, 3]], {"max_tokens": 3}, ["another"])
         assert t.worker_id == second  # the fewest sessions breaks the tie of loads
+
+
+async def test_a_caller_answers_before_the_reader_sends_its_next_read(
+    settings: Settings, echo_workers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader that routes a result to its caller yields the loop until the caller has run and what it wrote in
+    that turn has gone out (`serve` joins a response's writes at the end of a turn: rollout_svc.api.http) before it
+    sends its next read: at 1 in flight the read's write and Redis's wake-up are not in the way of the answer.
+    With one turn (`CALLER_TURNS` 1) each answer came after the next read."""
+    echo_workers(1)
+    events: list[str] = []
+    read_results, route = RequestStreams.read_results, Connection._route
+
+    async def logged_read(self: RequestStreams, *args: object, **kwargs: object) -> object:
+        events.append("read")
+        return await read_results(self, *args, **kwargs)
+
+    def logged_route(self: Connection, payload: bytes) -> None:
+        events.append("result")
+        route(self, payload)
+
+    monkeypatch.setattr(RequestStreams, "read_results", logged_read)
+    monkeypatch.setattr(Connection, "_route", logged_route)
+    loop = asyncio.get_running_loop()
+    async with RolloutClient(settings) as client:
+        for i in range(5):
+            await client.generate([[1, 2, 3]], {"max_tokens": 3})
+            loop.call_soon(events.append, f"answer {i}")  # as a write joined at the end of this turn goes out
+            await asyncio.sleep(0.05)
+    after = [events[i + 1] for i, event in enumerate(events) if event == "result"]
+    assert after == [f"answer {i}" for i in range(5)], events
