@@ -9,8 +9,6 @@ import logging
 import signal
 import sys
 
-import uvloop
-
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.errors import EngineDeadError
 from workers.echo import EchoEngine
@@ -124,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        uvloop.run(serve(args))  # libuv's loop, as vLLM's own server runs: BENCHMARKS.md (i), docs/benchmarks.md
+        asyncio.run(serve(args))
     except EngineDeadError as exc:
         logging.getLogger("rollout_svc.worker").error("engine died: %s; its requests were requeued", exc)
         return 1
