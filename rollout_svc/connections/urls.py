@@ -167,14 +167,22 @@ def redis_async(url: str, **kwargs: Any) -> redis.asyncio.Redis:
     _timeouts(url, kwargs)
     kwargs.setdefault("retry", _retry_async())
     if not is_sentinel(url):
+        kwargs.setdefault("connection_class", reconnecting(_scheme_connection_class(url)))
         pool_class = kwargs.pop("connection_pool_class", None)
         if pool_class is None:
             return redis.asyncio.Redis.from_url(url, **kwargs)
         return redis.asyncio.Redis.from_pool(pool_class.from_url(url, **kwargs))  # the client closes the pool
-    from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+    from redis.asyncio.sentinel import (
+        Sentinel,
+        SentinelConnectionPool,
+        SentinelManagedConnection,
+        SentinelManagedSSLConnection,
+    )
 
     spec = parse_sentinel(url)
     sentinel = Sentinel(spec.sentinels, sentinel_kwargs=_sentinel_kwargs(spec, kwargs, _retry_async()))
+    managed = SentinelManagedSSLConnection if spec.ssl else SentinelManagedConnection
+    kwargs.setdefault("connection_class", reconnecting(managed))
     single = kwargs.pop("single_connection_client", False)
     kwargs.pop("connection_pool_class", None)  # a Sentinel pool follows the primary; it does not block
     kwargs.pop("timeout", None)
@@ -182,6 +190,43 @@ def redis_async(url: str, **kwargs: Any) -> redis.asyncio.Redis:
     client = _SentinelRedis(connection_pool=pool, single_connection_client=single)
     client.sentinel = sentinel
     return client
+
+
+class _ReconnectsClosedTransport:
+    """A redis-py asyncio connection that, before it writes, reconnects if the event loop has closed its transport.
+
+    Why: uvloop (which `serve` runs on, through uvicorn) closes a transport whose socket failed (reset, or timed out
+    by keepalive while idle) and then raises `RuntimeError` ("unable to perform operation on <TCPTransport
+    closed=True>; the handler is closed") on the next write, an error that neither redis-py's retry nor our loops
+    take for Redis trouble: a request failed with a 500 after serve's connection to Redis was reset. asyncio's own
+    loop drops such a write, and the read that follows raises `ConnectionError`. Here the write goes out on a fresh
+    connection instead, as it does on a connection redis-py knows to be disconnected."""
+
+    _writer: Any
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        writer = self._writer
+        if writer is not None and writer.transport.is_closing():
+            await self.disconnect(nowait=True)  # type: ignore[attr-defined]
+        await super().send_packed_command(command, check_health)  # type: ignore[misc]
+
+
+_RECONNECTING: dict[type, type] = {}
+
+
+def reconnecting(base: type) -> type:
+    """`base` (a redis-py asyncio connection class) with `_ReconnectsClosedTransport` mixed in (one class per base)."""
+    if base not in _RECONNECTING:
+        _RECONNECTING[base] = type(f"Reconnecting{base.__name__}", (_ReconnectsClosedTransport, base), {})
+    return _RECONNECTING[base]
+
+
+def _scheme_connection_class(url: str) -> type:
+    """The connection class redis-py's `from_url` picks for `url`'s scheme (TLS, a Unix socket, else TCP)."""
+    from redis.asyncio.connection import Connection, parse_url
+
+    chosen: type = parse_url(url).get("connection_class", Connection)
+    return chosen
 
 
 def redis_async_bounded(url: str, max_connections: int, wait_s: float, **kwargs: Any) -> redis.asyncio.Redis:

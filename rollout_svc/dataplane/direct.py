@@ -45,6 +45,9 @@ class DirectConnection:
         arms one per write and per reply. Raises redis-py's `ConnectionError`, or its `TimeoutError` past that
         timeout, if Redis is away."""
         connection = self._connection
+        if connection is not None and _transport_closed(connection):
+            await self.aclose()  # its socket died while it was idle: a fresh connection (and CLIENT ID) instead
+            connection = None
         if connection is None:
             connection = self._connection = await self.client.connection_pool.get_connection()
         timeout_s = connection.socket_timeout
@@ -122,6 +125,13 @@ async def borrowed(client: redis.asyncio.Redis) -> AsyncIterator[DirectConnectio
         yield direct
     finally:
         await direct.release()
+
+
+def _transport_closed(connection: Any) -> bool:
+    """Whether the event loop has closed `connection`'s transport (its socket failed: reset, or timed out by
+    keepalive), which redis-py notices only on its next read (`connections.urls.reconnecting` says why it matters)."""
+    writer = getattr(connection, "_writer", None)
+    return writer is not None and writer.transport.is_closing()
 
 
 def _packed(commands: Sequence[Sequence[Any]]) -> bytes:

@@ -6,9 +6,12 @@ sent before the results reader's next read."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
+import uvloop
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
@@ -81,6 +84,40 @@ def test_a_call_cut_short_gives_up_its_connection_and_the_next_uses_a_fresh_one(
 
     before, after, again = asyncio.run(main())
     assert len({before, after, again}) == 3, (before, after, again)
+
+
+@pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
+def test_the_next_command_after_a_socket_died_goes_out_on_a_fresh_connection(
+    redis_url: str, rds: redis.Redis, run: Callable[[Any], Any]
+) -> None:
+    """A socket that failed while its connection was idle (reset; timed out by keepalive) leaves the event loop's
+    transport closed. On uvloop, which serve runs on, the next write raised `RuntimeError` ("the handler is closed")
+    and serve answered a 500 after its Redis connections were reset; on asyncio's loop the write was dropped and its
+    read raised `ConnectionError`. Now the next command, through redis-py's client or a `DirectConnection`,
+    reconnects first (`connections.urls.reconnecting`) and goes through."""
+
+    async def main() -> tuple[int, int]:
+        client = redis_async(redis_url, decode_responses=False)
+        direct = DirectConnection(client)
+        try:
+            assert await client.ping()
+            before = await direct.client_id()
+            idle = [direct._connection, *client.connection_pool._available_connections]
+            for connection in idle:
+                connection._writer.transport.abort()  # as the loop does with a socket that failed
+            await asyncio.sleep(0.05)
+            assert await client.ping()
+            [pong] = await direct.execute(("PING",))
+            assert pong in (b"PONG", "PONG")
+            [actual] = await direct.execute(("CLIENT", "ID"))
+            assert await direct.client_id() == actual  # the id CLIENT UNBLOCK names is the new connection's
+            return before, actual
+        finally:
+            await direct.aclose()
+            await client.aclose()
+
+    before, after = run(main())
+    assert before != after  # a fresh connection
 
 
 def test_stream_replies_parse_as_the_clients_do(settings: Settings, rds: redis.Redis) -> None:
