@@ -16,6 +16,7 @@ than `noeviction`, Redis silently deletes keys (streams, pending entries, contro
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import socket
@@ -211,14 +212,10 @@ class _ReconnectsClosedTransport:
         await super().send_packed_command(command, check_health)  # type: ignore[misc]
 
 
-_RECONNECTING: dict[type, type] = {}
-
-
+@functools.cache
 def reconnecting(base: type) -> type:
     """`base` (a redis-py asyncio connection class) with `_ReconnectsClosedTransport` mixed in (one class per base)."""
-    if base not in _RECONNECTING:
-        _RECONNECTING[base] = type(f"Reconnecting{base.__name__}", (_ReconnectsClosedTransport, base), {})
-    return _RECONNECTING[base]
+    return type(f"Reconnecting{base.__name__}", (_ReconnectsClosedTransport, base), {})
 
 
 def _scheme_connection_class(url: str) -> type:
