@@ -26,6 +26,7 @@ from rollout_svc.connections.urls import (
     SOCKET_TIMEOUT_S,
     _timeouts,
     is_sentinel,
+    reconnecting,
     redacted,
     redis_async,
     redis_sync,
@@ -102,7 +103,21 @@ def redis_router(url: str, **kwargs: Any) -> redis.asyncio.Redis | redis.asyncio
         return redis_async(url, **kwargs)
     from redis.asyncio.cluster import RedisCluster
 
-    return RedisCluster.from_url(url, **_timeouts(url, kwargs))
+    router = RedisCluster.from_url(url, **_timeouts(url, kwargs))
+    _reconnecting_nodes(router)
+    return router
+
+
+def _reconnecting_nodes(router: Any) -> None:
+    """Give `router` (a `redis.asyncio.cluster.RedisCluster`) connections that reconnect before writing on a transport
+    the loop closed (`connections.urls.reconnecting`), as `redis_async` gives every other asyncio client: under uvloop
+    (serve's loop) a node connection whose socket was reset while idle raised `RuntimeError` on its next command.
+    redis-py's cluster client takes no connection class of its own choosing, so it is set on its connection arguments
+    (the nodes it finds later are made from them: the same dict) and on the nodes it already made."""
+    kwargs = router.connection_kwargs
+    kwargs["connection_class"] = reconnecting(kwargs["connection_class"])
+    for node in [*router.nodes_manager.startup_nodes.values(), *router.nodes_manager.nodes_cache.values()]:
+        node.connection_class = reconnecting(node.connection_class)
 
 
 def redis_router_sync(url: str, **kwargs: Any) -> redis.Redis | redis.RedisCluster:

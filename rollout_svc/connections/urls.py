@@ -214,7 +214,10 @@ class _ReconnectsClosedTransport:
 
 @functools.cache
 def reconnecting(base: type) -> type:
-    """`base` (a redis-py asyncio connection class) with `_ReconnectsClosedTransport` mixed in (one class per base)."""
+    """`base` (a redis-py asyncio connection class) with `_ReconnectsClosedTransport` mixed in (one class per base;
+    `base` itself when it has it already)."""
+    if issubclass(base, _ReconnectsClosedTransport):
+        return base
     return type(f"Reconnecting{base.__name__}", (_ReconnectsClosedTransport, base), {})
 
 

@@ -18,12 +18,13 @@ from typing import Any
 import pytest
 import redis
 import torch
+import uvloop
 
 from rollout_svc import RolloutClient
 from rollout_svc.client.status import fleet_status
 from rollout_svc.client.weight_sender import WeightSender
 from rollout_svc.config import Settings
-from rollout_svc.connections.topology import shard_url
+from rollout_svc.connections.topology import close_router, redis_router, shard_url
 from rollout_svc.deploy.redis_cluster import RedisClusterServers, free_cluster_ports, start_redis_cluster
 from rollout_svc.fleet import Fleet
 from tests.support import SYNC_ECHO_ARGS, SYNC_HEARTBEAT_TTL_S, WorkerProcs, async_wait_until
@@ -228,6 +229,33 @@ def test_the_cli_on_a_cluster_status_covers_every_shard_and_batch_jobs_are_refus
     lines.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n')
     submit = subprocess.run([*cli, "batch", "submit", str(lines), "--redis-url", url], capture_output=True, text=True)
     assert submit.returncode != 0 and "not a Redis Cluster" in submit.stderr, submit.stderr
+
+
+@pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
+def test_the_cluster_client_replaces_node_connections_whose_socket_died(redis_cluster, run):
+    """The client of the keys outside every shard (`redis_router`, redis-py's cluster client) after its sockets to
+    every primary failed while idle (the loop closed their transports, as it does on a reset): the next commands
+    reconnect and go through. On uvloop (serve's loop) they raised `RuntimeError` ("the handler is closed") before."""
+
+    async def main() -> tuple[int, list[bytes | None]]:
+        router = redis_router(redis_cluster.url, decode_responses=False)
+        try:
+            keys = [f"k{i}" for i in range(12)]  # on every primary
+            for i, key in enumerate(keys):
+                await router.set(key, i)
+            died = 0
+            for node in router.get_nodes():
+                for connection in node._connections:
+                    if connection._writer is not None:
+                        connection._writer.transport.abort()  # as the loop does with a socket that failed
+                        died += 1
+            await asyncio.sleep(0.05)
+            return died, [await router.get(key) for key in keys]
+        finally:
+            await close_router(router)
+
+    died, values = run(main())
+    assert died >= 3 and values == [str(i).encode() for i in range(12)], (died, values)
 
 
 # Last in this module: it kills a primary of the module's cluster.
