@@ -113,10 +113,11 @@ def _reconnecting_nodes(router: Any) -> None:
     the loop closed (`connections.urls.reconnecting`), as `redis_async` gives every other asyncio client: under uvloop
     (serve's loop) a node connection whose socket was reset while idle raised `RuntimeError` on its next command.
     redis-py's cluster client takes no connection class of its own choosing, so it is set on its connection arguments
-    (the nodes it finds later are made from them: the same dict) and on the nodes it already made."""
+    (the nodes it finds later are made from them: the same dict) and on the startup nodes it already made (the only
+    ones before its first command: it discovers the rest then)."""
     kwargs = router.connection_kwargs
     kwargs["connection_class"] = reconnecting(kwargs["connection_class"])
-    for node in [*router.nodes_manager.startup_nodes.values(), *router.nodes_manager.nodes_cache.values()]:
+    for node in router.nodes_manager.startup_nodes.values():
         node.connection_class = reconnecting(node.connection_class)
 
 
