@@ -95,6 +95,14 @@ def sleeper(worker_id: str) -> list[str]:
     return ["-c", "import time; time.sleep(60)", "--worker-id", worker_id]
 
 
+def start_sleeper(worker_id: str) -> subprocess.Popen[bytes]:
+    """A running `sleeper(worker_id)` whose command line is readable: Popen returns once exec has closed the
+    close-on-exec pipe, a moment before the kernel sets the new command line (until then /proc shows it empty)."""
+    process = subprocess.Popen([sys.executable, *sleeper(worker_id)], start_new_session=True)
+    wait_until(lambda: worker_id.encode() in Path(f"/proc/{process.pid}/cmdline").read_bytes(), 10, "its exec")
+    return process
+
+
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -136,7 +144,7 @@ def write_pid_file(pid: int) -> str:
 
 def test_a_replacement_actor_waits_for_the_last_worker_of_its_slot_then_kills_it(fast_restarts):
     # The slot's last worker, which outlived its dead actor and still serves.
-    previous = subprocess.Popen([sys.executable, *sleeper("w-1")], start_new_session=True)
+    previous = start_sleeper("w-1")
     started = time.monotonic()
     replacement = WorkerHost("w-1", sleeper("w-1"), {}, pid_file=write_pid_file(previous.pid))
     try:
@@ -150,7 +158,7 @@ def test_a_replacement_actor_waits_for_the_last_worker_of_its_slot_then_kills_it
 
 
 def test_a_pid_file_naming_another_process_is_ignored(fast_restarts):
-    other = subprocess.Popen([sys.executable, *sleeper("someone-else")], start_new_session=True)
+    other = start_sleeper("someone-else")
     host = WorkerHost("w-2", sleeper("w-2"), {}, pid_file=write_pid_file(other.pid))
     try:
         wait_until(host.alive, 10, "the worker")
