@@ -189,6 +189,7 @@ def redis_async(url: str, **kwargs: Any) -> redis.asyncio.Redis:
     kwargs.pop("timeout", None)
     pool = SentinelConnectionPool(spec.service_name, sentinel, **spec.primary_kwargs(), **kwargs)
     client = _SentinelRedis(connection_pool=pool, single_connection_client=single)
+    client.auto_close_connection_pool = True  # as `Redis.from_pool`: the pool is this client's own
     client.sentinel = sentinel
     return client
 
@@ -257,7 +258,8 @@ async def wait_for_redis(url: str, logger: logging.Logger, interval_s: float = 0
 
 
 class _SentinelRedis(redis.asyncio.Redis):
-    """A client of the primary that also closes its connections to the sentinels."""
+    """A client of the primary whose `aclose()` closes its connections to the primary (its own pool) and to the
+    sentinels; redis-py's leaves both to the garbage collector (a ResourceWarning for each socket)."""
 
     sentinel: Any = None
 
@@ -279,7 +281,22 @@ def redis_sync(url: str, **kwargs: Any) -> redis.Redis:
     sentinel = Sentinel(spec.sentinels, sentinel_kwargs=_sentinel_kwargs(spec, kwargs, _retry_sync()))
     single = kwargs.pop("single_connection_client", False)
     pool = SentinelConnectionPool(spec.service_name, sentinel, **spec.primary_kwargs(), **kwargs)
-    return redis.Redis(connection_pool=pool, single_connection_client=single)
+    client = _SentinelRedisSync(connection_pool=pool, single_connection_client=single)
+    client.auto_close_connection_pool = True  # as `Redis.from_pool`: the pool is this client's own
+    client.sentinel = sentinel
+    return client
+
+
+class _SentinelRedisSync(redis.Redis):
+    """`_SentinelRedis` for the blocking client: `close()` closes its connections to the primary (its own pool) and
+    to the sentinels; redis-py's leaves both to the garbage collector (a ResourceWarning for each socket)."""
+
+    sentinel: Any = None
+
+    def close(self) -> None:
+        super().close()
+        for client in self.sentinel.sentinels if self.sentinel is not None else []:
+            client.close()
 
 
 async def retry_while_away(
