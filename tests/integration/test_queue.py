@@ -251,6 +251,7 @@ async def test_a_request_enqueued_twice_on_one_worker_runs_once_and_is_answered_
     assert "ERROR" not in workers.log(worker) and "Traceback" not in workers.log(worker)
 
 
+@pytest.mark.timeout(120)  # echo-0 serves a session or more at 4 s a request (see below)
 async def test_a_session_queued_in_the_shared_stream_runs_on_one_worker(settings, workers, rds):
     """Sessions enqueued while no worker was live wait in the shared stream, each a request per turn-half; the worker
     that takes a session's request second sends it to the one that holds the session (found by the chaos soak: the
@@ -261,12 +262,14 @@ async def test_a_session_queued_in_the_shared_stream_runs_on_one_worker(settings
             client.generate([[1, 2, 3, 4]] * len(sessions), {"max_tokens": 4}, session_ids=sessions)
         )
         await async_wait_until(lambda: rds.xlen(settings.keys.requests) == 16, 5, "the requests in the shared stream")
-        # The fast one takes the other's halves; the slow one is slow enough (4 tokens at 0.25 s, 2 at a time) to hold
-        # work still queued while the fast one starts, however long a busy machine takes to start it. The slow one
-        # first, holding sessions whose halves still wait before the fast one starts: live is not enough (in a CI run
-        # the slow one was live but not yet taking when the fast one started, and the fast one took all 16).
-        echo = ("--engine", "echo", "--max-num-seqs", "2", "--echo-token-delay-s")
-        workers.start("echo-0", *echo, "0.25")
+        # The fast one takes the other's halves; the slow one is slow enough (4 tokens at 1 s, one at a time) to hold
+        # work still queued while the fast one starts: it takes the 8 first halves over 28 s (a CI run on a busy
+        # machine took 7 s to start the fast one, by when a slow one at 0.25 s a token, 2 at a time, had taken all 8
+        # and the fast one served nothing). The slow one first, holding sessions whose halves still wait before the
+        # fast one starts: live is not enough (in a CI run the slow one was live but not yet taking when the fast one
+        # started, and the fast one took all 16).
+        echo = ("--engine", "echo", "--echo-token-delay-s")
+        workers.start("echo-0", *echo, "1.0", "--max-num-seqs", "1")
         stream = settings.keys.requests
 
         def taking() -> bool:  # an entry pending on it, or one done (acked entries are deleted)
@@ -274,7 +277,7 @@ async def test_a_session_queued_in_the_shared_stream_runs_on_one_worker(settings
             return groups.get(WORKERS_GROUP.encode(), 0) > 0 or rds.xlen(stream) < 16
 
         await async_wait_until(taking, 60, "echo-0 taking")
-        workers.start("echo-1", *echo, "0.01")
+        workers.start("echo-1", *echo, "0.01", "--max-num-seqs", "2")
         workers.wait_live("echo-1")
         trajectories = await task
     by_session: dict[str, set[str]] = {}
