@@ -77,7 +77,9 @@ class WeightReceiver:
 
     async def step(self) -> None:
         """Follow a new sync order naming this worker; answer peers' catch-up orders; then, if still behind the
-        committed version, catch up (from its checkpoint, or in the background from a peer)."""
+        committed version, catch up (from its checkpoint, or in the background from a peer). While it follows a sync,
+        a worker behind a committed broadcast version goes on catching up from a peer (whichever loads first wins:
+        `_load_from_peer`): the sync's group may wait up to the heartbeat TTL for a member that died, or longer."""
         self.peers.check()
         if self._failure is not None:
             raise self._failure
@@ -88,9 +90,12 @@ class WeightReceiver:
             self._handled, following = order.sync_id, True
             self._following = asyncio.create_task(self._follow_guarded(order), name=f"sync {order.sync_id}")
         await self.peers.serve_orders()
-        if following:
-            return  # the sync decides this worker's version meanwhile
         desired = await self.control.state()
+        if following:  # the sync decides this worker's version; behind the committed one, it asks a peer meanwhile
+            behind = self.state.weight_version < desired.weight_version and not desired.weight_checkpoint
+            if behind and desired.weight_digest:
+                self.peers.learn(desired.weight_version, desired.weight_digest)
+            return
         self.state.committed_version = desired.weight_version
         syncing = order is not None and order.version > desired.weight_version  # loaded, not yet committed
         if syncing and order is not None and order.version == self.state.weight_version:

@@ -451,6 +451,31 @@ async def test_a_sync_during_a_catch_up_wins_and_neither_waits_for_the_other(ws_
 
 
 @pytest.mark.timeout(120)
+async def test_a_late_worker_named_in_a_sync_that_waits_still_catches_up_from_its_peer(ws_settings, procs, rds):
+    """A late worker that a new sync names before it caught up (the chaos soak's case: no peer at its first look, then
+    a sync whose group waited for a member killed before joining) goes on catching up from a peer while its join
+    waits: the group here waits 30 s for a trainer that never joins. It once stayed stale for the whole wait."""
+    start(procs, "w0")
+    async with WeightSender(settings=ws_settings) as sender:
+        report = await sender.update(tensors(1).items(), version=1)
+        spec, _store = await sender._open_group({"late": 1}, "gloo")  # rank 0 (the trainer) never joins
+        spec = spec.model_copy(update={"join_timeout_s": 30.0})
+        order = WeightSyncOrder(sync_id="v2-waiting", version=2, transport="broadcast", members=["late"], group=spec)
+        await sender.plane.publish(order)
+        start(procs, "late")
+        live = time.monotonic()
+        await async_wait_until(
+            lambda: heartbeat(rds, ws_settings, "late", "state", "weight_digest") == ["serving", report.digest], 20,
+            "the late worker serving version 1 while its sync's join waits",
+        )  # fmt: skip
+        took = time.monotonic() - live
+        log = procs.log("late")
+        assert "weight sync v2-waiting: version 2 by broadcast" in log, "it follows the sync meanwhile"
+        assert "caught up to weight version 1 from w0" in log and "joining weight transfer group" not in log, log
+        assert took < 15, f"{took:.1f} s: within its load time + 5 s, on a slow host with margin, not the 30 s wait"
+
+
+@pytest.mark.timeout(120)
 async def test_a_late_worker_with_no_peer_stays_stale_until_included_and_catches_up_from_a_checkpoint(
     ws_settings, procs, rds
 ):
