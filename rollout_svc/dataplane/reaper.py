@@ -49,18 +49,20 @@ class Reaper:
                 if consumer not in dead and not await self.registry.alive(consumer):
                     dead.append(consumer)
         for dead_worker_id in dead:
-            moved = await self.reap(dead_worker_id, reaper_id)
+            moved = await self.reap(dead_worker_id, reaper_id, retake=True)  # one reap loop per reaper id
             if moved is not None:
                 reaped[dead_worker_id] = moved
                 log.warning("worker %s is dead: requeued %d of its requests", dead_worker_id, moved)
         return reaped
 
-    async def reap(self, worker_id: str, reaper_id: str) -> int | None:
+    async def reap(self, worker_id: str, reaper_id: str, *, retake: bool = False) -> int | None:
         """Reclaim one worker (dead, or this process's own former incarnation) if its reap lock is free.
 
-        Returns how many requests were requeued, or None if another process holds the lock.
+        Returns how many requests were requeued, or None if another process holds the lock. `retake`: `reaper_id`
+        may hold it already, from a reap of its that Redis cut short (`Registry.try_reap_lock`); only for a caller
+        that never reaps twice at once under that id (`reap_dead`, from a worker's one reap loop).
         """
-        if not await self.registry.try_reap_lock(worker_id, reaper_id, REAP_LOCK_TTL_S):
+        if not await self.registry.try_reap_lock(worker_id, reaper_id, REAP_LOCK_TTL_S, retake=retake):
             return None
         if await self.registry.alive(worker_id):
             # A process came back under this id after it was found dead (a restart under the same id, which holds

@@ -7,7 +7,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from rollout_svc.dataplane.scripts import HEARTBEAT_LUA, RELEASE_LOCK_LUA
+from rollout_svc.dataplane.scripts import HEARTBEAT_LUA, RELEASE_LOCK_LUA, RETAKE_LOCK_LUA
 from rollout_svc.keys import Keys
 from rollout_svc.protocol import WorkerStatus
 
@@ -20,6 +20,7 @@ class Registry:
         self._ttl_ms = int(heartbeat_ttl_s * 1000)
         self._beat = redis.register_script(HEARTBEAT_LUA)
         self._release = redis.register_script(RELEASE_LOCK_LUA)
+        self._retake = redis.register_script(RETAKE_LOCK_LUA)
 
     async def load_scripts(self) -> None:
         """Load the script once, so that no EVALSHA meets NOSCRIPT in the normal course."""
@@ -80,9 +81,17 @@ class Registry:
         ids = await self.worker_ids()
         return [worker_id for worker_id, alive in zip(ids, await self._alive(ids), strict=True) if not alive]
 
-    async def try_reap_lock(self, dead_worker_id: str, reaper_id: str, ttl_s: float) -> bool:
-        """Only one live worker reclaims a dead worker's requests at a time; the lock expires if it dies."""
-        return bool(await self.redis.set(self.keys.reap_lock(dead_worker_id), reaper_id, nx=True, px=int(ttl_s * 1000)))
+    async def try_reap_lock(self, dead_worker_id: str, reaper_id: str, ttl_s: float, *, retake: bool = False) -> bool:
+        """Only one live worker reclaims a dead worker's requests at a time; the lock expires if it dies.
+
+        `retake`: also true (and the TTL renewed) if `reaper_id` holds it already, for a caller that never runs twice
+        at once under one id (a worker's reap loop): a reap cut short by Redis going away leaves the lock held, and
+        the reaper's next pass finishes it rather than every reaper waiting out the TTL (a 10-minute chaos soak saw a
+        dead worker's requests wait 60 s so, its reaper's lock having outlived a Redis restart)."""
+        key, ttl_ms = self.keys.reap_lock(dead_worker_id), int(ttl_s * 1000)
+        if retake:
+            return bool(await self._retake(keys=[key], args=[reaper_id, ttl_ms]))
+        return bool(await self.redis.set(key, reaper_id, nx=True, px=ttl_ms))
 
     async def release_reap_lock(self, worker_id: str, holder: str) -> bool:
         """Release a reap lock if `holder` still holds it (it may have expired and been taken by another)."""

@@ -307,6 +307,15 @@ if channel ~= '' then redis.call('PUBLISH', channel, announcement) end
 return 1
 """)
 
+# KEYS: [1] a reap lock. ARGV: [1] its holder, [2] its TTL in ms. Takes the lock if it is free, or renews it if this
+# holder holds it already (a reap cut short by a Redis restart left it held by the reaper that retries); 1 if held.
+RETAKE_LOCK_LUA = lua("""
+local lock, holder, ttl = KEYS[1], ARGV[1], ARGV[2]
+if redis.call('SET', lock, holder, 'NX', 'PX', ttl) then return 1 end
+if redis.call('GET', lock) == holder then redis.call('PEXPIRE', lock, ttl) return 1 end
+return 0
+""")
+
 # KEYS: [1] a reap lock. ARGV: [1] its holder. Deletes the lock only if that holder still holds it.
 RELEASE_LOCK_LUA = lua("""
 local lock, holder = KEYS[1], ARGV[1]

@@ -279,6 +279,26 @@ async def test_a_restart_takes_over_a_reap_lock_its_gone_predecessor_left_but_wa
         await asyncio.wait_for(reaper.hold_lock_to_start("w-back"), 1)
 
 
+async def test_a_reap_cut_short_by_redis_is_finished_by_its_reapers_next_pass(plane, settings, rds):
+    """A reaper that took a dead worker's lock and lost Redis mid-reap (restarted; its lock kept by the append-only
+    file) finishes the reap at its next pass, not after the lock's 60 s TTL (a 10-minute chaos soak saw 3 requests
+    of a killed worker wait 64 s so, past their call's timeout). Another reaper still leaves the lock alone."""
+    keys, streams = settings.keys, plane.streams
+    await register(plane, "w-dead")
+    await register(plane, "w-live")
+    placed = await streams.enqueue([request("r1", keys.results("p"), "s1")], 100)
+    assert placed[0].stream == keys.pinned_requests("w-dead")
+    await streams.take("w-dead", 1, 60_000)
+    rds.delete(keys.worker("w-dead"))  # its heartbeat expired
+    rds.set(keys.reap_lock("w-dead"), "w-live", px=60_000)  # w-live's reap, cut short by the restart
+    assert await Reaper(plane.redis, settings).reap_dead("w-other") == {}, "another reaper waits for the lock"
+    assert rds.get(keys.reap_lock("w-dead")) == b"w-live"
+    assert await Reaper(plane.redis, settings).reap_dead("w-live") == {"w-dead": 1}  # its next pass
+    assert not rds.exists(keys.reap_lock("w-dead")) and not rds.sismember(keys.workers, "w-dead")
+    assert rds.get(keys.session("s1")) == b"w-live"
+    assert [decode(f[b"m"]).request_id for _, f in rds.xrange(keys.pinned_requests("w-live"))] == ["r1"]
+
+
 async def test_a_worker_a_straggler_was_just_moved_to_is_not_idle(plane, settings, rds):
     """`idle_workers` (where a straggler may move): a worker whose pinned stream holds a moved generation it has not
     taken yet holds work. Counted as idle, it drew a second move within the same 0.2 s check, and then moved one of

@@ -192,3 +192,34 @@ def test_a_version_committed_by_a_trainer_killed_before_it_said_so_is_known_from
         answer(ledger, echo(request_id, weight_versions=spans))
     syncer.check_versions(ledger)
     assert [v["what"] for v in syncer.violations] == ["r-bad: tokens from 1 under version 5, never committed"]
+
+
+def test_a_late_worker_is_excused_by_a_stopped_peer_it_tried_to_catch_up_from_only(tmp_path):
+    """Each peer that dies under a late worker's catch-up may cost it a heartbeat TTL (it waits that long for an
+    answer, then asks another): a kill or stall of such a peer, from a TTL before it went live, excuses it; a kill
+    of a worker it never asked does not (a 10-minute soak's late worker took 8.9 s, its first two peers killed)."""
+    import time
+    from types import SimpleNamespace
+
+    from rollout_svc.config import Settings
+    from rollout_svc.tools.chaos.fleet import Slot
+    from rollout_svc.tools.chaos.sync_faults import SyncFaults
+
+    settings = Settings(heartbeat_ttl_s=4.0)
+    fleet = SimpleNamespace(log_dir=tmp_path, settings=settings, redis_url="redis://127.0.0.1:1/0")
+    ledger = Ledger(T0)
+    faults = SyncFaults(fleet, ledger, lambda *_: None, SimpleNamespace(counts={}))  # type: ignore[arg-type]
+    (tmp_path / "late-38.log").write_text(
+        "2026-11-28 13:10:11,905 WARNING rollout_svc.worker: catching up to weight version 44 from w1-r20 failed: it"
+        " did not answer; asking another peer\n"
+        "2026-11-28 13:10:16,015 WARNING rollout_svc.worker: catching up to weight version 44 from w2-r14~1 failed: it"
+        " did not answer; asking another peer\n"
+    )
+    slot, live = Slot("late-38", "late-38"), time.time() - 20  # it went live 20 s ago
+    ledger.fault("kill", "w0-r20", live + 1)  # never asked
+    assert faults._peers_stopped(slot, live) == []
+    ledger.fault("kill", "w1-r20", live - 3)  # killed just before it went live: still looked live when picked
+    ledger.fault("stall", "w2-r14", live + 2)
+    ledger.fault("kill", "w2-r14", live - 10)  # long before: not what held it back
+    assert faults._peers_stopped(slot, live) == ["kill of its peer w1-r20", "stall of its peer w2-r14"]
+    assert faults._peers_stopped(Slot("late-39", "late-39"), live) == [], "no log: nothing excused"

@@ -8,16 +8,18 @@
   late_worker     start one more worker (`late-N`) and time it from live to serving the committed version (a peer
                   or a checkpoint catch-up; there is no trainer call for it); then stop it (SIGTERM, a drain)
 
-Checks: a late worker serves within `LATE_WORKER_S` of going live, unless Redis restarted, the fleet was paused or a
-new version was committed meanwhile (those are counted as excused); after the trainer is killed, once its pause's
-lease has passed and nobody else holds a pause, no worker is still paused two heartbeat intervals later (a worker
-stopped since the kill, stalled or killed, is left out: its last heartbeat predates the lapse).
+Checks: a late worker serves within `LATE_WORKER_S` of going live, unless Redis restarted, the fleet was paused, a
+new version was committed or a peer it tried to catch up from was stopped meanwhile (those are counted as excused);
+after the trainer is killed, once its pause's lease has passed and nobody else holds a pause, no worker is still
+paused two heartbeat intervals later (a worker stopped since the kill, stalled or killed, is left out: its last
+heartbeat predates the lapse).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import signal
 import time
 from collections import Counter
@@ -41,6 +43,7 @@ MID_TRANSFER_WAIT_S = 6.0  # how long kill_receiving waits for a sync to be mid-
 EXCUSING = ("redis_restart", "pause", "kill_sender", "kill_receiving")  # faults that hold a late worker back
 REDIS_AWAY = (RedisError, OSError)
 STOPPING = ("stall", "kill", "kill_receiving")  # faults that stop a worker's process (their target: its worker id)
+FAILED_PEER = re.compile(r"catching up to weight version \d+ from (\S+) failed")  # a late worker's log (catch_up.py)
 
 
 class SyncFaults:
@@ -123,6 +126,7 @@ class SyncFaults:
         excused = [
             f.kind for f in self.ledger.faults if f.kind in EXCUSING and started - 1.0 <= f.at <= time.time()
         ] + (["a commit"] if self.syncer.counts["syncs_committed"] != commits else [])
+        excused += self._peers_stopped(slot, started)
         if took and took <= LATE_WORKER_S:
             self.counts["late_workers_on_time"] += 1
             self.journal("late_worker", f"{slot.worker_id} serving the committed version {took:.2f} s after live")
@@ -136,6 +140,22 @@ class SyncFaults:
             self.violations.append(
                 {"check": "late_worker", "what": f"{slot.worker_id} {what} to serve (at most {LATE_WORKER_S:g} s)"}
             )
+
+    def _peers_stopped(self, slot: Slot, started: float) -> list[str]:
+        """A stopping fault (`STOPPING`) of a peer the late worker tried to catch up from, and failed: it waits for an
+        answer up to the heartbeat TTL, then asks another (docs/weight-sync.md), so each such peer may cost it a TTL.
+        Counted from a TTL before it went live: a peer stopped then still looked live when it was picked."""
+        try:
+            lines = (self.fleet.log_dir / f"{slot.name}.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        failed = {m.group(1).split("~")[0] for line in lines if (m := FAILED_PEER.search(line))}
+        since = started - self.fleet.settings.heartbeat_ttl_s - 1.0
+        return [
+            f"{f.kind} of its peer {f.target}"
+            for f in self.ledger.faults
+            if f.kind in STOPPING and f.target.split("~")[0] in failed and since <= f.at <= time.time()
+        ]
 
     async def _stop(self, slot: Slot) -> None:
         assert slot.process is not None
