@@ -89,14 +89,23 @@ async def test_finish_session_lets_it_be_placed_anew(settings, echo_workers):
 
 
 async def test_kill_9_a_worker_mid_batch_loses_nothing_and_duplicates_nothing(settings, workers, echo_workers):
-    echo_workers(2, "--max-num-seqs", "32", "--echo-token-delay-s", "0.01")
-    prompts = [[i + 1] * 20 for i in range(200)]  # 20 tokens x 10 ms: 0.2 s each, 32 at a time per worker
+    echo_workers(2, "--max-num-seqs", "32", "--echo-token-delay-s", "0.1")
+    prompts = [[i + 1] * 20 for i in range(200)]  # 20 tokens x 100 ms: 2 s each, 32 at a time per worker
     rds = redis.Redis.from_url(settings.redis_url)
+
+    def answered(worker_id: str) -> int:  # what its last heartbeat (every second) says it answered
+        return int(rds.hget(settings.keys.worker(worker_id), "served") or 0)
+
+    def busy() -> set[str]:
+        return {c["name"].decode() for c in rds.xinfo_consumers(settings.keys.requests, WORKERS_GROUP) if c["pending"]}
+
     async with RolloutClient(settings) as client:
         task = asyncio.create_task(client.generate(prompts, {"max_tokens": 20}, timeout_s=60))
-        # Both workers have answered a first round of 32 and are busy with a second.
-        await async_wait_until(lambda: 0 < rds.xlen(settings.keys.requests) <= 200 - 64, 10, "a first round answered")
-        await async_wait_until(lambda: pending(rds, settings.keys.requests) >= 64, 10, "both workers busy")
+        # Each worker has answered requests of the batch and is busy with more. Asked of each worker: on a slow host
+        # one worker once took its first requests late, and a wait on the stream's totals let the other's answers
+        # stand for both (echo-0 answered nothing before its kill).
+        await async_wait_until(lambda: answered("echo-0") > 0 and answered("echo-1") > 0, 30, "both workers answered")
+        await async_wait_until(lambda: busy() == {"echo-0", "echo-1"}, 10, "both workers busy")
         workers.kill("echo-0")  # SIGKILL: no drain, no deregistration
         trajectories = await task
     assert [t.prompt_token_ids for t in trajectories] == prompts
