@@ -46,6 +46,12 @@ STOPPING = ("stall", "kill", "kill_receiving")  # faults that stop a worker's pr
 FAILED_PEER = re.compile(r"catching up to weight version \d+ from (\S+) failed")  # a late worker's log (catch_up.py)
 
 
+def slot_id(worker_id: str) -> str:
+    """The id a worker process was started under, without the incarnation a stall past its TTL adds (`w0~2` -> `w0`,
+    as workers/state.py names them): what the faults' targets name."""
+    return worker_id.split("~")[0]
+
+
 class SyncFaults:
     """The faults of the module docstring; `violations` and `counts` (late workers timed, excused)."""
 
@@ -149,12 +155,12 @@ class SyncFaults:
             lines = (self.fleet.log_dir / f"{slot.name}.log").read_text(errors="replace").splitlines()
         except OSError:
             return []
-        failed = {m.group(1).split("~")[0] for line in lines if (m := FAILED_PEER.search(line))}
+        failed = {slot_id(m.group(1)) for line in lines if (m := FAILED_PEER.search(line))}
         since = started - self.fleet.settings.heartbeat_ttl_s - 1.0
         return [
             f"{f.kind} of its peer {f.target}"
             for f in self.ledger.faults
-            if f.kind in STOPPING and f.target.split("~")[0] in failed and since <= f.at <= time.time()
+            if f.kind in STOPPING and slot_id(f.target) in failed and since <= f.at <= time.time()
         ]
 
     async def _stop(self, slot: Slot) -> None:
@@ -200,7 +206,7 @@ class SyncFaults:
             # (one stalled 0.2 s before this check was judged on a heartbeat written while the lease still ran).
             stopped = {f.target for f in self.ledger.faults if f.kind in STOPPING and f.at >= killed_at}
             labels = await fresh_labels(self.redis, self.keys, 2 * interval)  # not killed, not stalled
-            paused = [w for w, label in labels.items() if label == b"paused" and w.split("~")[0] not in stopped]
+            paused = [w for w, label in labels.items() if label == b"paused" and slot_id(w) not in stopped]
             self.counts["lapse_checks"] += 1
             if paused:
                 waited = time.time() - killed_at
