@@ -34,7 +34,7 @@ from rollout_svc.openai.schemas import ChatCompletionRequest, CompletionRequest
 from rollout_svc.openai.tokens import render_chat, vllm_sampling_params
 
 log = logging.getLogger("rollout_svc.integrations.skyrl")
-_NAMESPACES = ("skyrl.backends", "skyrl.backends.skyrl_train")
+_NAMESPACES = ("skyrl.backends", "skyrl.backends.skyrl_train", "skyrl.train.generators")
 BASE = "skyrl.backends.skyrl_train.inference_servers.base"
 HOLDER = "skyrl"  # the pause holder of the adapter's pause_generation / pause
 
@@ -44,9 +44,10 @@ def skyrl_module(name: str) -> Any:
     unmodified.
 
     On Python 3.11, SkyRL 0.3.0's `skyrl/backends/__init__.py` fails (it imports the Tinker types, which need 3.12's
-    `TypedDict` under pydantic): its two package modules are registered as plain namespace modules first, which
-    loads `inference_servers` without them and without torch, Ray or vLLM. Raises `ImportError` (saying how to
-    install it) where SkyRL is not installed.
+    `TypedDict` under pydantic), as does `skyrl/train/generators/__init__.py` (through the VLM generator's renderer):
+    those package modules are registered as plain namespace modules first, which loads `inference_servers` without
+    torch, Ray or vLLM, and `skyrl.train.generators.skyrl_gym_generator` (`SkyRLGymGenerator`) with skyrl-gym, torch
+    and loguru (the dev extra). Raises `ImportError` (saying how to install it) where SkyRL is not installed.
     """
     try:
         import skyrl

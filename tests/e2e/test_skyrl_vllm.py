@@ -4,16 +4,15 @@ the real model (float32): its `generate` equals `RolloutClient.generate` token f
 token-in/token-out multi-turn episode as SkyRL's generators run one (render the conversation, generate from its
 token ids, append, render the next turn) on the real chat template, one session on one worker; and vLLM's chat
 templating fields on that template; `/fetch_weights` from a checkpoint changes SkyRL's greedy output on every worker
-and the original checkpoint restores it.
-
-Not here (not built yet): a SkyRL generator class itself (`SkyRLGymGenerator` needs skyrl-gym, omegaconf and torch
-pins beyond the client's). The session's two workers (one CPU core each; tests/e2e/conftest.py) behind this
-module's `serve`.
+and the original checkpoint restores it; and SkyRL's own generator class, `SkyRLGymGenerator` (unmodified, with
+skyrl-gym's `gsm8k_multi_turn` env), runs a multi-turn episode through `serve` and through the in-process adapter.
+The session's two workers (one CPU core each; tests/e2e/conftest.py) behind this module's `serve`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import uuid
 from collections.abc import Iterator
@@ -206,3 +205,61 @@ def test_fetch_weights_from_a_checkpoint_changes_the_output_and_restores_it(flee
     assert all(c != b for c, b in zip(changed, base_ids, strict=True)), "the perturbed checkpoint did not change both"
     fetch("original")
     assert greedy() == base_ids, "the original checkpoint did not restore the output"
+
+
+def test_skyrls_own_generator_runs_a_multi_turn_gsm8k_episode(fleet, two_vllm_workers):
+    """SkyRL's `SkyRLGymGenerator.agent_loop` (unmodified: skyrl 0.3.0 with skyrl-gym 0.4.0) runs a multi-turn episode
+    of skyrl-gym's own `gsm8k_multi_turn` env on the real model, once through `serve` (SkyRL's `RemoteInferenceClient`)
+    and once in-process (`RolloutServiceEngine`), with the sampling params SkyRL's trainer builds from its config
+    (`get_vllm_sampling_params`: greedy, 20 tokens a turn, logprobs). The episode runs all 3 turns (the 135M model
+    does not solve the problem); each trajectory is whole (prompt ids as the chat template renders them, one
+    logprob and one loss-mask entry per response token, one run of generated tokens per turn with the env's
+    observation between them); its first turn is `RolloutClient.generate`'s greedy answer token for token; the two
+    trajectories are the same token for token; `finish_session` released the session."""
+    settings, base, model = fleet
+    generators = skyrl_module("skyrl.train.generators.skyrl_gym_generator")
+    config = skyrl_module("skyrl.train.config")
+    engine_utils = skyrl_module("skyrl.backends.skyrl_train.inference_servers.engine_utils")
+    from transformers import AutoTokenizer
+
+    from rollout_svc.integrations.skyrl import RolloutServiceEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(two_vllm_workers.model_dir)
+    sampling = config.SamplingParams(max_generate_length=20, temperature=0.0)
+    generator_cfg = config.GeneratorConfig(max_turns=3, sampling_params=sampling)
+    prompt = [{"role": "user", "content": "What is 123456 times 789? End with '#### ANSWER'."}]
+    extras = {"reward_spec": {"ground_truth": "97406784"}}
+
+    async def episode(engine: Any, instance: str) -> Any:
+        generator = generators.SkyRLGymGenerator(generator_cfg, config.SkyRLGymConfig(), engine, tokenizer)
+        return await generator.agent_loop(
+            prompt, "gsm8k_multi_turn", dict(extras), max_tokens=20, max_input_length=2048,
+            sampling_params=engine_utils.get_vllm_sampling_params(sampling),
+            trajectory_id=generators.TrajectoryID(instance_id=instance, repetition_id=0),
+        )  # fmt: skip
+
+    async def main() -> tuple[Any, Any, Any, str | None]:
+        client = skyrl(base, model)
+        over_http = await _with(client, episode(client, "http"))
+        async with RolloutClient(settings) as rollout:
+            in_process = await episode(RolloutServiceEngine(rollout, model, owns_client=False), "inproc")
+            greedy = {"temperature": 0.0, "max_tokens": 20, "logprobs": 0}
+            [first] = await rollout.generate([over_http.prompt_ids], greedy)
+            return over_http, in_process, first, await rollout.session_worker("http_0")
+
+    over_http, in_process, first, pinned = asyncio.run(main())
+    template = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert over_http.prompt_ids == list(template)
+    assert over_http.env_metrics == {"steps": 3}, over_http.env_metrics
+    ids, mask = over_http.response_ids, over_http.loss_mask
+    assert len(mask) == len(ids) == len(over_http.rollout_logprobs) == len(over_http.reward)
+    runs = [len(list(g)) for bit, g in itertools.groupby(mask) if bit == 1]
+    assert len(runs) == 3 and all(0 < n <= 20 for n in runs), mask  # one run of generated tokens per turn
+    observations = [i for i, bit in zip(ids, mask, strict=True) if bit == 0]
+    assert "step-by-step reasoning" in tokenizer.decode(observations)  # gsm8k_multi_turn's observation, tokenized
+    assert ids[: runs[0]] == first.completion_token_ids
+    assert all(
+        math.isclose(a, b, abs_tol=1e-4) for a, b in zip(over_http.rollout_logprobs, first.logprobs, strict=False)
+    )
+    assert (in_process.response_ids, in_process.loss_mask) == (ids, mask)
+    assert pinned is None, "finish_session released the episode's session"
