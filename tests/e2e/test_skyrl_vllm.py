@@ -5,7 +5,8 @@ token-in/token-out multi-turn episode as SkyRL's generators run one (render the 
 token ids, append, render the next turn) on the real chat template, one session on one worker; and vLLM's chat
 templating fields on that template; `/fetch_weights` from a checkpoint changes SkyRL's greedy output on every worker
 and the original checkpoint restores it; and SkyRL's own generator class, `SkyRLGymGenerator` (unmodified, with
-skyrl-gym's `gsm8k_multi_turn` env), runs a multi-turn episode through `serve` and through the in-process adapter.
+skyrl-gym's `gsm8k_multi_turn` env), runs a multi-turn episode through `serve` and through the in-process adapter;
+and SkyRL's `FullyAsyncTrainerSim` trains 4 simulated steps on `serve` (examples/skyrl_trainer_sim.py).
 The session's two workers (one CPU core each; tests/e2e/conftest.py) behind this module's `serve`.
 """
 
@@ -13,13 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import math
+import subprocess
+import sys
 import uuid
+from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
 from rollout_svc import RolloutClient
@@ -263,3 +270,39 @@ def test_skyrls_own_generator_runs_a_multi_turn_gsm8k_episode(fleet, two_vllm_wo
     )
     assert (in_process.response_ids, in_process.loss_mask) == (ids, mask)
     assert pinned is None, "finish_session released the episode's session"
+
+
+def _requests_by_route(base: str) -> Counter[tuple[str, str]]:
+    """`serve`'s `rollout_api_requests_total`, by (route, status)."""
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return Counter({
+        (s.labels["route"], s.labels["status"]): int(s.value)
+        for family in text_string_to_metric_families(text) if family.name == "rollout_api_requests"
+        for s in family.samples if s.name == "rollout_api_requests_total"
+    })  # fmt: skip
+
+
+def test_skyrls_fully_async_trainer_sim_trains_on_serve(fleet, two_vllm_workers):
+    """SkyRL's `FullyAsyncTrainerSim` (unmodified) through examples/skyrl_trainer_sim.py: 4 simulated steps of 2 prompts
+    x 2 samples from skyrl-gym's `gsm8k` env, `serve` as its external inference layer. SkyRL's calls, counted by
+    `serve`'s own request metrics, are exactly those it should make: 16 `generate` and 16 `finish_session` (one per
+    trajectory), 5 `pause` and 5 `resume` (one simulated weight sync before the first step and one after each step),
+    nothing else and nothing refused; the fleet is serving (not paused) at the end."""
+    _, base, model = fleet
+    before = _requests_by_route(base)
+    example = Path(__file__).parents[2] / "examples" / "skyrl_trainer_sim.py"
+    command = [
+        sys.executable, str(example), "--url", base, "--steps", "4", "--batch-size", "2",
+        "--samples-per-prompt", "2", "--model", str(two_vllm_workers.model_dir), "--served-model-name", model,
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 4 and summary["prompts"] == 8, summary
+    made = _requests_by_route(base) - before
+    made.pop(("/metrics", "200"), None)  # the count of this test's own reads
+    assert made == Counter({
+        ("/inference/v1/generate", "200"): 16, ("/finish_session", "200"): 16,
+        ("/pause", "200"): 5, ("/resume", "200"): 5,
+    }), made  # fmt: skip
+    assert httpx.get(f"{base}/is_paused", timeout=30).json() == {"is_paused": False}
