@@ -26,7 +26,6 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
 from rollout_svc import RolloutClient
@@ -34,6 +33,7 @@ from rollout_svc.config import Settings
 from rollout_svc.integrations.skyrl import skyrl_module
 from rollout_svc.model import prepare_model
 from tests.e2e.conftest import Fleet, perturb_weights
+from tests.integration.test_metrics import parse
 from tests.integration.test_skyrl_client import CLIENT
 from tests.support import serve
 
@@ -274,12 +274,9 @@ def test_skyrls_own_generator_runs_a_multi_turn_gsm8k_episode(fleet, two_vllm_wo
 
 def _requests_by_route(base: str) -> Counter[tuple[str, str]]:
     """`serve`'s `rollout_api_requests_total`, by (route, status)."""
-    text = httpx.get(f"{base}/metrics", timeout=30).text
-    return Counter({
-        (s.labels["route"], s.labels["status"]): int(s.value)
-        for family in text_string_to_metric_families(text) if family.name == "rollout_api_requests"
-        for s in family.samples if s.name == "rollout_api_requests_total"
-    })  # fmt: skip
+    samples = parse(httpx.get(f"{base}/metrics", timeout=30).text)
+    by_label = ((dict(labels), int(v)) for (name, labels), v in samples.items() if name == "rollout_api_requests_total")
+    return Counter({(labels["route"], labels["status"]): v for labels, v in by_label})
 
 
 def test_skyrls_fully_async_trainer_sim_trains_on_serve(fleet, two_vllm_workers):
