@@ -56,3 +56,4 @@ def test_mermaid_fences_become_diagrams_and_no_cdn_is_configured() -> None:
     assert {"name": "mermaid", "class": "mermaid", "format": "pymdownx.superfences.fence_code_format"} in fences
     for line in (ROOT / "mkdocs.yml").read_text().splitlines():
         assert not CDN.search(line.split("#", 1)[0]), f"mkdocs.yml names the network: {line}"
+    assert "```mermaid" in (ROOT / "docs" / "architecture.md").read_text()
