@@ -29,8 +29,10 @@ from rollout_svc.api.generation import Generation, until_disconnected
 from rollout_svc.api.hot import FastJSONResponse, HotLane
 from rollout_svc.api.metrics import install_metrics
 from rollout_svc.api.served import ServedModels, session_header
-from rollout_svc.api.skyrl import DetokenizedTexts, InFlight, control_router, data_router
-from rollout_svc.api.skyrl_weights import weights_router
+from rollout_svc.api.skyrl.control_routes import control_router
+from rollout_svc.api.skyrl.data_routes import data_router
+from rollout_svc.api.skyrl.records import DetokenizedTexts, InFlight
+from rollout_svc.api.skyrl.weight_routes import weights_router
 from rollout_svc.batch.store import BatchStore
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.config import Settings

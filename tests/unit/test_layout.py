@@ -74,9 +74,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "fleet.py": TOP | {"connections"} | PLANES,
     "client": TOP | {"connections", "fleet.py"} | PLANES,
     "openai": TOP | {"client"},
+    "integrations": TOP | {"fleet.py", "client", "openai"},
     "batch": TOP | {"connections", "fleet.py", "client", "openai"},
-    "api": TOP | {"connections", "client", "openai", "batch"},
-    "integrations": TOP | {"client", "openai"},
+    "api": TOP | {"connections", "client", "openai", "integrations", "batch"},
     "deploy": TOP | {"connections"},
     "__init__.py": TOP | {"client"},
     "launch.py": set(),  # the Ray worker group's old path: it loads deploy.ray by name, on first use

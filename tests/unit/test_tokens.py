@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_svc.api.skyrl import DetokenizedTexts
+from rollout_svc.api.skyrl.records import DetokenizedTexts
+from rollout_svc.integrations.skyrl.shapes import GenerateBody
+from rollout_svc.integrations.skyrl.tokens import generate_params, generate_response, group_params
 from rollout_svc.openai.errors import APIError
-from rollout_svc.openai.tokens import GenerateBody, generate_params, generate_response, group_params
 from rollout_svc.protocol import Trajectory
 
 

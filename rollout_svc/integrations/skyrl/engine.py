@@ -1,8 +1,8 @@
-"""SkyRL on rollout-svc, in Python: SkyRL's `InferenceEngineInterface` over `RolloutClient` (`RolloutServiceEngine`:
-a SkyRL trainer or generator drives the fleet with no HTTP hop), and loading SkyRL's own modules (`skyrl_module`).
+"""SkyRL's `InferenceEngineInterface` over `RolloutClient` (`RolloutServiceEngine`): a SkyRL trainer or generator
+drives the fleet in-process, with no HTTP hop.
 
-SkyRL is imported only when used: `import rollout_svc.integrations.skyrl` works without it installed, and
-`RolloutServiceEngine` (a subclass of SkyRL's abstract class) is built on first access. Checked against SkyRL 0.3.0's
+The class subclasses SkyRL's abstract one, so it is built, importing SkyRL, on first access
+(`rollout_svc.integrations.skyrl.RolloutServiceEngine`, `engine_class`). Checked against SkyRL 0.3.0's
 `skyrl/backends/skyrl_train/inference_servers/base.py` (16 abstract members).
 
 Example::
@@ -16,52 +16,22 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 import logging
-import sys
-import types
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from rollout_svc.client.engine_weights import EngineWeightTransfer
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.errors import RolloutError
+from rollout_svc.integrations.skyrl.modules import BASE, skyrl_module
+from rollout_svc.integrations.skyrl.tokens import render_chat, vllm_sampling_params
+from rollout_svc.integrations.skyrl.weights import EngineWeightTransfer
 from rollout_svc.openai.errors import APIError, from_exception, invalid_body
 from rollout_svc.openai.plans import Plan, chat_plan, completion_plan, raise_for
 from rollout_svc.openai.schemas import ChatCompletionRequest, CompletionRequest
-from rollout_svc.openai.tokens import render_chat, vllm_sampling_params
 
 log = logging.getLogger("rollout_svc.integrations.skyrl")
-_NAMESPACES = ("skyrl.backends", "skyrl.backends.skyrl_train", "skyrl.train.generators")
-BASE = "skyrl.backends.skyrl_train.inference_servers.base"
 HOLDER = "skyrl"  # the pause holder of the adapter's pause_generation / pause
-
-
-def skyrl_module(name: str) -> Any:
-    """Import SkyRL's module `name` (say `skyrl.backends.skyrl_train.inference_servers.remote_inference_client`),
-    unmodified.
-
-    On Python 3.11, SkyRL 0.3.0's `skyrl/backends/__init__.py` fails (it imports the Tinker types, which need 3.12's
-    `TypedDict` under pydantic), as does `skyrl/train/generators/__init__.py` (through the VLM generator's renderer):
-    those package modules are registered as plain namespace modules first, which loads `inference_servers` without
-    torch, Ray or vLLM, and `skyrl.train.generators.skyrl_gym_generator` (`SkyRLGymGenerator`) with skyrl-gym, torch
-    and loguru (the dev extra). Raises `ImportError` (saying how to install it) where SkyRL is not installed.
-    """
-    try:
-        import skyrl
-    except ImportError as exc:
-        raise ImportError(
-            "SkyRL is not installed: pip install --no-deps skyrl==0.3.0 aiohttp (Python 3.11; 0.4 needs 3.12)"
-        ) from exc
-    root = Path(skyrl.__file__).parent
-    for package in _NAMESPACES:
-        if package not in sys.modules:
-            module = types.ModuleType(package)
-            module.__path__ = [str(root.joinpath(*package.split(".")[1:]))]
-            sys.modules[package] = module
-    return importlib.import_module(name)
 
 
 class _Engine:
@@ -301,11 +271,6 @@ def engine_class() -> type[Any]:
     global _ENGINE
     if _ENGINE is None:
         base = skyrl_module(BASE).InferenceEngineInterface
-        _ENGINE = type("RolloutServiceEngine", (_Engine, base), {"__module__": __name__, "__doc__": _Engine.__doc__})
+        where = {"__module__": "rollout_svc.integrations.skyrl", "__doc__": _Engine.__doc__}  # where users find it
+        _ENGINE = type("RolloutServiceEngine", (_Engine, base), where)
     return _ENGINE
-
-
-def __getattr__(name: str) -> Any:
-    if name == "RolloutServiceEngine":
-        return engine_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

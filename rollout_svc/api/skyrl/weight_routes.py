@@ -28,20 +28,18 @@ from typing import Any
 from fastapi import APIRouter
 
 from rollout_svc.api.admin import sync_from_checkpoint
-from rollout_svc.api.schemas import (
+from rollout_svc.client.rollout_client import RolloutClient
+from rollout_svc.errors import WeightSyncError
+from rollout_svc.integrations.skyrl.shapes import (
+    SKYRL_RPC,
     CollectiveRpcBody,
     FetchWeightsBody,
     FinishWeightUpdateBody,
     InitWeightTransferBody,
     UpdateWeightsBody,
 )
-from rollout_svc.client.engine_weights import EngineWeightTransfer
-from rollout_svc.client.rollout_client import RolloutClient
-from rollout_svc.errors import WeightSyncError
+from rollout_svc.integrations.skyrl.weights import EngineWeightTransfer
 from rollout_svc.openai.errors import APIError
-
-# SkyRL's worker extension methods (`NewInferenceWorkerWrap`) that wrap vLLM's native calls: served as those calls
-SKYRL_RPC = ("skyrl_start_weight_update", "update_weights_nccl", "skyrl_finish_weight_update")
 
 
 def weights_router(client: RolloutClient) -> APIRouter:
@@ -53,6 +51,11 @@ def weights_router(client: RolloutClient) -> APIRouter:
             return await made
         except WeightSyncError as exc:
             raise APIError(409, f"{name}: {exc}", code="weight_sync_failed") from exc
+
+    async def answer(name: str, made: Awaitable[None], message: str) -> dict[str, str]:
+        """vLLM's answer to a call that returns nothing: `{"message"}` once every member made it."""
+        await call(name, made)
+        return {"message": message}
 
     @router.post("/fetch_weights")
     async def fetch_weights(body: FetchWeightsBody) -> dict[str, Any]:
@@ -80,14 +83,12 @@ def weights_router(client: RolloutClient) -> APIRouter:
     @router.post("/start_weight_update")
     async def start_weight_update() -> dict[str, str]:
         """vLLM's: every member of the last init starts a weight update. 400 before an init."""
-        await call("start_weight_update", transfer.start())
-        return {"message": "Weight update started"}
+        return await answer("start_weight_update", transfer.start(), "Weight update started")
 
     @router.post("/update_weights")
     async def update_weights(body: UpdateWeightsBody) -> dict[str, str]:
         """vLLM's: every member receives the tensors `update_info` names from the trainer's broadcast."""
-        await call("update_weights", transfer.update(body.update_info))
-        return {"message": "Weights updated"}
+        return await answer("update_weights", transfer.update(body.update_info), "Weights updated")
 
     @router.post("/finish_weight_update")
     async def finish_weight_update(body: FinishWeightUpdateBody | None = None) -> dict[str, Any]:
@@ -100,8 +101,7 @@ def weights_router(client: RolloutClient) -> APIRouter:
     @router.post("/shutdown_weight_transfer_engine")
     async def shutdown_weight_transfer_engine() -> dict[str, str]:
         """vLLM's: every member leaves the trainer's group."""
-        await call("shutdown_weight_transfer_engine", transfer.shutdown())
-        return {"message": "Weight transfer shut down"}
+        return await answer("shutdown_weight_transfer_engine", transfer.shutdown(), "Weight transfer shut down")
 
     @router.post("/collective_rpc")
     async def collective_rpc(body: CollectiveRpcBody) -> dict[str, Any]:
@@ -115,8 +115,8 @@ def weights_router(client: RolloutClient) -> APIRouter:
                 if body.method == "update_weights_ipc"
                 else ""
             )
-            raise APIError(400, f"collective_rpc {body.method!r} is not served{why}; served: {', '.join(SKYRL_RPC)}",
-                           param="method")  # fmt: skip
+            served = ", ".join(SKYRL_RPC)
+            raise APIError(400, f"collective_rpc {body.method!r} is not served{why}; served: {served}", param="method")
         if body.args:
             raise APIError(
                 400, f"collective_rpc {body.method}: pass keyword arguments (kwargs), not args", param="args"
@@ -127,8 +127,8 @@ def weights_router(client: RolloutClient) -> APIRouter:
         if kwargs:
             raise APIError(400, f"collective_rpc {body.method}: unknown kwargs {sorted(kwargs)}", param="kwargs")
         if checkpoint_format is not True:
-            raise APIError(400, "is_checkpoint_format=false (kernel-format weights) is not served: send the "
-                           "checkpoint-format tensors", param="kwargs.is_checkpoint_format")  # fmt: skip
+            why = "is_checkpoint_format=false (kernel-format weights) is not served: send the checkpoint-format tensors"
+            raise APIError(400, why, param="kwargs.is_checkpoint_format")
         if not isinstance(update_info, dict):
             raise APIError(400, "update_weights_nccl needs kwargs.update_info (an object)", param="kwargs")
         made = (

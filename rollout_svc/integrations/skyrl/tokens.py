@@ -29,13 +29,14 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.errors import GenerationError
+from rollout_svc.integrations.skyrl.shapes import GenerateBody
 from rollout_svc.openai.errors import APIError
 from rollout_svc.openai.plans import chat_plan
-from rollout_svc.openai.schemas import Body, ChatCompletionRequest, TokenId, check_wire_ints
+from rollout_svc.openai.schemas import ChatCompletionRequest, check_wire_ints
 from rollout_svc.protocol import SamplingParams, Trajectory
 
 # vLLM SamplingParams fields we implement, by our name (the same as vLLM's).
@@ -66,25 +67,6 @@ _DEFAULTS: dict[str, Any] = {
     "truncate_prompt_tokens": None,
     "guided_decoding": None,
 }
-
-
-class GenerateBody(Body):
-    """`POST /inference/v1/generate` (vLLM's `GenerateRequest`, the fields SkyRL sends and a few more; any other
-    field is refused by name)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    token_ids: list[TokenId] = Field(min_length=1)
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
-    model: str | None = None
-    request_id: str | None = Field(None, min_length=1, max_length=256)
-    session_id: str | None = None
-    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
-    stream: bool | None = False
-    return_token_ids: bool | None = None
-    output_mode: str = "tokens"
-    priority: int = 0
-    features: dict[str, Any] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
 
 
 def generate_params(body: GenerateBody) -> tuple[SamplingParams, int]:
