@@ -30,9 +30,9 @@ from rollout_svc.protocol import (
     reply_address,
     unrun_trajectory,
 )
-from workers.adapters import AdapterRef
 from workers.engine import Completion, Engine, joined
 from workers.inflight import AbortRules, InFlight, InFlightIndex
+from workers.lora_table import AdapterRef
 from workers.metrics import WorkerMetrics
 from workers.state import WorkerState
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rollout_svc.protocol import PauseMode, WorkerLabel, WorkerStatus
-from workers.adapters import AdapterTable
+from workers.lora_table import AdapterTable
 
 if TYPE_CHECKING:
     from workers.engine import Engine

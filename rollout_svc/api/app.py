@@ -20,13 +20,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
-from rollout_svc.api.adapters import adapter_router
 from rollout_svc.api.admin import admin_router
 from rollout_svc.api.auth import Auth
 from rollout_svc.api.batches import batch_router
 from rollout_svc.api.errors import install_error_handlers
 from rollout_svc.api.generation import Generation, until_disconnected
 from rollout_svc.api.hot import FastJSONResponse, HotLane
+from rollout_svc.api.lora_routes import adapter_router
 from rollout_svc.api.metrics import install_metrics
 from rollout_svc.api.served import ServedModels, session_header
 from rollout_svc.api.skyrl.control_routes import control_router

@@ -19,11 +19,11 @@ from urllib.parse import urlparse
 import typer
 from redis.exceptions import RedisError
 
-from rollout_svc.cli.adapters import adapter_app
 from rollout_svc.cli.batch import batch_app, batch_worker
 from rollout_svc.cli.common import DEFAULT_REDIS_URL, RedisUrl, TimeoutS, run_on_fleet
 from rollout_svc.cli.dead_letters import dead_letters_app
 from rollout_svc.cli.engine_options import engine_options
+from rollout_svc.cli.lora_commands import adapter_app
 from rollout_svc.config import EngineSettings, Settings
 
 if TYPE_CHECKING:

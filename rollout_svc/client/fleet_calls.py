@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rollout_svc.client.connection import Connection
-from rollout_svc.control.adapters import AdapterSpec
+from rollout_svc.control.lora import AdapterSpec
 from rollout_svc.control.plane import DEFAULT_HOLDER, FleetState
 from rollout_svc.errors import ModelNotFoundError
 from rollout_svc.protocol import PauseMode, WorkerStatus

@@ -17,7 +17,7 @@ The only module that spells the control keys' verbs (DESIGN.md section 4, "Contr
   next nudge or heartbeat, `state()`) leaves it out, so a dead holder's pause ends within its lease plus one
   heartbeat interval without anyone writing. The next command or renewal prunes it and records when it lapsed
   (`lapsed:{holder}`, for `status`).
-- LoRA adapters are fleet state too (`control.adapters`): `load_adapter` / `unload_adapter` are commands whose
+- LoRA adapters are fleet state too (`control.lora`): `load_adapter` / `unload_adapter` are commands whose
   acknowledgement means every live worker holds (or dropped) the adapter; a late worker loads them as it converges.
 - Cancel is not a command: a producer writes tombstones (`Keys.cancelled`, with a TTL) and nudges on
   `Keys.cancel_channel`; no barrier.
@@ -42,7 +42,7 @@ from redis.exceptions import RedisError, ResponseError
 from rollout_svc.config import MAX_LEASE_S, Settings
 from rollout_svc.connections.acl import ADMIN, permission_denied
 from rollout_svc.connections.urls import next_message, retry_while_away
-from rollout_svc.control.adapters import AdapterSpec, check_adapter_name
+from rollout_svc.control.lora import AdapterSpec, check_adapter_name
 from rollout_svc.control.scripts import CANCEL_LUA, COMMIT_LUA, ISSUE_LUA, RENEW_LEASE_LUA, RESEED_LUA
 from rollout_svc.dataplane.registry import Registry
 from rollout_svc.dataplane.streams import Entry, Placed, RequestStreams, Sweep

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from rollout_svc.config import EngineSettings
-from rollout_svc.control.adapters import AdapterSpec, adapter_dir, check_adapter_name
+from rollout_svc.control.lora import AdapterSpec, adapter_dir, check_adapter_name
 from rollout_svc.control.plane import FleetState
 from rollout_svc.errors import InvalidRequestError
 from rollout_svc.protocol import WorkerStatus
-from workers.adapters import AdapterTable
 from workers.echo import EchoEngine
+from workers.lora_table import AdapterTable
 from workers.serve import adapter_spans
 
 

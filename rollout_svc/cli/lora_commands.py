@@ -1,4 +1,4 @@
-"""`rollout-svc adapter load|unload|list`: LoRA adapters as fleet state (`rollout_svc.control.adapters`)."""
+"""`rollout-svc adapter load|unload|list`: LoRA adapters as fleet state (`rollout_svc.control.lora`)."""
 
 from __future__ import annotations
 

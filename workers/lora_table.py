@@ -1,7 +1,7 @@
 """The LoRA adapters one worker holds: which version of each name new requests take, and which old versions still
 have requests running on them (unloaded from the engine once none has).
 
-The converger (`workers.converge`) brings the table to the fleet's desired adapters (`control.adapters`) at every
+The converger (`workers.converge`) brings the table to the fleet's desired adapters (`control.lora`) at every
 control epoch; the serve path (`workers.serve`) takes an adapter for a request as it enters the engine
 (`acquire`) and gives it back when the attempt ends (`release`). A version is one engine adapter: vLLM's
 `LoRARequest(lora_name="{name}@{version}", lora_int_id=..., lora_path=...)`, its id unique in this engine.
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rollout_svc.control.adapters import AdapterSpec, adapter_dir
+from rollout_svc.control.lora import AdapterSpec, adapter_dir
 from rollout_svc.errors import InvalidRequestError
 
 if TYPE_CHECKING:
