@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from string import Template
 from types import MappingProxyType
+from typing import Literal, get_args
 
 WORKERS_GROUP = "workers"  # the consumer group on every requests stream
 # Fields of a request entry. Only `m` is the message; the others let Redis-side code (placement, requeue,
@@ -43,19 +44,14 @@ class HeartbeatField:
     tests/unit/test_scripts.py checks that each name here is one (renaming the attribute alone fails there).
     """
 
-    STATE = "state"  # one of `WorkerLabels`
+    STATE = "state"  # a `WorkerLabel`
     APPLIED_EPOCH = "applied_epoch"  # the control epoch the worker applied: its acknowledgement
 
 
-class WorkerLabels:
-    """The values of `HeartbeatField.STATE` (`protocol.WorkerLabel` lists the same; a test checks)."""
-
-    STARTING = "starting"  # not yet converged on the control state
-    SERVING = "serving"
-    PAUSED = "paused"
-    SLEEPING = "sleeping"
-    DRAINING = "draining"  # stopping
-    STALE = "stale"  # its weight version is not the committed one: it takes no work
+# A worker's state, the value of `HeartbeatField.STATE` (and `protocol.WorkerStatus.state`): starting (not yet
+# converged on the control state), serving, paused, sleeping, draining (stopping), or stale (its weight version is
+# not the committed one: it takes no work). A script names one as `${WorkerLabel.SERVING}` (`LUA_NAMES`).
+WorkerLabel = Literal["starting", "serving", "paused", "sleeping", "draining", "stale"]
 
 
 class StateField:
@@ -177,9 +173,7 @@ _MODULE_NAMES = {
     "LOADED": LOADED,
     "OK": OK,
 }
-_GROUPS = (
-    HeartbeatField, WorkerLabels, StateField, DeadLetterField, BatchField, Nudge, ScriptReply, EnqueueKind, StreamSyntax
-)  # fmt: skip
+_GROUPS = (HeartbeatField, StateField, DeadLetterField, BatchField, Nudge, ScriptReply, EnqueueKind, StreamSyntax)
 # Every name above by what a script calls it (`PAYLOAD_FIELD`, `HeartbeatField.STATE`), as text.
 LUA_NAMES: Mapping[str, str] = MappingProxyType(
     {
@@ -187,6 +181,7 @@ LUA_NAMES: Mapping[str, str] = MappingProxyType(
         for name, value in [
             *_MODULE_NAMES.items(),
             *((f"{g.__name__}.{a}", v) for g in _GROUPS for a, v in vars(g).items() if a.isupper()),
+            *((f"WorkerLabel.{label.upper()}", label) for label in get_args(WorkerLabel)),
         ]
     }
 )

@@ -25,7 +25,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rollout_svc.errors import InvalidRequestError, ProtocolError
-from rollout_svc.keys import MAX_COST
+from rollout_svc.keys import MAX_COST, WorkerLabel
 from rollout_svc.wire import ENVELOPE, WireModel, encode_envelope
 
 SCHEMA_VERSION = 1
@@ -38,7 +38,6 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 # "pause", "shutdown", "stale" and "migrate" are retried token-exact by RolloutClient.
 AbortCause = Literal["pause", "user", "deadline", "shutdown", "stale", "partial", "migrate"]
 PauseMode = Literal["keep", "abort", "wait"]
-WorkerLabel = Literal["starting", "serving", "paused", "sleeping", "draining", "stale"]
 WeightSpan = tuple[int, int]  # (weight version, index of the first completion token generated under it)
 ErrorCode = Literal[
     "invalid_request",  # bad input: fix it, retrying will not help
@@ -611,7 +610,8 @@ def as_sampling_params(value: SamplingParams | dict[str, Any] | None) -> Samplin
 class WorkerStatus(BaseModel):
     """A worker's heartbeat, as stored in the hash `rollout:worker:{worker_id}` (times: unix seconds).
 
-    `state`: starting (not yet converged), serving, paused, sleeping, draining (stopping). `applied_epoch`
+    `state`: a `keys.WorkerLabel` (starting: not yet converged; serving, paused, sleeping, draining: stopping;
+    stale: behind the committed weight version). `applied_epoch`
     is the control epoch it has applied (its acknowledgement); `pause_mode` the mode it is paused in ("" when
     not paused); `memory_released` whether sleeping freed engine memory (never on CPU). `fenced_results`
     counts results it dropped because their request had been requeued while it was presumed dead.

@@ -9,7 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rollout_svc.protocol import PauseMode, WorkerLabel, WorkerStatus
+from rollout_svc.keys import WorkerLabel
+from rollout_svc.protocol import PauseMode, WorkerStatus
 from workers.lora_table import AdapterTable
 
 if TYPE_CHECKING:

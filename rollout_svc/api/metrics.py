@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.client.status import fleet_status
 from rollout_svc.config import Settings
-from rollout_svc.protocol import WorkerLabel
+from rollout_svc.keys import WorkerLabel
 
 log = logging.getLogger("rollout_svc.api")
 UNMATCHED_ROUTE = "other"  # the route label of a request no route matched (a 404, a redirect)

@@ -75,8 +75,8 @@ local function place(f, epoch, ttl_ms, skey, sid, preferred, keep_draining)
   local w = redis.call('GET', skey)
   if w and f.hb[w] then
     local state = redis.call('HGET', f.hb[w], '${HeartbeatField.STATE}')
-    if state and state ~= '${WorkerLabels.SLEEPING}' and state ~= '${WorkerLabels.STALE}'
-        and (state ~= '${WorkerLabels.DRAINING}' or keep_draining) then
+    if state and state ~= '${WorkerLabel.SLEEPING}' and state ~= '${WorkerLabel.STALE}'
+        and (state ~= '${WorkerLabel.DRAINING}' or keep_draining) then
       return pin(w)
     end
     redis.call('ZREM', f.zs[w], sid)
@@ -84,12 +84,12 @@ local function place(f, epoch, ttl_ms, skey, sid, preferred, keep_draining)
   if w then redis.call('DEL', skey) end
   if preferred and f.hb[preferred] then
     local state = redis.call('HGET', f.hb[preferred], '${HeartbeatField.STATE}')
-    if state == '${WorkerLabels.SERVING}' or state == '${WorkerLabels.PAUSED}' then return pin(preferred) end
+    if state == '${WorkerLabel.SERVING}' or state == '${WorkerLabel.PAUSED}' then return pin(preferred) end
   end
   local best, best_load, best_sessions = false, 0, 0
   for _, id in ipairs(f.ids) do
     local h = redis.call('HMGET', f.hb[id], '${HeartbeatField.STATE}', '${HeartbeatField.APPLIED_EPOCH}')
-    if (h[1] == '${WorkerLabels.SERVING}' or h[1] == '${WorkerLabels.PAUSED}') and tonumber(h[2] or '0') >= epoch then
+    if (h[1] == '${WorkerLabel.SERVING}' or h[1] == '${WorkerLabel.PAUSED}') and tonumber(h[2] or '0') >= epoch then
       redis.call('ZREMRANGEBYSCORE', f.zs[id], '-inf', now_ms)
       local sessions = redis.call('ZCARD', f.zs[id])
       local load = tokens_of(f, id) + tokens_of(f, id .. '${PINNED_SUFFIX}') + (f.placed[id] or 0)

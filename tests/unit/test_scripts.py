@@ -21,8 +21,8 @@ import pytest
 
 from rollout_svc import keys
 from rollout_svc.control.plane import FleetState
-from rollout_svc.keys import HeartbeatField, StateField, WorkerLabels, lua
-from rollout_svc.protocol import WorkerLabel, WorkerStatus
+from rollout_svc.keys import LUA_NAMES, HeartbeatField, StateField, WorkerLabel, lua
+from rollout_svc.protocol import WorkerStatus
 
 ROOT = Path(__file__).resolve().parents[2]
 # A Lua comment, or a quoted string (its text in group 1 or 2).
@@ -142,8 +142,9 @@ def test_heartbeat_fields_are_worker_status_fields():
     assert written == set(WorkerStatus.model_fields)
 
 
-def test_worker_states_are_the_worker_labels():
-    assert {v for a, v in vars(WorkerLabels).items() if a.isupper()} == set(get_args(WorkerLabel))
+def test_scripts_name_every_worker_label():
+    named = {v for a, v in LUA_NAMES.items() if a.startswith("WorkerLabel.")}
+    assert named == set(get_args(WorkerLabel)) == set(get_args(WorkerStatus.model_fields["state"].annotation))
 
 
 def test_the_state_hash_holds_the_state_fields():
