@@ -154,6 +154,23 @@ class Continuation(_Message):
     tokens: list[str] | None = None  # each token's text, where the attempt had them (asked for logprobs)
     adapter_versions: list[WeightSpan] = Field(default_factory=list)  # as weight_versions, of the request's adapter
 
+    @classmethod
+    def of(cls, result: Trajectory, retry_of: str) -> Continuation:
+        """What the interrupted attempt `result` generated, for the attempt that goes on from it: its tokens,
+        logprobs (and top logprobs, token texts), text, weight and adapter version spans, and one interruption
+        more. `retry_of`: the request id the caller submitted."""
+        return cls(
+            retry_of=retry_of,
+            token_ids=result.completion_token_ids,
+            logprobs=result.logprobs,
+            text=result.text,
+            interruptions=result.interruptions + 1,
+            weight_versions=result.weight_versions,
+            adapter_versions=result.adapter_versions,
+            top_logprobs=result.top_logprobs,
+            tokens=result.tokens,
+        )
+
 
 class RolloutRequest(_Message):
     """One generation: a prompt (token ids; text, which the worker tokenizes with its special tokens as vLLM's
@@ -226,6 +243,14 @@ class RolloutRequest(_Message):
         output = self.sampling_params.max_tokens
         total = prompt + (output if self.expected_tokens is None else min(output, self.expected_tokens))
         return min(total, MAX_COST)  # a max_tokens of 10^30 is valid input, not a load to sum in Lua
+
+    def continued(self, result: Trajectory, retry_of: str, **fields: Any) -> RolloutRequest:
+        """This request going on from `result`, its interrupted attempt (a token-exact retry, or a straggler's
+        move): on the prompt ids `result` was served with (a chat or text prompt as its templated ids), with the
+        `Continuation.of(result, retry_of)`, and `fields` changed besides (a retry's `request_id`, `reply_to`,
+        `submitted_at`). A copy, not validated again."""
+        prompt = {"prompt_token_ids": result.prompt_token_ids, "messages": None, "prompt": None}
+        return self.model_copy(update={**prompt, "continuation": Continuation.of(result, retry_of), **fields})
 
     @property
     def original_request_id(self) -> str:

@@ -13,7 +13,6 @@ from rollout_svc.connections.urls import REDIS_AWAY
 from rollout_svc.dataplane.streams import Enqueue, Entry, RequestStreams
 from rollout_svc.errors import EngineDeadError, InvalidRequestError, ProtocolError
 from rollout_svc.protocol import (
-    Continuation,
     DetokenizeRequest,
     ErrorCode,
     ErrorResult,
@@ -133,19 +132,7 @@ class RequestServer:
             return False
         if len(result.completion_token_ids) >= request.sampling_params.max_tokens:
             return False
-        continuation = Continuation(
-            retry_of=request.original_request_id,
-            token_ids=result.completion_token_ids,
-            logprobs=result.logprobs,
-            text=result.text,
-            interruptions=result.interruptions + 1,
-            weight_versions=result.weight_versions,
-            adapter_versions=result.adapter_versions,
-            top_logprobs=result.top_logprobs,
-            tokens=result.tokens,
-        )
-        fields = {"prompt_token_ids": result.prompt_token_ids, "messages": None, "prompt": None}
-        moved = request.model_copy(update={**fields, "continuation": continuation})
+        moved = request.continued(result, request.original_request_id)
         entry = record.entry
         try:
             await self.streams.hand_over(target, Enqueue(encode(moved), epoch=entry.epoch, cost=entry.cost))

@@ -29,7 +29,7 @@ from typing import Any
 from rollout_svc.client.calls import Call
 from rollout_svc.config import ClientSettings
 from rollout_svc.dataplane.streams import Placed
-from rollout_svc.protocol import Continuation, ErrorResult, Request, RolloutRequest, Trajectory
+from rollout_svc.protocol import ErrorResult, Request, RolloutRequest, Trajectory
 
 RETRIED_CAUSES = ("pause", "shutdown", "stale", "migrate")  # the aborts the client hides by retrying
 # The request id and `reply_to` of a request's next attempt: a fresh id, and the results stream of the shard chosen
@@ -77,29 +77,8 @@ def retry_of(
         return None
     if request.deadline is not None and request.deadline <= now:
         return None
-    continuation = Continuation(
-        retry_of=request.request_id,
-        token_ids=result.completion_token_ids,
-        logprobs=result.logprobs,
-        text=result.text,
-        interruptions=result.interruptions + 1,
-        weight_versions=result.weight_versions,
-        adapter_versions=result.adapter_versions,
-        top_logprobs=result.top_logprobs,
-        tokens=result.tokens,
-    )
     request_id, reply_to = new_attempt(request)
-    return request.model_copy(
-        update={
-            "request_id": request_id,
-            "reply_to": reply_to,
-            "submitted_at": now,
-            "prompt_token_ids": result.prompt_token_ids,
-            "messages": None,
-            "prompt": None,
-            "continuation": continuation,
-        }
-    )
+    return request.continued(result, request.request_id, request_id=request_id, reply_to=reply_to, submitted_at=now)
 
 
 def final_fields(request: Request, result: Trajectory) -> dict[str, Any]:
