@@ -1,5 +1,10 @@
 """Every message that crosses a process boundary, and its msgpack encoding (never pickle).
 
+Here: requests (`RolloutRequest` with its `SamplingParams`, tokenizer requests), their answers (`Trajectory`, its
+chunks, error and tokenizer results), a worker's heartbeat (`WorkerStatus`), and the envelope (`encode`, `decode`).
+The orders that run the fleet (control commands, weight-sync orders and manifests, catch-ups) are defined in
+`rollout_svc.orders` and imported from here like the rest.
+
 Wire format of one message (the value of the field `m` of a stream entry):
 
     msgpack({"v": SCHEMA_VERSION, "t": "<type name>", "b": <the model's fields>})
@@ -26,7 +31,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from rollout_svc.errors import InvalidRequestError, ProtocolError
 from rollout_svc.keys import MAX_COST, WorkerLabel
-from rollout_svc.wire import ENVELOPE, WireModel, encode_envelope
+
+# The orders that run the fleet live in `rollout_svc.orders`; they are named from here, as every wire type is.
+from rollout_svc.orders import CatchUpAnswer as CatchUpAnswer
+from rollout_svc.orders import CatchUpOrder as CatchUpOrder
+from rollout_svc.orders import ControlCommand as ControlCommand
+from rollout_svc.orders import EngineWeightOp as EngineWeightOp
+from rollout_svc.orders import EngineWeightOpName as EngineWeightOpName
+from rollout_svc.orders import TensorSpec as TensorSpec
+from rollout_svc.orders import TransferGroup as TransferGroup
+from rollout_svc.orders import WeightManifest as WeightManifest
+from rollout_svc.orders import WeightSyncOrder as WeightSyncOrder
+from rollout_svc.wire import ENVELOPE, Message, WireModel, encode_envelope
 
 SCHEMA_VERSION = 1
 M = TypeVar("M", bound=BaseModel)
@@ -54,13 +70,7 @@ TopLogprob = tuple[int, str, float]  # (token id, its text, logprob)
 PromptLogprob = tuple[int, str, float, int]  # (token id, its text, logprob, rank: 1 is the most likely)
 
 
-class _Message(BaseModel):
-    """A wire message: fields it does not know are ignored (a newer peer of the same schema version)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-
-class StructuredOutputs(_Message):
+class StructuredOutputs(Message):
     """Constrained decoding, as vLLM's `StructuredOutputsParams`: give exactly one of a JSON schema (`json`, a dict
     or its JSON text), any JSON object (`json_object`), a `regex`, a `choice` of strings, or an EBNF `grammar`."""
 
@@ -86,7 +96,7 @@ class StructuredOutputs(_Message):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
-class SamplingParams(_Message):
+class SamplingParams(Message):
     """Sampling parameters, with vLLM's field names and meanings (`vllm.SamplingParams`).
 
     `n` is not a field: use `RolloutClient.sample(prompts, n)`, which sends n requests of one group.
@@ -127,7 +137,7 @@ class SamplingParams(_Message):
         return self
 
 
-class ChatMessage(_Message):
+class ChatMessage(Message):
     """One turn of a conversation, as in OpenAI's chat API."""
 
     model_config = ConfigDict(extra="allow", frozen=True)  # tool calls, names: passed to the template
@@ -135,7 +145,7 @@ class ChatMessage(_Message):
     content: str | None = ""
 
 
-class Continuation(_Message):
+class Continuation(Message):
     """What an interrupted request generated before it was resubmitted (a token-exact retry).
 
     The worker generates after `prompt + token_ids`, with `max_tokens` and `min_tokens` reduced by
@@ -172,7 +182,7 @@ class Continuation(_Message):
         )
 
 
-class RolloutRequest(_Message):
+class RolloutRequest(Message):
     """One generation: a prompt (token ids; text, which the worker tokenizes with its special tokens as vLLM's
     completions API does; or chat messages the worker templates) and sampling params.
 
@@ -258,7 +268,7 @@ class RolloutRequest(_Message):
         return self.continuation.retry_of if self.continuation else self.request_id
 
 
-class TokenizeRequest(_Message):
+class TokenizeRequest(Message):
     """Turn text (or chat messages, templated with a generation prompt) into token ids on a worker. `tools` and
     `chat_template_kwargs` go into the chat template, as a `RolloutRequest`'s do."""
 
@@ -279,7 +289,7 @@ class TokenizeRequest(_Message):
         return self
 
 
-class DetokenizeRequest(_Message):
+class DetokenizeRequest(Message):
     """Turn token ids into text on a worker."""
 
     request_id: str = Field(min_length=1)
@@ -290,7 +300,7 @@ class DetokenizeRequest(_Message):
     submitted_at: float = Field(default_factory=time.time)
 
 
-class Trajectory(_Message):
+class Trajectory(Message):
     """The result of one rollout request.
 
     Shapes: `completion_token_ids` and `logprobs` have one entry per generated token; `logprobs[i]` is
@@ -354,7 +364,7 @@ class Trajectory(_Message):
         return self.adapter_versions[-1][0] if self.adapter_versions else None
 
 
-class TrajectoryChunk(_Message):
+class TrajectoryChunk(Message):
     """Part of a streaming request's completion, sent before its final `Trajectory` (which holds all of it).
 
     `offset` is the index of `token_ids[0]` in the whole completion (a retry's chunks go on after the tokens its
@@ -395,7 +405,7 @@ def unrun_trajectory(request: RolloutRequest, cause: AbortCause, worker_id: str 
     )
 
 
-class ErrorResult(_Message):
+class ErrorResult(Message):
     """A worker's answer to a request it could not serve. `recoverable`: may a retry succeed?"""
 
     request_id: str
@@ -405,7 +415,7 @@ class ErrorResult(_Message):
     worker_id: str = ""
 
 
-class TokenizeResult(_Message):
+class TokenizeResult(Message):
     """The answer to a TokenizeRequest (`token_ids`) or a DetokenizeRequest (`text`)."""
 
     request_id: str
@@ -414,124 +424,9 @@ class TokenizeResult(_Message):
     worker_id: str = ""
 
 
-class ControlCommand(_Message):
-    """A control command as logged in Redis (`Keys.commands`, scored by the epoch it produced).
-
-    `kind` is one of pause, resume, abort, sleep, wake_up, reset_prefix_cache; `args` its arguments;
-    `issued_at` unix seconds. `epoch` is filled in from the log's score when read.
-    """
-
-    command_id: str
-    kind: str
-    args: dict[str, Any] = Field(default_factory=dict)
-    issued_at: float = Field(default_factory=time.time)
-    epoch: int = 0
-
-
-class TransferGroup(_Message):
-    """A weight-transfer process group (`torch.distributed`, built from a `TCPStore`): rank 0 is the trainer,
-    listening at `master_addr:master_port`; `ranks` maps each member worker to its first rank (it takes
-    `weight_ranks` consecutive ones). `token` is a one-time secret, the store's key prefix: only a process that
-    read it from Redis finds the rendezvous. `timeout_s` bounds every collective; `join_timeout_s` (default
-    `timeout_s`) the rendezvous: the trainer sets its heartbeat TTL there, so a member that died before it joined
-    costs a sync no more than that (everyone's join fails, and the group is built again without it).
-    `backend`: gloo or nccl."""
-
-    group_id: str
-    master_addr: str
-    master_port: int
-    token: str
-    world_size: int
-    backend: Literal["gloo", "nccl"] = "gloo"
-    timeout_s: float = 60.0
-    join_timeout_s: float | None = None
-    ranks: dict[str, int] = Field(default_factory=dict)
-
-
-EngineWeightOpName = Literal["init", "start", "update", "finish", "shutdown"]
-
-
-class EngineWeightOp(_Message):
-    """One call of vLLM's native weight transfer API (vLLM 0.32 `AsyncLLM`: `init_weight_transfer_engine`,
-    `start_weight_update`, `update_weights`, `finish_weight_update`, `shutdown_weight_transfer_engine`), the
-    trainer-led NCCL broadcast SkyRL's trainers drive. `info` is vLLM's `init_info` or `update_info` as the trainer
-    sent it; for `init`, each worker's `rank_offset` (its first rank in the trainer's group) is
-    `rank_offsets[worker_id]`."""
-
-    op: EngineWeightOpName
-    info: dict[str, Any] = Field(default_factory=dict)
-    rank_offsets: dict[str, int] = Field(default_factory=dict)
-
-
-class WeightSyncOrder(_Message):
-    """One weight sync, as the trainer publishes it (`Keys.weight_sync`). `transport` broadcast: the members of
-    `group` receive the announced tensors from rank 0; checkpoint: every member loads `path` (a directory holding
-    `model.safetensors`, under its checkpoint root); engine: every member makes the call `engine_op` on vLLM's own
-    weight transfer engine (the trainer sends through vLLM's NCCL group, not ours). `members`: the workers expected
-    at the barriers. `staged` (broadcast): the members receive while they go on generating on their old weights,
-    keep what they received, reach barrier `received`, and load only once the trainer paused the fleet and wrote
-    `Keys.weight_load` (transfer outside the pause); otherwise they load as soon as the transfer ends."""
-
-    sync_id: str
-    version: int
-    transport: Literal["broadcast", "checkpoint", "engine"]
-    members: list[str]
-    staged: bool = False
-    group: TransferGroup | None = None
-    path: str | None = None
-    engine_op: EngineWeightOp | None = None
-    issued_at: float = Field(default_factory=time.time)
-
-
-class TensorSpec(_Message):
-    """One tensor inside a bucket: bytes `[offset, offset + nbytes)` viewed as `dtype` (torch's name, say
-    "float32") and reshaped to `shape`."""
-
-    name: str
-    dtype: str
-    shape: list[int]
-    offset: int
-    nbytes: int
-
-
-class WeightManifest(_Message):
-    """The tensors of one broadcast sync, announced before the transfer: bucket i is one broadcast of
-    `bucket_nbytes[i]` bytes (uint8) holding `buckets[i]`."""
-
-    sync_id: str
-    version: int
-    bucket_nbytes: list[int]
-    buckets: list[list[TensorSpec]]
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bucket_nbytes)
-
-
-class CatchUpOrder(_Message):
-    """A stale worker (`learner`) asks `peer`, which serves the committed `version`, to send it over the transfer
-    group `group` (`Keys.weight_catch_ups`): the peer is rank 0, the learner's engine ranks follow; the learner's
-    rollout process listens at the group's rendezvous."""
-
-    catch_up_id: str
-    version: int
-    learner: str
-    peer: str
-    group: TransferGroup
-    issued_at: float = Field(default_factory=time.time)
-
-
-class CatchUpAnswer(_Message):
-    """The peer's answer (`Keys.weight_catch_up_answer`): the manifest of what it sends, or why it refuses."""
-
-    catch_up_id: str
-    manifest: WeightManifest | None = None
-    refused: str = ""
-
-
 Request = RolloutRequest | TokenizeRequest | DetokenizeRequest
 Result = Trajectory | ErrorResult | TokenizeResult  # a request's answer; a TrajectoryChunk comes before it
-_TYPES: dict[str, type[_Message]] = {
+_TYPES: dict[str, type[Message]] = {
     cls.__name__: cls
     for cls in (
         RolloutRequest,
@@ -560,7 +455,7 @@ def construct(cls: type[M], **values: Any) -> M:
     return _TRUSTED[cls.__name__].build(**values)  # type: ignore[no-any-return]
 
 
-def encode(message: _Message) -> bytes:
+def encode(message: Message) -> bytes:
     """Pack a message into its MessagePack envelope (`wire.encode_envelope`)."""
     return encode_envelope(SCHEMA_VERSION, message)
 

@@ -5,7 +5,8 @@ touching its body, then either validates the body with the model (pydantic: requ
 what arrives from a producer or an operator) or, for what workers answer (trajectories, chunks, error and tokenize
 results: the hot path, one per request), checks it with a msgspec Struct generated from the model's fields (types,
 literals, tuples; C speed) and builds the model from the checked values without validating it again. vLLM's
-engine-core IPC uses msgspec's MessagePack the same way.
+engine-core IPC uses msgspec's MessagePack the same way. `Message` is the base of every model the codec carries
+(`rollout_svc.protocol`, `rollout_svc.orders`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import msgspec
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -27,6 +28,13 @@ class Envelope(msgspec.Struct):
 
 
 ENVELOPE = msgspec.msgpack.Decoder(Envelope)
+
+
+class Message(BaseModel):
+    """A wire message (the base of every model `rollout_svc.protocol` encodes): fields it does not know are ignored
+    (a newer peer of the same schema version); frozen."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
 
 def _fields_of(model: BaseModel) -> Any:
