@@ -30,8 +30,9 @@ def load(
 ) -> None:
     """Load a LoRA adapter on every worker, or a new version of one: requests running on the old version finish on
     it, new requests take the new one, nothing pauses."""
-    loaded = run_on_fleet(redis_url, f"loading adapter {name}", lambda c: c.load_adapter(name, path, version=version,
-                                                                                   timeout_s=timeout_s))  # fmt: skip
+    loaded = run_on_fleet(
+        redis_url, f"loading adapter {name}", lambda c: c.load_adapter(name, path, version=version, timeout_s=timeout_s)
+    )
     typer.echo(f"adapter {name} version {loaded} loaded from {path} by every live worker")
 
 

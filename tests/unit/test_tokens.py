@@ -78,9 +78,15 @@ def test_the_response_has_vllms_shape_and_weight_spans():
 
 def trajectory(ids: list[int], text: str, finish_reason: str = "stop") -> Trajectory:
     return Trajectory(
-        request_id="r", prompt_token_ids=[1], completion_token_ids=ids, logprobs=[0.0] * len(ids), text=text,
-        finish_reason=finish_reason, weight_version=0, worker_id="w0",
-    )  # fmt: skip
+        request_id="r",
+        prompt_token_ids=[1],
+        completion_token_ids=ids,
+        logprobs=[0.0] * len(ids),
+        text=text,
+        finish_reason=finish_reason,
+        weight_version=0,
+        worker_id="w0",
+    )
 
 
 def test_a_completions_text_is_taken_once_per_completion_by_model():
