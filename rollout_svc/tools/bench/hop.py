@@ -18,6 +18,7 @@ import contextlib
 import random
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
@@ -51,7 +52,7 @@ from rollout_svc.tools.progress import Progress
 from rollout_svc.tools.runs import private_settings
 
 HOP_WORKERS = 2
-WORKER_CAPACITY = 4096  # echo max_num_seqs per worker: 2 x 4,096 admits 5,000 in flight
+WORKER_CAPACITY = 4096  # echo max_num_seqs per worker: every request in flight admitted (2 x 4,096 > 5,000)
 MEMORY_PROMPT_TOKENS = 1000
 MEMORY_VOCAB = 49152
 MEMORY_CHUNK = 5000  # requests built and enqueued at a time (the client holds no more than this)
@@ -170,14 +171,8 @@ def run_hop_bench(
     own; the memory part always starts a fresh private one. Every process it started is stopped on return."""
     plan = plan or HopPlan()
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="rollout-bench-hop-"))
-    settings = private_settings(redis_url, "bench-hop").copy_with(redis_data_dir=log_dir / "redis")
-    engine = EngineSettings(engine="echo", max_num_seqs=WORKER_CAPACITY)
-    cluster = LocalCluster(settings, HOP_WORKERS, engine, log_dir=log_dir)
-    with (
-        Progress(None, "bench (h) hop: vllm-router and its 2 backends, rollout-svc and its 2 echo workers"),
-        router_fleet(log_dir) as fleet,
-        cluster.running(ready_timeout_s=60),
-    ):
+    title = "bench (h) hop: vllm-router and its 2 backends, rollout-svc and its 2 echo workers"
+    with beside_router(redis_url, "bench-hop", log_dir, HOP_WORKERS, title) as (settings, fleet, cluster):
         workers = [p.pid for p in cluster.processes]
         hops = asyncio.run(_measure_hops(fleet, settings, workers, plan))
     with Progress(None, "bench (h) hop: Redis memory per queued request"):
@@ -187,6 +182,35 @@ def run_hop_bench(
     )
     console.print(figures)
     return figures
+
+
+@contextlib.contextmanager
+def beside_router(
+    redis_url: str | None, name: str, log_dir: Path, workers: int, title: str
+) -> Iterator[tuple[Settings, RouterFleet, LocalCluster]]:
+    """Both sides of a section measured beside vllm-router, up at once: the router and its two backends
+    (`router_fleet`), and `workers` echo workers of `WORKER_CAPACITY` each, on a private redis-server when
+    `redis_url` is None, else on that Redis under the key prefix `name`. `title` is the progress line. Yields
+    (the echo side's settings, the router's fleet, the echo workers); every process is stopped on leaving."""
+    settings = private_settings(redis_url, name).copy_with(redis_data_dir=log_dir / "redis")
+    engine = EngineSettings(engine="echo", max_num_seqs=WORKER_CAPACITY)
+    cluster = LocalCluster(settings, workers, engine, log_dir=log_dir)
+    with Progress(None, title), router_fleet(log_dir) as fleet, cluster.running(ready_timeout_s=60):
+        yield settings, fleet, cluster
+
+
+def goals_table(ratios: list[tuple[str, float, str, bool | None]]) -> list[str]:
+    """The report's table of the issue's goals (markdown lines, a blank line first) from `ratios` (what, value,
+    goal, met: None where there is no goal)."""
+    met_text = {True: "yes", False: "no", None: "-"}
+    return [
+        "",
+        "The issue's goals, beside the figures (not asserted):",
+        "",
+        "| ratio | value | goal | met |",
+        "|---|---:|---|---|",
+        *(f"| {what} | {value:.2f} | {goal} | {met_text[met]} |" for what, value, goal, met in ratios),
+    ]
 
 
 def redis_cpu(client: redis.Redis) -> CpuMeter:
@@ -339,14 +363,8 @@ def render_hop(f: HopFigures) -> str:
     lines += [
         f"| 1 in flight | {rs.requests_per_s:,.0f} | {rs.p50_ms:.2f} | {rs.p99_ms:.2f} | {us.requests_per_s:,.0f} |"
         f" {us.p50_ms:.2f} | {us.p99_ms:.2f} | p50: {listed(f.p50_ratios())} |",
-        "",
-        "The issue's goals, beside the figures (not asserted):",
-        "",
-        "| ratio | value | goal | met |",
-        "|---|---:|---|---|",
+        *goals_table(f.ratios()),
     ]
-    met_text = {True: "yes", False: "no", None: "-"}
-    lines += [f"| {what} | {value:.2f} | {goal} | {met_text[met]} |" for what, value, goal, met in f.ratios()]
     lines += [
         "",
         "CPU microseconds per request, by process (user + system, over the measured window; the client is this"

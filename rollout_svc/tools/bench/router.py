@@ -19,13 +19,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
+from typing import TYPE_CHECKING
 
 from rollout_svc.deploy.processes import die_with_parent, free_port
 from rollout_svc.tools.runs import percentile
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 HOP_PROMPT = list(range(1, 17))  # 16 token ids in, 16 out: the queue-overhead section's request
 MODEL = "echo"
@@ -242,67 +246,88 @@ def router_args(backends: list[str], port: int, metrics_port: int, policy: str =
     ]
 
 
-@contextlib.contextmanager
-def router_fleet(log_dir: Path, backends: int = 2) -> Iterator[RouterFleet]:
-    """`backends` backends, then vllm-router in front of them; yields once the router answered a completion."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    processes: list[subprocess.Popen[bytes]] = []
+class Spawned:
+    """The processes a part of the bench starts, each in a process group of its own that gets SIGTERM if this one
+    dies, its output in `log_dir/<name>.log`. A context manager: leaving it stops them all (`stop`)."""
 
-    def spawn(args: list[str], name: str) -> subprocess.Popen[bytes]:
-        with open(log_dir / f"{name}.log", "ab") as out:
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> Spawned:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def spawn(self, args: list[str], name: str) -> subprocess.Popen[bytes]:
+        with open(self.log_dir / f"{name}.log", "ab") as out:
             process = subprocess.Popen(
                 die_with_parent(args), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
-        processes.append(process)
+        self.processes.append(process)
         return process
 
-    try:
+    def wait_answering(self, url: str, body: dict | None, process: subprocess.Popen[bytes]) -> None:
+        """Return once `url` answers 200 (a POST of `body`, else a GET). Raises `RuntimeError` naming the logs if
+        `process` exits or `START_TIMEOUT_S` passes first."""
+        import httpx
+
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                response = httpx.post(url, json=body, timeout=1.0) if body else httpx.get(url, timeout=1.0)
+                if response.status_code == 200:
+                    return
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not answer in {START_TIMEOUT_S:g} s; see the logs in {self.log_dir}")
+            time.sleep(0.1)
+
+    def start_router(
+        self, backends: list[str], check: dict, policy: str = "round_robin", name: str = "vllm-router"
+    ) -> tuple[str, subprocess.Popen[bytes], list[str]]:
+        """vllm-router (`policy`) in front of `backends`: its URL, its process and its options (`router_args`), once
+        it answered the completion `check`."""
+        args = router_args(backends, free_port(), free_port(), policy)
+        router = self.spawn([router_binary(), *args], name)
+        url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
+        self.wait_answering(f"{url}/v1/completions", check, router)
+        return url, router, args
+
+    def stop(self) -> None:
+        """SIGTERM each process group, wait (bounded), then SIGKILL what is left of each group."""
+        for process in self.processes:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for process in self.processes:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        self.processes.clear()
+
+
+@contextlib.contextmanager
+def router_fleet(log_dir: Path, backends: int = 2) -> Iterator[RouterFleet]:
+    """`backends` backends, then vllm-router in front of them; yields once the router answered a completion."""
+    with Spawned(log_dir) as spawned:
         urls = []
         for i in range(backends):
             port = free_port()
-            spawn([sys.executable, "-m", "rollout_svc.tools.bench.router", "--backend", str(port)], f"backend-{i}")
+            spawned.spawn(
+                [sys.executable, "-m", "rollout_svc.tools.bench.router", "--backend", str(port)], f"backend-{i}"
+            )
             urls.append(f"http://127.0.0.1:{port}")
-        for url, process in zip(urls, processes, strict=True):
-            _wait_answering(f"{url}/health", None, process, log_dir)
-        args = router_args(urls, free_port(), free_port())
-        router = spawn([router_binary(), *args], "vllm-router")
-        url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
-        _wait_answering(
-            f"{url}/v1/completions", {"model": MODEL, "prompt": HOP_PROMPT, "max_tokens": 16}, router, log_dir
-        )
-        pids = [p.pid for p in processes[:backends]]
+        for url, process in zip(urls, spawned.processes, strict=True):
+            spawned.wait_answering(f"{url}/health", None, process)
+        pids = [p.pid for p in spawned.processes]
+        check = {"model": MODEL, "prompt": HOP_PROMPT, "max_tokens": 16}
+        url, router, args = spawned.start_router(urls, check)
         yield RouterFleet(url, router.pid, pids, ["vllm-router", *args], urls)
-    finally:
-        stop_groups(processes)
-
-
-def stop_groups(processes: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM each process group, wait (bounded), then SIGKILL what is left of each group."""
-    for process in processes:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for process in processes:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-    for process in processes:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-
-
-def _wait_answering(url: str, body: dict | None, process: subprocess.Popen[bytes], log_dir: Path) -> None:
-    import httpx
-
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        with contextlib.suppress(httpx.HTTPError):
-            response = httpx.post(url, json=body, timeout=1.0) if body else httpx.get(url, timeout=1.0)
-            if response.status_code == 200:
-                return
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not answer in {START_TIMEOUT_S:g} s; see the logs in {log_dir}")
-        time.sleep(0.1)
 
 
 # --- sending through the router ----------------------------------------------------------------------------------
@@ -337,26 +362,12 @@ async def router_sender(fleet: RouterFleet, connections: int) -> AsyncIterator[t
 # --- the backend process -----------------------------------------------------------------------------------------
 
 
-def serve_backend(port: int) -> None:
-    """A trivial vLLM-style backend: one fixed answer (the body is read) for every `POST /v1/completions`, and, for
-    SkyRL's client, every `POST /inference/v1/generate` and `POST /detokenize`."""
+def backend_app(model: str, posts: Mapping[str, Callable[[web.Request], Awaitable[web.Response]]]) -> web.Application:
+    """A vLLM-style backend's aiohttp app: `posts` (route -> handler), `GET /health` (what vllm-router polls before
+    it serves) and `GET /v1/models` (the one model `model`)."""
     from aiohttp import web
 
-    completion = json.dumps(COMPLETION).encode()
-    generated, detokenized = json.dumps(GENERATE).encode(), json.dumps(DETOKENIZED).encode()
-    models = {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "rollout-svc"}]}
-
-    async def completions(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=completion, content_type="application/json")
-
-    async def generate(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=generated, content_type="application/json")
-
-    async def detokenize(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=detokenized, content_type="application/json")
+    models = {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "rollout-svc"}]}
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -365,11 +376,29 @@ def serve_backend(port: int) -> None:
         return web.json_response(models)
 
     app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/inference/v1/generate", generate)
-    app.router.add_post("/detokenize", detokenize)
+    for route, handler in posts.items():
+        app.router.add_post(route, handler)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
+    return app
+
+
+def serve_backend(port: int) -> None:
+    """A trivial vLLM-style backend: one fixed answer (the body is read) for every `POST /v1/completions`, and, for
+    SkyRL's client, every `POST /inference/v1/generate` and `POST /detokenize`."""
+    from aiohttp import web
+
+    def fixed(answer: object) -> Callable[[web.Request], Awaitable[web.Response]]:
+        body = json.dumps(answer).encode()
+
+        async def handler(request: web.Request) -> web.Response:
+            await request.read()
+            return web.Response(body=body, content_type="application/json")
+
+        return handler
+
+    posts = {"/v1/completions": COMPLETION, "/inference/v1/generate": GENERATE, "/detokenize": DETOKENIZED}
+    app = backend_app(MODEL, {route: fixed(answer) for route, answer in posts.items()})
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, backlog=8192, shutdown_timeout=1.0)
 
 

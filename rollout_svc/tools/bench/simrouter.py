@@ -22,9 +22,9 @@ from typing import Any
 
 from rollout_svc.client.steps import StepReport, step_report
 from rollout_svc.config import EngineSettings
-from rollout_svc.deploy.processes import die_with_parent, free_port
+from rollout_svc.deploy.processes import free_port
 from rollout_svc.protocol import SamplingParams, Trajectory
-from rollout_svc.tools.bench.router import _wait_answering, router_args, router_binary, stop_groups
+from rollout_svc.tools.bench.router import Spawned, backend_app
 
 MODEL = "sim"
 CHECK = {"model": MODEL, "prompt": [65, 66, 67], "max_tokens": 1}
@@ -44,20 +44,7 @@ def router_step(
     engines, `per_process` to a backend process. Returns the step report (wall-clock s; the caller scales it) over
     all engines, and the trajectories (prompt, completion, engine, times). Raises `RuntimeError` if a process does
     not start or a request fails."""
-    import subprocess
-
-    log_dir.mkdir(parents=True, exist_ok=True)
-    processes: list[subprocess.Popen[bytes]] = []
-
-    def spawn(args: list[str], name: str) -> subprocess.Popen[bytes]:
-        with open(log_dir / f"{name}.log", "ab") as out:
-            process = subprocess.Popen(
-                die_with_parent(args), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        processes.append(process)
-        return process
-
-    try:
+    with Spawned(log_dir) as spawned:
         for attempt in range(BACKEND_STARTS):
             # A port free when picked may be taken by another process before the backend binds it (EADDRINUSE,
             # seen once in 64 here): stop them all and pick new ones.
@@ -67,23 +54,17 @@ def router_step(
                     chunk = ports[i : i + per_process]
                     args = ["--ports", ",".join(map(str, chunk)), "--engine", engine.model_dump_json()]
                     module = "rollout_svc.tools.bench.simrouter"
-                    backend = spawn([sys.executable, "-m", module, *args], f"sim-http-{i}")
+                    backend = spawned.spawn([sys.executable, "-m", module, *args], f"sim-http-{i}")
                     for port in chunk:
-                        _wait_answering(f"http://127.0.0.1:{port}/health", None, backend, log_dir)
+                        spawned.wait_answering(f"http://127.0.0.1:{port}/health", None, backend)
                 break
             except RuntimeError:
-                stop_groups(processes)
-                processes.clear()
+                spawned.stop()
                 if attempt == BACKEND_STARTS - 1:
                     raise
         urls = [f"http://127.0.0.1:{port}" for port in ports]
-        args = router_args(urls, free_port(), free_port(), policy)
-        router = spawn([router_binary(), *args], f"vllm-router-{policy}")
-        url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
-        _wait_answering(f"{url}/v1/completions", CHECK, router, log_dir)
+        url, _, _ = spawned.start_router(urls, CHECK, policy, f"vllm-router-{policy}")
         return asyncio.run(_send_all(url, requests, max_tokens, [f"port-{p}" for p in ports]))
-    finally:
-        stop_groups(processes)
 
 
 async def _send_all(
@@ -128,7 +109,6 @@ async def _serve(ports: list[int], settings: EngineSettings) -> None:
     from workers.sim.engine import sim_engine
 
     numbers = itertools.count()
-    models = {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "rollout-svc"}]}
     runners = []
     for port in ports:
         engine = sim_engine(settings)
@@ -159,17 +139,7 @@ async def _serve(ports: list[int], settings: EngineSettings) -> None:
             extra = {"worker_id": name, "generation_time_s": generation_s}
             return web.json_response({**answer, "choices": [choice], "usage": usage, **extra})
 
-        async def health(request: web.Request) -> web.Response:
-            return web.Response(text="ok")
-
-        async def list_models(request: web.Request) -> web.Response:
-            return web.json_response(models)
-
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        app.router.add_get("/health", health)
-        app.router.add_get("/v1/models", list_models)
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(backend_app(MODEL, {"/v1/completions": completions}), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         runners.append(runner)

@@ -22,10 +22,10 @@ from pathlib import Path
 from rich.console import Console
 
 from rollout_svc.client.rollout_client import RolloutClient
-from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.config import Settings
 from rollout_svc.deploy.local import LocalCluster
 from rollout_svc.protocol import Trajectory
-from rollout_svc.tools import dataset
+from rollout_svc.tools.bench.simstep import SimFleetPlan, all_serving, sharegpt_prompts
 from rollout_svc.tools.progress import Progress
 from rollout_svc.tools.runs import percentile, private_settings
 
@@ -33,19 +33,18 @@ HEADING = "## (l) Multi-turn agent sessions on a simulated fleet"
 
 
 @dataclass(frozen=True)
-class SessionsPlan:
+class SessionsPlan(SimFleetPlan):
+    """Section (l)'s workload on its simulated fleet: agents' turns, shorter than an RL step's generations."""
+
+    length_median: int = 300
+    length_p99: int = 2000
     sessions: int = 128
     turns: int = 10
     gpus: int = 16
-    gpu: str = "h100"
-    model: str = "qwen2.5-7b"
-    length_median: int = 300
-    length_p99: int = 2000
     max_tokens: int = 4096
     tool_tokens: int = 200
     tool_wait_s: float = 5.0  # simulated
     max_first_turn_tokens: int = 1024
-    time_scale: float = 10.0
 
 
 @dataclass
@@ -74,9 +73,7 @@ def run_sessions_bench(
 ) -> SessionsFigures:
     plan = plan or SessionsPlan()
     figures = SessionsFigures(plan, command=command)
-    rng = random.Random(0)
-    firsts = dataset.first_turns(plan.sessions, max_chars=4 * plan.max_first_turn_tokens)
-    openings = [[rng.randrange(32, 127) for _ in range(max(16, len(t[0]["content"]) // 4))] for t in firsts]
+    openings = sharegpt_prompts(plan.sessions, plan.max_first_turn_tokens)
     for sticky in (True, False):
         with Progress(None, f"bench (l) sessions, {plan.gpus} simulated GPUs, sticky {'on' if sticky else 'off'}"):
             row = _one_run(redis_url, plan, openings, sticky, log_dir)
@@ -89,17 +86,8 @@ def _one_run(
     redis_url: str | None, plan: SessionsPlan, openings: list[list[int]], sticky: bool, log_dir: Path
 ) -> SessionsRow:
     settings = private_settings(redis_url, f"bench-sessions-{'sticky' if sticky else 'free'}")
-    engine = EngineSettings(
-        engine="sim",
-        sim_gpu=plan.gpu,
-        sim_model=plan.model,  # type: ignore[arg-type]
-        sim_engines=plan.gpus,
-        sim_time_scale=plan.time_scale,
-        sim_length_median=plan.length_median,
-        sim_length_p99=plan.length_p99,
-        max_model_len=plan.turns * (plan.max_tokens + plan.tool_tokens) + plan.max_first_turn_tokens + 64,
-    )
-    cluster = LocalCluster(settings, 1, engine, log_dir=log_dir)
+    max_model_len = plan.turns * (plan.max_tokens + plan.tool_tokens) + plan.max_first_turn_tokens + 64
+    cluster = LocalCluster(settings, 1, plan.engine(plan.gpus, max_model_len), log_dir=log_dir)
     with cluster.running(ready_timeout_s=120):
         return asyncio.run(_drive(settings, plan, openings, sticky))
 
@@ -110,11 +98,7 @@ async def _drive(settings: Settings, plan: SessionsPlan, openings: list[list[int
     served: list[Trajectory] = []
     workers: dict[int, set[str]] = {}
     async with RolloutClient(settings) as client:
-        deadline = time.monotonic() + 120
-        while sum(w.state == "serving" for w in await client.workers()) < plan.gpus:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"fewer than {plan.gpus} simulated GPUs serving after 120 s")
-            await asyncio.sleep(0.2)
+        await all_serving(client, plan.gpus)
 
         async def session(index: int, opening: list[int]) -> None:
             rng = random.Random(index)

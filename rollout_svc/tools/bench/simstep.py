@@ -45,18 +45,39 @@ HEADING = "## (j) RL step on a simulated fleet"
 
 
 @dataclass(frozen=True)
-class StepPlan:
-    prompts: int = 256
-    samples: int = 8
-    gpus: tuple[int, ...] = (16, 64)
-    engines_per_process: int = 16
+class SimFleetPlan:
+    """The simulated fleet a section runs on (`--engine sim`, workers/sim): GPUs of the profile `gpu` serving the
+    profile `model`, output lengths log-normal (median and p99 in tokens), a simulated second lasting 1 /
+    `time_scale` s of wall clock."""
+
     gpu: str = "h100"
     model: str = "qwen2.5-7b"
     length_median: int = 1000
     length_p99: int = 16000
+    time_scale: float = 10.0
+
+    def engine(self, engines: int, max_model_len: int) -> EngineSettings:
+        """The engine settings of one worker process of `engines` simulated GPUs, contexts up to `max_model_len`."""
+        return EngineSettings(
+            engine="sim",
+            sim_gpu=self.gpu,
+            sim_model=self.model,  # type: ignore[arg-type]
+            sim_engines=engines,
+            sim_time_scale=self.time_scale,
+            sim_length_median=self.length_median,
+            sim_length_p99=self.length_p99,
+            max_model_len=max_model_len,
+        )
+
+
+@dataclass(frozen=True)
+class StepPlan(SimFleetPlan):
+    prompts: int = 256
+    samples: int = 8
+    gpus: tuple[int, ...] = (16, 64)
+    engines_per_process: int = 16
     max_tokens: int = 32768
     max_prompt_tokens: int = 2048
-    time_scale: float = 10.0
     placements: tuple[str, ...] = ("fifo", "cost", "cost+moves", "cost+moves+expected", "cost+moves+partial")
     partial_target: float = 0.9  # the completion target of the "+partial" rows: a fraction of the groups
     move_after_s: float = 20.0  # "+moves" rows: a generation may move after this long in its engine (simulated s)
@@ -97,10 +118,11 @@ class StepFigures:
     timeline: str = ""  # the PNG of the step's timelines (`draw_timeline`), relative to BENCHMARKS.md; "": none
 
 
-def step_prompts(plan: StepPlan, seed: int = 0) -> list[list[int]]:
-    """`plan.prompts` prompts of ShareGPT first-turn lengths (4 characters a token), of printable byte ids."""
+def sharegpt_prompts(count: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
+    """`count` prompts of ShareGPT first-turn lengths (4 characters a token, at most `max_tokens`, at least 16), of
+    printable byte ids."""
     rng = random.Random(seed)
-    turns = dataset.first_turns(plan.prompts, max_chars=4 * plan.max_prompt_tokens)
+    turns = dataset.first_turns(count, max_chars=4 * max_tokens)
     lengths = [max(16, len(turn[0]["content"]) // 4) for turn in turns]
     return [[rng.randrange(32, 127) for _ in range(n)] for n in lengths]
 
@@ -110,7 +132,7 @@ def run_step_bench(
 ) -> StepFigures:
     plan = plan or StepPlan()
     figures = StepFigures(plan, command=command)
-    prompts = step_prompts(plan)
+    prompts = sharegpt_prompts(plan.prompts, plan.max_prompt_tokens)
     for gpus in plan.gpus:
         whole: list[Trajectory] = []  # a step run to its end: what the oracle bounds
         for placement in plan.placements:
@@ -145,16 +167,7 @@ def _one_step(
 
 def _engine(plan: StepPlan, engines: int) -> EngineSettings:
     """The simulated engines of the plan, `engines` to a process."""
-    return EngineSettings(
-        engine="sim",
-        sim_gpu=plan.gpu,
-        sim_model=plan.model,  # type: ignore[arg-type]
-        sim_engines=engines,
-        sim_time_scale=plan.time_scale,
-        sim_length_median=plan.length_median,
-        sim_length_p99=plan.length_p99,
-        max_model_len=plan.max_tokens + plan.max_prompt_tokens + 16,
-    )
+    return plan.engine(engines, max_model_len=plan.max_tokens + plan.max_prompt_tokens + 16)
 
 
 def _router_row(
@@ -177,7 +190,7 @@ async def _measure_step(
     settings: Settings, plan: StepPlan, prompts: list[list[int]], gpus: int, placement: str
 ) -> tuple[StepRow, list[Trajectory]]:
     async with RolloutClient(settings) as client:
-        await _all_serving(client, gpus)
+        await all_serving(client, gpus)
         params = {"max_tokens": plan.max_tokens, "temperature": 1.0, "seed": 1}
         target = plan.partial_target if "+partial" in placement else None
         if "+expected" in placement:  # an earlier epoch of the same prompts (other seeds) teaches their lengths
@@ -243,7 +256,8 @@ def draw_timeline(f: StepFigures, path: Path) -> str:
     return path.name
 
 
-async def _all_serving(client: RolloutClient, gpus: int, timeout_s: float = 120) -> None:
+async def all_serving(client: RolloutClient, gpus: int, timeout_s: float = 120) -> None:
+    """Return once `gpus` simulated GPUs serve; `RuntimeError` if fewer do after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while sum(w.state == "serving" for w in await client.workers()) < gpus:
         if time.monotonic() > deadline:

@@ -31,11 +31,9 @@ from typing import Any
 
 from rich.console import Console
 
-from rollout_svc.config import EngineSettings
 from rollout_svc.connections.urls import redis_sync
-from rollout_svc.deploy.local import LocalCluster
 from rollout_svc.tools.bench.api import serving
-from rollout_svc.tools.bench.hop import goal_met, redis_cpu
+from rollout_svc.tools.bench.hop import beside_router, goal_met, goals_table, redis_cpu
 from rollout_svc.tools.bench.router import (
     HOP_PROMPT,
     MODEL,
@@ -47,14 +45,10 @@ from rollout_svc.tools.bench.router import (
     in_turn,
     listed,
     round_ratios,
-    router_fleet,
 )
-from rollout_svc.tools.progress import Progress
-from rollout_svc.tools.runs import private_settings
 
 CLIENT_MODULE = "skyrl.backends.skyrl_train.inference_servers.remote_inference_client"
 SKYRL_WORKERS = 2
-WORKER_CAPACITY = 4096  # echo max_num_seqs per worker: every request in flight is admitted
 PARAMS = {"max_tokens": len(HOP_PROMPT), "temperature": 0.0, "stop": None}  # None: as SkyRL's defaults send it
 
 
@@ -110,13 +104,9 @@ def run_skyrl_bench(
         raise RuntimeError(f"SkyRL's client is not installed ({exc}): run `make install` (skyrl==0.3.0)") from exc
     plan = plan or SkyRLPlan()
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="rollout-bench-skyrl-"))
-    settings = private_settings(redis_url, "bench-skyrl").copy_with(redis_data_dir=log_dir / "redis")
-    engine = EngineSettings(engine="echo", max_num_seqs=WORKER_CAPACITY)
-    cluster = LocalCluster(settings, SKYRL_WORKERS, engine, log_dir=log_dir)
+    title = "bench (i) SkyRL's client: vllm-router and its 2 backends, serve and its 2 echo workers"
     with (
-        Progress(None, "bench (i) SkyRL's client: vllm-router and its 2 backends, serve and its 2 echo workers"),
-        router_fleet(log_dir) as fleet,
-        cluster.running(ready_timeout_s=60),
+        beside_router(redis_url, "bench-skyrl", log_dir, SKYRL_WORKERS, title) as (settings, fleet, cluster),
         serving(settings, 1, log_dir) as serves,
         contextlib.closing(redis_sync(settings.redis_url)) as rds,
     ):
@@ -214,10 +204,7 @@ def render_skyrl(f: SkyRLFigures) -> str:
             f"| {router.in_flight:,} | {router.requests_per_s:,.0f} | {router.p50_ms:.2f} | {router.p99_ms:.2f} |"
             f" {ours.requests_per_s:,.0f} | {ours.p50_ms:.2f} | {ours.p99_ms:.2f} | {listed(rates)} | {listed(p50s)} |"
         )
-    met_text = {True: "yes", False: "no", None: "-"}
-    lines += ["", "The issue's goals, beside the figures (not asserted):", "", "| ratio | value | goal | met |"]
-    lines += ["|---|---:|---|---|"]
-    lines += [f"| {what} | {value:.2f} | {goal} | {met_text[met]} |" for what, value, goal, met in f.ratios()]
+    lines += goals_table(f.ratios())
     lines += [
         "",
         "CPU microseconds per request, by process (user + system over the measured window; the client is this"
