@@ -159,9 +159,10 @@ class RedisClusterServers:
     ) -> None:
         self.stop()
 
-    def start(self, timeout_s: float = 30.0) -> None:
+    def start(self, timeout_s: float = 30.0) -> RedisClusterServers:
         """Start the primaries, join them into one cluster if they are blank, and wait for `cluster_state:ok`
-        everywhere. Raises `RuntimeError` (naming the ports) if that fails; what was started is stopped again."""
+        everywhere; returns this, started. Raises `RuntimeError` (naming the ports) if that fails; what was started
+        is stopped again."""
         from rollout_svc.deploy.processes import die_with_parent  # here: cluster.py imports this module
 
         binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
@@ -183,6 +184,7 @@ class RedisClusterServers:
             self.stop()
             raise
         log.info("Redis Cluster of %d primaries up on %s:%s", len(self.ports), self.host, self._port_range())
+        return self
 
     def _prepare_dir(self, port: int) -> None:
         folder = self.node_dir(port)
@@ -311,24 +313,3 @@ class RedisClusterServers:
 
     def _port_range(self) -> str:
         return ", ".join(map(str, self.ports))
-
-
-def start_redis_cluster(
-    host: str,
-    first_port: int,
-    primaries: int,
-    data_dir: Path | None = None,
-    password: str | None = None,
-    *,
-    bind: str | None = None,
-    fresh: bool = False,
-    node_timeout_ms: int = NODE_TIMEOUT_MS,
-    timeout_s: float = 30.0,
-) -> RedisClusterServers:
-    """Start a local Redis Cluster (see `RedisClusterServers`) and return it, started: call `stop()`, or use it as
-    a context manager (`with start_redis_cluster("127.0.0.1", port, 3) as servers: ...` stops it on leaving)."""
-    servers = RedisClusterServers(
-        host, first_port, primaries, data_dir, password, bind=bind, fresh=fresh, node_timeout_ms=node_timeout_ms
-    )
-    servers.start(timeout_s=timeout_s)
-    return servers

@@ -16,7 +16,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from rollout_svc.deploy.redis_cluster import RedisClusterServers, free_cluster_ports, start_redis_cluster
+from rollout_svc.deploy.redis_cluster import RedisClusterServers, free_cluster_ports
 from tests.support import ROOT, wait_until
 
 
@@ -62,7 +62,7 @@ def marked_failed(servers: RedisClusterServers, observer: int, dead: int) -> boo
 def test_three_primaries_form_a_cluster_that_outlives_one_of_them():
     first = free_cluster_ports(3)
     # `up`'s nodes, but a 2 s node timeout (not 5 s) so that the dead one is flagged failed sooner.
-    servers = start_redis_cluster("127.0.0.1", first, 3, node_timeout_ms=2000)
+    servers = RedisClusterServers("127.0.0.1", first, 3, node_timeout_ms=2000).start()
     data_dir = servers.data_dir
     try:
         infos = servers.infos()
@@ -97,7 +97,7 @@ def test_three_primaries_form_a_cluster_that_outlives_one_of_them():
 def test_a_small_cluster_with_a_password_keeps_its_keys_across_a_restart(tmp_path: Path):
     """Fewer than 3 primaries (which redis-cli refuses) are joined by hand; a folder keeps the cluster."""
     first = free_cluster_ports(2)
-    with start_redis_cluster("127.0.0.1", first, 2, data_dir=tmp_path, password="s3cret") as servers:
+    with RedisClusterServers("127.0.0.1", first, 2, data_dir=tmp_path, password="s3cret") as servers:
         assert {i["cluster_size"] for i in servers.infos().values()} == {"2"}
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=first, retry=Retry(NoBackoff(), 0)).ping()
@@ -105,7 +105,7 @@ def test_a_small_cluster_with_a_password_keeps_its_keys_across_a_restart(tmp_pat
         cluster.set("{g0}k", "a")
         cluster.set("{g1}k", "b")
         cluster.close()
-    with start_redis_cluster("127.0.0.1", first, 2, data_dir=tmp_path, password="s3cret") as servers:
+    with RedisClusterServers("127.0.0.1", first, 2, data_dir=tmp_path, password="s3cret") as servers:
         cluster = redis.RedisCluster.from_url(servers.url)
         assert (cluster.get("{g0}k"), cluster.get("{g1}k")) == (b"a", b"b")
         cluster.close()

@@ -25,7 +25,7 @@ from rollout_svc.client.status import fleet_status
 from rollout_svc.client.weight_sender import WeightSender
 from rollout_svc.config import Settings
 from rollout_svc.connections.topology import close_router, redis_router, shard_url
-from rollout_svc.deploy.redis_cluster import RedisClusterServers, free_cluster_ports, start_redis_cluster
+from rollout_svc.deploy.redis_cluster import RedisClusterServers, free_cluster_ports
 from rollout_svc.fleet import Fleet
 from tests.support import SYNC_ECHO_ARGS, SYNC_HEARTBEAT_TTL_S, WorkerProcs, async_wait_until
 
@@ -34,7 +34,7 @@ PROMPT = list(range(1, 21))
 
 @pytest.fixture(scope="module")
 def redis_cluster() -> Iterator[RedisClusterServers]:
-    with start_redis_cluster("127.0.0.1", free_cluster_ports(3), 3, fresh=True) as servers:
+    with RedisClusterServers("127.0.0.1", free_cluster_ports(3), 3, fresh=True) as servers:
         yield servers
 
 

@@ -28,7 +28,7 @@ from rollout_svc.config import EngineSettings, Settings, settings_env
 from rollout_svc.connections.urls import redis_sync
 from rollout_svc.deploy.local import LocalCluster
 from rollout_svc.deploy.processes import die_with_parent
-from rollout_svc.deploy.redis_cluster import free_cluster_ports, start_redis_cluster
+from rollout_svc.deploy.redis_cluster import RedisClusterServers, free_cluster_ports
 from rollout_svc.tools.bench.router import HOP_PROMPT, CpuMeter, cpu_of, read_meters
 from rollout_svc.tools.progress import Progress
 from rollout_svc.tools.runs import private_settings
@@ -95,7 +95,7 @@ def run_shards_bench(
     engine = EngineSettings(engine="echo", max_num_seqs=WORKER_CAPACITY)
     points = []
     ports = free_cluster_ports(PRIMARIES)
-    with start_redis_cluster("127.0.0.1", ports, PRIMARIES, fresh=True) as servers, contextlib.ExitStack() as stack:
+    with RedisClusterServers("127.0.0.1", ports, PRIMARIES, fresh=True) as servers, contextlib.ExitStack() as stack:
         settings = Settings(redis_url=servers.url, key_prefix="bench-shards")
         nodes = [stack.enter_context(servers.client(port)) for port in servers.ports]
         for shards in plan.shard_counts:
