@@ -43,19 +43,23 @@ class Reply:
     def response_id(self) -> str:
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.id
 
+    def _envelope(self, object_type: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """What every response body and stream chunk opens with: id, object, created, model, choices."""
+        return {
+            "id": self.response_id,
+            "object": object_type,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
     # --- whole responses --------------------------------------------------------------------------------
 
     def response(self, trajectories: list[Trajectory], prompt_indices: list[int]) -> dict[str, Any]:
         """The whole response; `trajectories[i]` is choice i, `prompt_indices[i]` the prompt it answers."""
         choices = [self.choice(i, t) for i, t in enumerate(trajectories)]
-        body: dict[str, Any] = {
-            "id": self.response_id,
-            "object": "chat.completion" if self.kind == "chat" else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": usage(trajectories, prompt_indices),
-        }
+        body = self._envelope("chat.completion" if self.kind == "chat" else "text_completion", choices)
+        body["usage"] = usage(trajectories, prompt_indices)
         if self.kind == "chat" and self.return_token_ids and trajectories:
             body["prompt_token_ids"] = trajectories[0].prompt_token_ids
         return body
@@ -111,13 +115,7 @@ class Reply:
     # --- stream chunks ----------------------------------------------------------------------------------
 
     def chunk(self, choices: list[dict[str, Any]], usage_body: dict[str, Any] | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "id": self.response_id,
-            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
+        body = self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", choices)
         if usage_body is not None:
             body["usage"] = usage_body
         return body
