@@ -70,8 +70,8 @@ def docs_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocsFleet]:
         env = {**settings_env(settings), "ROLLOUT_API_KEYS": f'["{API_KEY}"]', "ROLLOUT_ADMIN_TOKEN": ADMIN_TOKEN}
         port = free_port()
         with (
-            _process(["serve", "--port", str(port)], env, logs / "serve.log") as api,
-            _process(["batch-worker"], env, logs / "batch-worker.log"),
+            rollout_process(["serve", "--port", str(port)], env, logs / "serve.log") as api,
+            rollout_process(["batch-worker"], env, logs / "batch-worker.log"),
         ):
             try:
                 for worker_id in ("echo-0", "echo-1"):
@@ -104,9 +104,13 @@ def docs_env(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest
 
 
 @contextlib.contextmanager
-def _process(args: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """`rollout-svc ARGS` in a session of its own; it and its children (RQ's work horse) killed on leaving."""
-    with open(log, "wb") as out:
+def rollout_process(
+    args: list[str], env: dict[str, str], log: Path, stop_signal: int = signal.SIGTERM, stop_timeout_s: float = 10.0
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`rollout-svc ARGS` in a session of its own, its output appended to `log`. On leaving, `stop_signal` to its
+    process group, SIGKILL to the process after `stop_timeout_s`, then to what is left of the group (RQ's work
+    horse)."""
+    with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rollout_svc", *args],
             env=env,
@@ -119,9 +123,9 @@ def _process(args: list[str], env: dict[str, str], log: Path) -> Iterator[subpro
         yield proc
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, stop_signal)
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=stop_timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
-import signal
 import stat
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from rollout_svc.deploy.local import PrivateRedis
 from rollout_svc.keys import JOINED, Keys
 from rollout_svc.protocol import RolloutRequest, WorkerStatus, encode
 from rollout_svc.weightsync.plane import WeightSyncPlane
+from tests.integration.test_cluster import ctrl_c, rollout_up
 from tests.support import ROOT, WorkerProcs, async_wait_until, free_port, pending, wait_until
 
 PREFIX = "test"
@@ -253,11 +253,9 @@ def test_acl_rules_prints_lines_an_operator_applies_and_up_acl_refuses_a_running
 def test_up_acl_starts_workers_as_worker_and_writes_the_credentials_file(tmp_path):
     url = f"redis://127.0.0.1:{free_port()}/0"
     acl_file = tmp_path / "acl.json"
-    log_path = tmp_path / "up.log"
-    args = ["up", "--redis-url", url, "--workers", "1", "--engine", "echo", "--acl", "--acl-file", str(acl_file)]
-    with open(log_path, "wb") as log:  # the child keeps its own descriptor
-        up = subprocess.Popen([sys.executable, "-m", "rollout_svc", *args], cwd=ROOT, stderr=log)
-    try:
+    log_path = tmp_path / "up.log"  # rollout_up's
+    args = ["--redis-url", url, "--workers", "1", "--engine", "echo", "--acl", "--acl-file", str(acl_file)]
+    with rollout_up(tmp_path, *args) as up:
         wait_until(lambda: "Producers connect with" in log_path.read_text(), 25, "`up --acl` to be ready", 0.1)
         assert stat.S_IMODE(os.stat(acl_file).st_mode) == 0o600
         credentials = Credentials.read(acl_file)
@@ -274,12 +272,7 @@ def test_up_acl_starts_workers_as_worker_and_writes_the_credentials_file(tmp_pat
             redis.Redis.from_url(url).ping()
         pause = rollout_svc("pause", "--redis-url", credentials.producer, "--timeout-s", "5")
         assert pause.returncode == 1 and "`admin` user" in pause.stderr
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=20) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        ctrl_c(up, 20)
     assert not acl_file.exists()  # its passwords died with the private Redis
 
 

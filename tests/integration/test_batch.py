@@ -19,6 +19,7 @@ from openai import OpenAI
 
 from rollout_svc.config import Settings
 from rollout_svc.tools import dataset
+from tests.doc_examples import rollout_process
 from tests.integration.test_api import KEY, serve
 from tests.support import ROOT, settings_env, wait_until
 
@@ -48,20 +49,10 @@ def read_output(path: Path) -> dict[str, dict]:
 def batch_worker(settings: Settings, log: Path, *env_pairs: tuple[str, str]) -> Iterator[subprocess.Popen[bytes]]:
     """`rollout-svc batch-worker` in a session of its own; killed with its whole tree (RQ's work horse) on leaving."""
     env = {**settings_env(settings), **dict(env_pairs)}
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [*CLI, "batch-worker", "--redis-url", settings.redis_url],
-            env=env,
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
+    args = ["batch-worker", "--redis-url", settings.redis_url]
+    # Killed: only a machine that stopped scheduling (as CI's once did) takes long to reap it.
+    with rollout_process(args, env, log, stop_signal=signal.SIGKILL, stop_timeout_s=60) as proc:
         yield proc
-    finally:
-        kill_tree(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)  # killed: only a machine that stopped scheduling (as CI's once did) takes long
 
 
 def kill_tree(pid: int, sig: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -11,6 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -34,16 +37,32 @@ def status(url: str) -> dict:
     return json.loads(out.stdout)
 
 
-def start_up(url: str, tmp_path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """`rollout-svc up` with 2 echo workers in the background; its log goes to `tmp_path/up.log`."""
+@contextlib.contextmanager
+def rollout_up(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """`rollout-svc up ARGS` in the background, its log in `tmp_path/up.log`; killed on leaving if it still runs."""
     with open(tmp_path / "up.log", "wb") as log:  # the child keeps its own descriptor
-        return subprocess.Popen(
-            [sys.executable, "-m", "rollout_svc", "up", "--redis-url", url, "--workers", "2", "--engine", "echo"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=log,
+        up = subprocess.Popen(
+            [sys.executable, "-m", "rollout_svc", "up", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log
         )
+    try:
+        yield up
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def start_up(
+    url: str, tmp_path: Path, env: dict[str, str] | None = None
+) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
+    """`rollout_up` with 2 echo workers on `url`."""
+    return rollout_up(tmp_path, "--redis-url", url, "--workers", "2", "--engine", "echo", env=env)
+
+
+def ctrl_c(up: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGINT to `up`, as Ctrl-C sends it; asserts that it exits 0 within `timeout_s`."""
+    up.send_signal(signal.SIGINT)
+    assert up.wait(timeout=timeout_s) == 0
 
 
 def wait_for(predicate, timeout_s: float, what: str):
@@ -67,8 +86,7 @@ def alive(pid: int) -> bool:
 @pytest.mark.timeout(150)  # its own waits: 60 s for the workers, 30 s for the restart, 30 s for the exit
 def test_up_restarts_a_killed_worker_and_ctrl_c_leaves_nothing_behind(tmp_path):
     url = f"redis://127.0.0.1:{free_port()}/0"
-    up = start_up(url, tmp_path)
-    try:
+    with start_up(url, tmp_path) as up:
         workers = wait_for(lambda: len(status(url)["workers"]) == 2 and status(url)["workers"], 60, "2 workers")
         first_pids = {w["pid"] for w in workers}
         os.kill(workers[0]["pid"], signal.SIGKILL)
@@ -76,12 +94,7 @@ def test_up_restarts_a_killed_worker_and_ctrl_c_leaves_nothing_behind(tmp_path):
         restarted = wait_for(lambda: {w["pid"] for w in status(url)["workers"]} - first_pids, 30, "a restarted worker")
         assert restarted
         pids = {w["pid"] for w in status(url)["workers"]}
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=30) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        ctrl_c(up, 30)
     assert not [pid for pid in pids if alive(pid)]
     try:
         redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
@@ -105,29 +118,21 @@ def test_a_worker_whose_loop_fails_exits_rather_than_hold_requests(settings, wor
 async def test_up_without_redis_server_falls_back_to_fakeredis(tmp_path):
     url = f"redis://127.0.0.1:{free_port()}/0"
     env = {**os.environ, "PATH": os.path.dirname(sys.executable)}  # no redis-server on this PATH
-    up = start_up(url, tmp_path, env)
-    try:
+    with start_up(url, tmp_path, env) as up:
         wait_for(lambda: len(status(url)["workers"]) == 2, 60, "2 workers on fakeredis")
         async with RolloutClient(redis_url=url, request_timeout_s=30) as client:
             trajectories = await client.generate([[i + 1, 2] for i in range(50)], {"max_tokens": 2})
             sessions = await client.generate([[1]] * 4, {"max_tokens": 1}, ["a", "b", "c", "d"])
         assert [t.prompt_token_ids for t in trajectories] == [[i + 1, 2] for i in range(50)]
         assert len({t.worker_id for t in sessions}) == 2
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=30) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        ctrl_c(up, 30)
     assert "using fakeredis, which is for trying things out" in (tmp_path / "up.log").read_text()
 
 
 def test_kill_9_of_up_takes_its_redis_and_workers_down(tmp_path):
     url = f"redis://127.0.0.1:{free_port()}/0"
-    up = start_up(url, tmp_path)
-    try:
+    with start_up(url, tmp_path) as up:
         workers = wait_for(lambda: len(status(url)["workers"]) == 2 and status(url)["workers"], 60, "2 workers")
-    finally:
         up.kill()  # no chance to clean up: its children must not live on as orphans
         up.wait()
     wait_for(lambda: not [w for w in workers if alive(w["pid"])], 30, "the workers to exit")
@@ -145,8 +150,7 @@ async def test_restarting_up_keeps_the_requests_queued_when_it_stopped(tmp_path)
     async def workers_live(count: int) -> None:
         await async_wait_until(lambda: len(status(url)["workers"]) >= count, 60, f"{count} workers", interval_s=0.2)
 
-    first = start_up(url, tmp_path, env)
-    try:
+    with start_up(url, tmp_path, env) as first:
         await workers_live(2)
         async with RolloutClient(redis_url=url, request_timeout_s=90) as client:
             await client.pause(mode="keep", holder="test")
@@ -157,21 +161,18 @@ async def test_restarting_up_keeps_the_requests_queued_when_it_stopped(tmp_path)
             first.send_signal(signal.SIGINT)
             assert await asyncio.to_thread(first.wait, 60) == 0
             assert not redis_answers(url), "up left its Redis running"
-            second = start_up(url, tmp_path, env)
-            try:
-                await workers_live(2)
-                assert rds.xlen("rollout:{g0}:requests") == 40, "the queued requests did not survive the restart"
-                assert not call.done()
-                await client.resume(holder="test")
-                trajectories = await asyncio.wait_for(call, 60)
-                assert [t.completion_token_ids for t in trajectories] == [p[:4] for p in prompts]
-            finally:
-                second.send_signal(signal.SIGINT)
-                second.wait(60)
+            with start_up(url, tmp_path, env) as second:
+                try:
+                    await workers_live(2)
+                    assert rds.xlen("rollout:{g0}:requests") == 40, "the queued requests did not survive the restart"
+                    assert not call.done()
+                    await client.resume(holder="test")
+                    trajectories = await asyncio.wait_for(call, 60)
+                    assert [t.completion_token_ids for t in trajectories] == [p[:4] for p in prompts]
+                finally:
+                    second.send_signal(signal.SIGINT)
+                    second.wait(60)
             rds.close()
-    finally:
-        if first.poll() is None:
-            first.kill()
 
 
 def test_a_private_redis_waits_out_a_port_held_for_a_moment_and_names_what_redis_said_otherwise(tmp_path):

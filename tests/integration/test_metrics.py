@@ -39,12 +39,13 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 
 @asynccontextmanager
-async def api(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    """The API app in process, its lifespan run (so its RolloutClient is closed at the end)."""
+async def api(settings: Settings, timeout_s: float = 5.0) -> AsyncIterator[httpx.AsyncClient]:
+    """The API app in process, its lifespan run (so its RolloutClient is closed at the end); an HTTP client of it
+    whose requests time out after `timeout_s` (httpx's default: 5 s)."""
     app = create_app(settings)
     async with (
         app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as http,
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api", timeout=timeout_s) as http,
     ):
         yield http
 

@@ -118,7 +118,13 @@ def _prompt(i: int) -> list[int]:
     return [5, 6, 7, i % 50 + 10] * 5  # echoed: 16 tokens at 0.02 s each, cut at max_tokens (finish "length")
 
 
-def _check(trajectories: list) -> None:
+def _served_through_restart(
+    server: RedisServer, fleet: tuple[Settings, WorkerProcs], sig: int
+) -> tuple[float, ClientStats]:
+    """`_restart_during` with Redis away for 1 s: asserts that every request was served whole and once, that the
+    client saw Redis change once, and that every worker outlived it. Returns (seconds the call took, its stats)."""
+    settings, procs = fleet
+    trajectories, took, stats = asyncio.run(_restart_during(settings, server, sig, 1.0))
     assert len(trajectories) == REQUESTS
     assert len({t.request_id for t in trajectories}) == REQUESTS, "a request was answered twice"
     bad = [
@@ -127,31 +133,27 @@ def _check(trajectories: list) -> None:
         if t.finish_reason != "length" or t.completion_token_ids != _prompt(i)[:16]
     ]
     assert not bad, f"{len(bad)} of {REQUESTS} not served whole: {bad[:1]}"
+    assert stats.redis_changes == 1
+    assert all(proc.poll() is None for proc in procs.procs.values()), "a worker died with Redis"
+    return took, stats
 
 
 @pytest.mark.parametrize("server", [True], indirect=True, ids=["appendonly"])
 def test_redis_stopped_with_sigterm_and_restarted_loses_no_request(
     server: RedisServer, fleet: tuple[Settings, WorkerProcs]
 ) -> None:
-    settings, procs = fleet
-    trajectories, took, stats = asyncio.run(_restart_during(settings, server, signal.SIGTERM, 1.0))
-    _check(trajectories)
+    took, _ = _served_through_restart(server, fleet, signal.SIGTERM)
     assert took < TIMEOUT_S / 2, f"{took:.0f} s"
-    assert stats.redis_changes == 1
-    assert all(proc.poll() is None for proc in procs.procs.values()), "a worker died with Redis"
 
 
 @pytest.mark.parametrize("server", [False], indirect=True, ids=["no-persistence"])
 def test_redis_restarted_empty_answers_every_request_without_waiting_out_a_timeout(
     server: RedisServer, fleet: tuple[Settings, WorkerProcs]
 ) -> None:
-    settings, procs = fleet
-    trajectories, took, stats = asyncio.run(_restart_during(settings, server, signal.SIGKILL, 1.0))
-    _check(trajectories)
+    took, stats = _served_through_restart(server, fleet, signal.SIGKILL)
     assert took < 60, f"took {took:.0f} s: callers waited for requests Redis had forgotten"
-    assert stats.redis_changes == 1
     assert stats.resubmitted > 0, "Redis came back empty, yet nothing was resubmitted"
-    assert all(proc.poll() is None for proc in procs.procs.values()), "a worker died with Redis"
+    settings, _ = fleet
     rds = redis.Redis.from_url(settings.redis_url)
     try:
         live = {w.decode() for w in rds.smembers(settings.keys.workers)}

@@ -24,6 +24,7 @@ from rollout_svc.client.status import fleet_status
 from rollout_svc.client.weight_sender import WeightSender
 from rollout_svc.config import Settings
 from rollout_svc.protocol import WeightSyncOrder
+from tests.integration.test_metrics import api
 from tests.support import ROOT, SYNC_ECHO_ARGS, SYNC_HEARTBEAT_TTL_S, Streaming, WorkerProcs, async_wait_until
 
 PROMPT = list(range(1, 41))  # the echo engine answers with the prompt: 40 tokens at most
@@ -36,6 +37,14 @@ def tensors(seed: int) -> dict[str, torch.Tensor]:
         "model.norm.weight": torch.randn(64, generator=generator).to(torch.bfloat16),
         "model.layers.0.mlp.up_proj.weight": torch.randn(128, 64, generator=generator),
     }
+
+
+def saved_checkpoint(settings: Settings, name: str, seed: int) -> Path:
+    """A checkpoint folder `name` under the settings' checkpoint root, holding `tensors(seed)` as model.safetensors."""
+    checkpoint = settings.weight_sync.checkpoint_root / name
+    checkpoint.mkdir()
+    save_file(tensors(seed), str(checkpoint / "model.safetensors"))
+    return checkpoint
 
 
 @pytest.fixture
@@ -500,9 +509,7 @@ async def test_a_late_worker_with_no_peer_stays_stale_until_included_and_catches
         served = await client.generate([PROMPT] * 8, {"max_tokens": 4}, session_ids=[f"b{i}" for i in range(8)])
         assert {t.worker_id for t in served} == {"w0b", "late"} and {t.weight_version for t in served} == {4}
 
-        checkpoint = ws_settings.weight_sync.checkpoint_root / "step-5"
-        checkpoint.mkdir()
-        save_file(tensors(5), str(checkpoint / "model.safetensors"))
+        checkpoint = saved_checkpoint(ws_settings, "step-5", 5)
         report = await sender.update_from_checkpoint(str(checkpoint), version=5)
         assert report.loaded == ["late", "w0b"] and report.transport == "checkpoint"
         start(procs, "fresh")  # loads the committed checkpoint on its own, then serves
@@ -523,9 +530,7 @@ async def test_a_checkpoint_loaded_but_never_committed_gives_way_to_the_broadcas
     version's bytes it still holds as received, and serves it (before: stale until a trainer came back)."""
     start(procs, "w0", "w1")
     lease_s = 2.0
-    checkpoint = ws_settings.weight_sync.checkpoint_root / "step-2"
-    checkpoint.mkdir()
-    save_file(tensors(2), str(checkpoint / "model.safetensors"))
+    checkpoint = saved_checkpoint(ws_settings, "step-2", 2)
     async with WeightSender(settings=ws_settings) as sender, RolloutClient(ws_settings) as client:
         report = await sender.update(tensors(1).items(), version=1)
         # What the trainer's `update_from_checkpoint` does up to its commit, and then nothing: it died.
@@ -619,20 +624,10 @@ async def test_a_checkpoint_outside_the_root_is_refused_and_the_version_kept(ws_
 
 @pytest.mark.timeout(60)
 async def test_the_admin_route_syncs_from_a_checkpoint(ws_settings, procs, tmp_path):
-    import httpx
-
-    from rollout_svc.api import create_app
-
     start(procs, "w0", "w1")
-    checkpoint = ws_settings.weight_sync.checkpoint_root / "step-3"
-    checkpoint.mkdir()
-    save_file(tensors(3), str(checkpoint / "model.safetensors"))
-    app = create_app(ws_settings.copy_with(admin_token="adm"))
+    checkpoint = saved_checkpoint(ws_settings, "step-3", 3)
     admin = {"Authorization": "Bearer adm"}
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api", timeout=60) as http,
-    ):
+    async with api(ws_settings.copy_with(admin_token="adm"), timeout_s=60) as http:
         route = "/admin/weights/checkpoint"
         assert (await http.post(route, json={"path": str(checkpoint), "version": 3})).status_code == 401
         report = (await http.post(route, json={"path": str(checkpoint), "version": 3}, headers=admin)).json()
@@ -648,18 +643,10 @@ async def test_the_admin_route_syncs_from_a_checkpoint(ws_settings, procs, tmp_p
 
 @pytest.mark.timeout(60)
 async def test_skyrls_fetch_weights_loads_a_checkpoint_as_the_next_version(ws_settings, procs, tmp_path):
-    import httpx
-
-    from rollout_svc.api import create_app
-
     start(procs, "w0", "w1")
-    checkpoint = ws_settings.weight_sync.checkpoint_root / "step-1"
-    checkpoint.mkdir()
-    save_file(tensors(1), str(checkpoint / "model.safetensors"))
-    app = create_app(ws_settings.copy_with(open_control=True))  # SkyRL's client sends no admin token
+    checkpoint = saved_checkpoint(ws_settings, "step-1", 1)
     async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api", timeout=60) as http,
+        api(ws_settings.copy_with(open_control=True), timeout_s=60) as http,  # SkyRL's client sends no admin token
         RolloutClient(ws_settings) as client,
     ):
         assert (await http.get("/weight_info")).json() == {"weight_version": "0"}
