@@ -102,17 +102,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     class SimExperiment(main_base.BasePPOExp):  # type: ignore[misc, name-defined]
         def get_train_dataset(self) -> Any:
             return dataset.PromptDataset(
-                datasets=self.cfg.data.train_data, tokenizer=self.tokenizer,
-                max_prompt_length=self.cfg.trainer.max_prompt_length, num_workers=1,
-            )  # fmt: skip
+                datasets=self.cfg.data.train_data,
+                tokenizer=self.tokenizer,
+                max_prompt_length=self.cfg.trainer.max_prompt_length,
+                num_workers=1,
+            )
 
-        def get_trainer(self, cfg: Any, tracker: Any, tokenizer: Any, train_dataset: Any, eval_dataset: Any,
-                        inference_engine_client: Any, generator: Any, colocate_pg: Any) -> Any:  # fmt: skip
+        def get_trainer(
+            self,
+            cfg: Any,
+            tracker: Any,
+            tokenizer: Any,
+            train_dataset: Any,
+            eval_dataset: Any,
+            inference_engine_client: Any,
+            generator: Any,
+            colocate_pg: Any,
+        ) -> Any:
             return sim.FullyAsyncTrainerSim(
-                cfg=cfg, tracker=tracker, tokenizer=tokenizer, train_dataset=train_dataset,
-                eval_dataset=eval_dataset, inference_engine_client=inference_engine_client, generator=generator,
+                cfg=cfg,
+                tracker=tracker,
+                tokenizer=tokenizer,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                inference_engine_client=inference_engine_client,
+                generator=generator,
                 colocate_pg=colocate_pg,
-            )  # fmt: skip
+            )
 
     prompts = args.steps * args.batch_size
     with tempfile.TemporaryDirectory(prefix="skyrl-sim-") as tmp:
@@ -125,9 +141,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         client = experiment.get_inference_client()
         generator = experiment.get_generator(cfg, experiment.tokenizer, client)
         trainer = experiment.get_trainer(
-            cfg, experiment.get_tracker(), experiment.tokenizer, experiment.train_dataset, experiment.eval_dataset,
-            client, generator, experiment.colocate_pg,
-        )  # fmt: skip
+            cfg,
+            experiment.get_tracker(),
+            experiment.tokenizer,
+            experiment.train_dataset,
+            experiment.eval_dataset,
+            client,
+            generator,
+            experiment.colocate_pg,
+        )
         started = time.monotonic()
         asyncio.run(trainer.train())
         seconds = time.monotonic() - started

@@ -104,8 +104,12 @@ def roles(keys: Keys) -> dict[str, Role]:
     models = f"{prefix}:models"
     producer = _merged(_producer(k), _producer(named), Grant(("+smembers",), read_only=(models,)))
     worker = _merged(_worker(k), _worker(named))
-    worker = Role(WORKER, Grant(worker.root.commands, (*worker.root.read_write, models), worker.root.read_only),
-                  worker.channels, worker.selectors)  # fmt: skip
+    worker = Role(
+        WORKER,
+        Grant(worker.root.commands, (*worker.root.read_write, models), worker.root.read_only),
+        worker.channels,
+        worker.selectors,
+    )
     return {PRODUCER: producer, WORKER: worker, ADMIN: _admin(k)}
 
 

@@ -188,9 +188,14 @@ async def chats(port: int, count: int, kill: Any, kill_after: int) -> dict[str, 
     answers = [r for r in results if not isinstance(r, BaseException)]
     whole = [a for a in answers if a.choices and a.choices[0].message.content and a.usage.completion_tokens > 0]
     return {
-        "chats": count, "answered": len(answers), "whole": len(whole), "distinct_ids": len({a.id for a in answers}),
-        "errors": errors[:5], "seconds": round(seconds, 1), "killed_after": killed_at[0] if killed_at else None,
-    }  # fmt: skip
+        "chats": count,
+        "answered": len(answers),
+        "whole": len(whole),
+        "distinct_ids": len({a.id for a in answers}),
+        "errors": errors[:5],
+        "seconds": round(seconds, 1),
+        "killed_after": killed_at[0] if killed_at else None,
+    }
 
 
 def kill(container: str, timeout_s: float = 60) -> None:
@@ -235,8 +240,8 @@ def check(figures: dict[str, Any]) -> None:
         "redis:7.2-alpine" if image_or_pull("redis:7.2-alpine") else ""
     )
     if not redis_image:
-        run("docker", "build", "-q", "-f", "docker/redis.Dockerfile", "--build-arg", f"BASE={base}",
-            "-t", LOCAL_REDIS, "docker")  # fmt: skip
+        build = ["docker", "build", "-q", "-f", "docker/redis.Dockerfile", "--build-arg", f"BASE={base}"]
+        run(*build, "-t", LOCAL_REDIS, "docker")
         redis_image = LOCAL_REDIS
     figures["redis_image"], figures["redis_build_s"] = redis_image, round(time.monotonic() - started, 1)
     port = free_port()

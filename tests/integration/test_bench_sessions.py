@@ -20,9 +20,17 @@ pytestmark = [
 
 def test_sessions_bench_tiny(tmp_path: Path) -> None:
     plan = SessionsPlan(
-        sessions=12, turns=4, gpus=4, length_median=50, length_p99=200, max_tokens=400, tool_tokens=40,
-        tool_wait_s=1.0, max_first_turn_tokens=256, time_scale=25.0,
-    )  # fmt: skip
+        sessions=12,
+        turns=4,
+        gpus=4,
+        length_median=50,
+        length_p99=200,
+        max_tokens=400,
+        tool_tokens=40,
+        tool_wait_s=1.0,
+        max_first_turn_tokens=256,
+        time_scale=25.0,
+    )
     figures = run_sessions_bench(None, Console(file=io.StringIO()), tmp_path, plan, command="tiny")
     sticky, free = figures.rows
     assert sticky.sticky and not free.sticky

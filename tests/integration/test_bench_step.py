@@ -20,9 +20,18 @@ pytestmark = [
 
 def test_step_bench_tiny(tmp_path: Path) -> None:
     plan = StepPlan(
-        prompts=16, samples=4, gpus=(4,), engines_per_process=4, length_median=200, length_p99=1500,
-        max_tokens=3000, max_prompt_tokens=256, time_scale=25.0, move_after_s=2.0, router_policies=("power_of_two",),
-    )  # fmt: skip
+        prompts=16,
+        samples=4,
+        gpus=(4,),
+        engines_per_process=4,
+        length_median=200,
+        length_p99=1500,
+        max_tokens=3000,
+        max_prompt_tokens=256,
+        time_scale=25.0,
+        move_after_s=2.0,
+        router_policies=("power_of_two",),
+    )
     figures = run_step_bench(None, Console(file=io.StringIO()), tmp_path, plan, command="tiny")
     placements = [
         (4, "fifo"),

@@ -82,8 +82,9 @@ def test_status_groups_workers_by_model(settings, models):
     assert report["workers"] == [] and sorted(report["named_models"]) == ["policy", "reference"]
     grouped = {name: [w["worker_id"] for w in r["workers"]] for name, r in report["named_models"].items()}
     assert grouped == {"policy": ["policy-0", "policy-1"], "reference": ["reference-0"]}
-    text = subprocess.run(command[:-3] + command[-2:], capture_output=True, text=True, cwd=ROOT,
-                          env=settings_env(settings), timeout=60).stdout  # fmt: skip
+    text = subprocess.run(
+        command[:-3] + command[-2:], capture_output=True, text=True, cwd=ROOT, env=settings_env(settings), timeout=60
+    ).stdout
     assert "model policy" in text and "model reference" in text
 
 

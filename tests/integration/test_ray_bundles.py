@@ -30,9 +30,13 @@ def local_ray() -> Iterator[None]:
     if ray.is_initialized():  # another module of this process left one: ours needs its own resources
         ray.shutdown()
     ray.init(
-        num_cpus=2, resources={"fake_gpu": 4}, include_dashboard=False, object_store_memory=100 * MiB,
-        _temp_dir=temp_dir, log_to_driver=False,
-    )  # fmt: skip
+        num_cpus=2,
+        resources={"fake_gpu": 4},
+        include_dashboard=False,
+        object_store_memory=100 * MiB,
+        _temp_dir=temp_dir,
+        log_to_driver=False,
+    )
     try:
         yield
     finally:

@@ -46,11 +46,8 @@ class RedisServer:
         persistence = (
             ["--appendonly", "yes", "--appendfsync", "everysec"] if self.appendonly else ["--appendonly", "no"]
         )
-        self.process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--dir", str(self.workdir),
-             *persistence],
-            stdout=subprocess.DEVNULL,
-        )  # fmt: skip
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--dir", str(self.workdir)]
+        self.process = subprocess.Popen([binary, *args, *persistence], stdout=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + 10
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import shlex
 import shutil
 import subprocess
 import sys
@@ -25,8 +26,9 @@ from tests.support import ROOT, WorkerProcs, free_port, settings_env
 pytestmark = pytest.mark.skipif(not shutil.which("openssl"), reason="openssl makes the test certificates")
 
 
-def _run(*args: str, cwd: Path) -> None:
-    subprocess.run(args, cwd=cwd, check=True, capture_output=True)
+def _openssl(command: str, cwd: Path) -> None:
+    """`openssl COMMAND` in `cwd` (COMMAND as a shell would split it); raises CalledProcessError if it fails."""
+    subprocess.run(["openssl", *shlex.split(command)], cwd=cwd, check=True, capture_output=True)
 
 
 def _wait_ping(client: redis.Redis, what: str) -> None:
@@ -43,19 +45,18 @@ def _wait_ping(client: redis.Redis, what: str) -> None:
 @pytest.fixture
 def tls_url(tmp_path: Path) -> Iterator[str]:
     """A redis-server that speaks only TLS, with a server certificate for 127.0.0.1 signed by a CA made here."""
-    _run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days",
-         "1", "-subj", "/CN=rollout-test-ca", cwd=tmp_path)  # fmt: skip
-    _run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj",
-         "/CN=127.0.0.1", cwd=tmp_path)  # fmt: skip
+    _openssl("req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 1 -subj /CN=rollout-test-ca", tmp_path)
+    _openssl("req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=127.0.0.1", tmp_path)
     (tmp_path / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-    _run("openssl", "x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-         "-out", "server.pem", "-days", "1", "-extfile", "ext.cnf", cwd=tmp_path)  # fmt: skip
+    _openssl(
+        "x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 1 -extfile ext.cnf",
+        tmp_path,
+    )
     port = free_port()
-    process = subprocess.Popen(
-        ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "", "--tls-cert-file",
-         "server.pem", "--tls-key-file", "server.key", "--tls-ca-cert-file", "ca.pem", "--tls-auth-clients", "no"],
-        cwd=tmp_path, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
+    args = ["--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    args += ["--tls-cert-file", "server.pem", "--tls-key-file", "server.key", "--tls-ca-cert-file", "ca.pem"]
+    args += ["--tls-auth-clients", "no"]
+    process = subprocess.Popen(["redis-server", *args], cwd=tmp_path, stdout=subprocess.DEVNULL)
     url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={tmp_path / 'ca.pem'}"
     client = redis_sync(url)
     _wait_ping(client, "the TLS redis-server")
@@ -112,8 +113,14 @@ def _serve_through(settings: Settings, url: str, tmp_path: Path) -> None:
             time.sleep(0.1)
         check.close()
         # The client in a process of its own, as a trainer's would be.
-        out = subprocess.run([sys.executable, "-c", CLIENT_SCRIPT], env=settings_env(on_url), cwd=ROOT, text=True,
-                             capture_output=True, timeout=60)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", CLIENT_SCRIPT],
+            env=settings_env(on_url),
+            cwd=ROOT,
+            text=True,
+            capture_output=True,
+            timeout=60,
+        )
         assert out.returncode == 0 and out.stdout.strip() == "20 echoed by echo-url", out.stdout + out.stderr
         status = subprocess.run(
             [sys.executable, "-m", "rollout_svc", "status", "--redis-url", url, "--json"],

@@ -89,8 +89,9 @@ def check(client: Any, http: httpx.Client) -> None:
     # SkyRL's init: one server, rank_offset 1 (the trainer is rank 0). Both workers are asked, both refuse.
     refused = call(client, "init_weight_update_communicator", InitInfo("127.0.0.1", 29500, 1, 3))
     assert getattr(refused, "status", None) == 409
-    answer = http.post("/init_weight_transfer_engine", json={"init_info": InitInfo("127.0.0.1", 29500, 1, 3)
-                       .to_api_payload()}).json()["error"]["message"]  # fmt: skip
+    answer = http.post(
+        "/init_weight_transfer_engine", json={"init_info": InitInfo("127.0.0.1", 29500, 1, 3).to_api_payload()}
+    ).json()["error"]["message"]
     assert "echo-0" in answer and "echo-1" in answer and "no vLLM weight transfer engine" in answer
 
     # Before a successful init, the update calls are refused without asking any worker.

@@ -169,9 +169,13 @@ async def test_a_worker_killed_during_a_sync_is_left_out_and_named(ws_settings, 
         served = await client.generate([PROMPT] * 6, {"max_tokens": 4}, session_ids=[f"k{i}" for i in range(6)])
         assert {t.weight_version for t in served} == {1} and all(t.weight_versions == [(1, 0)] for t in served)
         await async_wait_until(
-            lambda: heartbeat(rds, ws_settings, "w2", "state", "weight_version", "weight_digest")
-            == ["serving", "1", report.digest], 20, "w2 caught up to version 1 from w0",
-        )  # fmt: skip
+            lambda: (
+                heartbeat(rds, ws_settings, "w2", "state", "weight_version", "weight_digest")
+                == ["serving", "1", report.digest]
+            ),
+            20,
+            "w2 caught up to version 1 from w0",
+        )
         assert "caught up to weight version 1 from w0" in procs.log("w2")
         status = await fleet_status(ws_settings)  # what `rollout-svc status --json` prints
         assert status["weight_version"] == 1 and status["weight_checkpoint"] is None
@@ -335,9 +339,10 @@ async def test_a_trainer_killed_mid_transfer_loses_its_pause_and_the_old_version
     # What they hold as received (version 1) survived the cut receive: a worker started now catches up from them.
     start(procs, "late")
     await async_wait_until(
-        lambda: heartbeat(rds, ws_settings, "late", "state", "weight_version") == ["serving", "1"], 15,
+        lambda: heartbeat(rds, ws_settings, "late", "state", "weight_version") == ["serving", "1"],
+        15,
         "the late worker caught up to version 1 from a peer",
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.timeout(120)
@@ -392,9 +397,10 @@ async def test_a_sync_abandoned_before_its_announcement_holds_no_worker_and_no_c
         await asyncio.wait_for(group, 30)  # w0 joined: it now waits for tensors that never come
         start(procs, "late")  # w0 still sends it version 1, following the abandoned sync meanwhile
         await async_wait_until(
-            lambda: heartbeat(rds, settings, "late", "state", "weight_version") == ["serving", "1"], 15,
+            lambda: heartbeat(rds, settings, "late", "state", "weight_version") == ["serving", "1"],
+            15,
             "the late worker caught up while its peer waited on a dead sync",
-        )  # fmt: skip
+        )
         sender._group = None
         started = time.monotonic()
         report = await sender.update(tensors(2).items(), version=2)  # a new trainer's order replaces the dead one
@@ -419,9 +425,10 @@ async def test_a_late_worker_catches_up_from_its_peer_with_no_sender_running(ws_
     start(procs, "late")
     live = time.monotonic()
     await async_wait_until(
-        lambda: heartbeat(rds, ws_settings, "late", "state", "weight_version") == ["serving", "3"], 10,
+        lambda: heartbeat(rds, ws_settings, "late", "state", "weight_version") == ["serving", "3"],
+        10,
         "the late worker serving version 3",
-    )  # fmt: skip
+    )
     assert time.monotonic() - live < 5 + 1, "within its load time + 5 s (the echo loads in milliseconds)"
     assert heartbeat(rds, ws_settings, "late", "weight_digest") == [digest]
     assert "caught up to weight version 3 from w0" in procs.log("late")
@@ -434,9 +441,10 @@ async def test_a_late_worker_catches_up_from_its_peer_with_no_sender_running(ws_
     procs.kill("w0")
     start(procs, "later")
     await async_wait_until(
-        lambda: heartbeat(rds, ws_settings, "later", "state", "weight_digest") == ["serving", digest], 15,
+        lambda: heartbeat(rds, ws_settings, "later", "state", "weight_digest") == ["serving", digest],
+        15,
         "the second late worker caught up from the first",
-    )  # fmt: skip
+    )
     assert "caught up to weight version 3 from late" in procs.log("later")
 
 
@@ -452,9 +460,13 @@ async def test_a_sync_during_a_catch_up_wins_and_neither_waits_for_the_other(ws_
         report = await sender.update(tensors(2).items(), version=2)  # while late catches up to version 1
         assert report.loaded == ["late", "w0"] and time.monotonic() - started < 15
     await async_wait_until(
-        lambda: heartbeat(rds, ws_settings, "late", "state", "weight_version", "weight_digest")
-        == ["serving", "2", report.digest], 15, "the late worker serving version 2",
-    )  # fmt: skip
+        lambda: (
+            heartbeat(rds, ws_settings, "late", "state", "weight_version", "weight_digest")
+            == ["serving", "2", report.digest]
+        ),
+        15,
+        "the late worker serving version 2",
+    )
     await asyncio.sleep(1.0)  # a catch-up of version 1 that ends now is dropped, not loaded over version 2
     assert heartbeat(rds, ws_settings, "late", "weight_version", "weight_digest") == ["2", report.digest]
 
@@ -474,9 +486,10 @@ async def test_a_late_worker_named_in_a_sync_that_waits_still_catches_up_from_it
         start(procs, "late")
         live = time.monotonic()
         await async_wait_until(
-            lambda: heartbeat(rds, ws_settings, "late", "state", "weight_digest") == ["serving", report.digest], 20,
+            lambda: heartbeat(rds, ws_settings, "late", "state", "weight_digest") == ["serving", report.digest],
+            20,
             "the late worker serving version 1 while its sync's join waits",
-        )  # fmt: skip
+        )
         took = time.monotonic() - live
         log = procs.log("late")
         assert "weight sync v2-waiting: version 2 by broadcast" in log, "it follows the sync meanwhile"
@@ -535,8 +548,9 @@ async def test_a_checkpoint_loaded_but_never_committed_gives_way_to_the_broadcas
         report = await sender.update(tensors(1).items(), version=1)
         # What the trainer's `update_from_checkpoint` does up to its commit, and then nothing: it died.
         await client.pause("keep", holder="weight-sync", lease_s=lease_s, renew=False)
-        order = WeightSyncOrder(sync_id="dead", version=2, transport="checkpoint", members=["w0", "w1"],
-                                path=str(checkpoint))  # fmt: skip
+        order = WeightSyncOrder(
+            sync_id="dead", version=2, transport="checkpoint", members=["w0", "w1"], path=str(checkpoint)
+        )
         await sender.plane.publish(order)
         loaded = await sender.plane.await_barrier("dead", "loaded", order.members, 15)
         assert sorted(loaded.ok) == ["w0", "w1"], "both loaded the checkpoint over version 1"
@@ -548,19 +562,23 @@ async def test_a_checkpoint_loaded_but_never_committed_gives_way_to_the_broadcas
         # stale worker hands the turns pinned to it to one that serves).
         for worker_id in ("w0", "w1"):
             await async_wait_until(
-                lambda w=worker_id: heartbeat(rds, ws_settings, w, "state", "weight_version", "weight_digest")
-                == ["serving", "1", report.digest],
-                max(1.0, died + lease_s + SYNC_HEARTBEAT_TTL_S - time.monotonic()), f"{worker_id} serving version 1",
-            )  # fmt: skip
+                lambda w=worker_id: (
+                    heartbeat(rds, ws_settings, w, "state", "weight_version", "weight_digest")
+                    == ["serving", "1", report.digest]
+                ),
+                max(1.0, died + lease_s + SYNC_HEARTBEAT_TTL_S - time.monotonic()),
+                f"{worker_id} serving version 1",
+            )
             assert "ended without committing it" in procs.log(worker_id)
             assert "loaded again from the copy this worker received" in procs.log(worker_id)
         assert await sender.committed_version() == 1
         # It still holds version 1 as received, so a late worker can catch up from it.
         start(procs, "late")
         await async_wait_until(
-            lambda: heartbeat(rds, ws_settings, "late", "state", "weight_digest") == ["serving", report.digest], 15,
+            lambda: heartbeat(rds, ws_settings, "late", "state", "weight_digest") == ["serving", report.digest],
+            15,
             "the late worker caught up to version 1 from a peer",
-        )  # fmt: skip
+        )
 
 
 @pytest.mark.timeout(90)
@@ -582,10 +600,12 @@ async def test_a_broadcast_loaded_but_never_committed_gives_way_to_the_version_r
             await sender.update(tensors(2).items(), version=2)  # loaded everywhere; its pause is released
         back = ["serving", "1", report.digest]
         await async_wait_until(
-            lambda: all(heartbeat(rds, ws_settings, w, "state", "weight_version", "weight_digest") == back
-                        for w in ("w0", "w1")),
-            SYNC_HEARTBEAT_TTL_S + 5, "both workers serving version 1 again, within a heartbeat and a load",
-        )  # fmt: skip
+            lambda: all(
+                heartbeat(rds, ws_settings, w, "state", "weight_version", "weight_digest") == back for w in ("w0", "w1")
+            ),
+            SYNC_HEARTBEAT_TTL_S + 5,
+            "both workers serving version 1 again, within a heartbeat and a load",
+        )
         served = await client.generate([PROMPT] * 4, {"max_tokens": 4}, session_ids=[f"d{i}" for i in range(4)])
         assert {t.weight_version for t in served} == {1} and {t.worker_id for t in served} == {"w0", "w1"}
         for worker_id in ("w0", "w1"):

@@ -104,8 +104,11 @@ async def test_expire_ends_only_the_positions_being_retried_with_their_partial_t
     call = Call(requests(3), asyncio.get_running_loop())
     done = trajectory("r-0")
     call.set(0, done)
-    call.renew(1, "r-9", trajectory("r-1", completion_token_ids=[4], logprobs=[0.0], finish_reason="abort",
-                                    abort_cause="shutdown"))  # fmt: skip
+    call.renew(
+        1,
+        "r-9",
+        trajectory("r-1", completion_token_ids=[4], logprobs=[0.0], finish_reason="abort", abort_cause="shutdown"),
+    )
     call.expire()
     assert call.results[0] is done and call.results[2] is None and call.unfinished() == [2]
     expired = call.results[1]

@@ -180,11 +180,29 @@ def test_a_version_committed_by_a_trainer_killed_before_it_said_so_is_known_from
 
     out = io.StringIO()
     syncer = Syncer(None, Journal(out))  # type: ignore[arg-type]  # the fleet is only for starting a trainer
-    syncer._record({"version": 1, "base": 0, "mode": "keep", "transfer": "outside", "outcome": "committed",
-                    "paused_s": 0.1, "s": 0.5})  # fmt: skip
+    syncer._record(
+        {
+            "version": 1,
+            "base": 0,
+            "mode": "keep",
+            "transfer": "outside",
+            "outcome": "committed",
+            "paused_s": 0.1,
+            "s": 0.5,
+        }
+    )
     # version 2 committed, its trainer killed; the next trainer read 2 as committed and failed to sync 3
-    syncer._record({"version": 3, "base": 2, "mode": "keep", "transfer": "outside", "outcome": "failed",
-                    "error": "ConnectionError: Redis restarting", "s": 1.0})  # fmt: skip
+    syncer._record(
+        {
+            "version": 3,
+            "base": 2,
+            "mode": "keep",
+            "transfer": "outside",
+            "outcome": "failed",
+            "error": "ConnectionError: Redis restarting",
+            "s": 1.0,
+        }
+    )
     assert syncer.committed == {0, 1, 2} and "version 2 found committed" in out.getvalue()
     ledger = Ledger(T0)
     for request_id, spans in (("r-ok", [(1, 0), (2, 2)]), ("r-bad", [(2, 0), (5, 1)])):

@@ -15,11 +15,18 @@ def test_sentinel_urls_name_sentinels_service_db_and_credentials():
     spec = parse_sentinel("redis+sentinel://:s3cret@10.0.0.1,10.0.0.2:26380/mymaster/2?sentinel_password=sp")
     assert spec.sentinels == [("10.0.0.1", 26379), ("10.0.0.2", 26380)]
     assert (spec.service_name, spec.db, spec.password, spec.sentinel_password, spec.ssl) == (
-        "mymaster", 2, "s3cret", "sp", False
-    )  # fmt: skip
+        "mymaster",
+        2,
+        "s3cret",
+        "sp",
+        False,
+    )
     assert parse_sentinel("rediss+sentinel://u:p@h/m").primary_kwargs() == {
-        "db": 0, "username": "u", "password": "p", "ssl": True
-    }  # fmt: skip
+        "db": 0,
+        "username": "u",
+        "password": "p",
+        "ssl": True,
+    }
     assert is_sentinel("redis+sentinel://h/m") and not is_sentinel("rediss://h:6380/0")
     with pytest.raises(ValueError, match="service name"):
         parse_sentinel("redis+sentinel://h:26379")

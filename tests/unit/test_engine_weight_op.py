@@ -47,9 +47,12 @@ def receiver(engine: RecordingEngine, worker_id: str = "w1") -> WeightReceiver:
 
 def order(op: str, version: int = 3, **fields: Any) -> WeightSyncOrder:
     return WeightSyncOrder(
-        sync_id=f"engine-{op}", version=version, transport="engine", members=["w0", "w1"],
+        sync_id=f"engine-{op}",
+        version=version,
+        transport="engine",
+        members=["w0", "w1"],
         engine_op=EngineWeightOp(op=op, **fields),  # type: ignore[arg-type]
-    )  # fmt: skip
+    )
 
 
 async def test_init_gives_each_worker_its_own_rank_offset():

@@ -44,8 +44,13 @@ def test_worker_and_up_options_carry_the_sizes():
     args = parse_args(["--tensor-parallel-size", "3", "--pipeline-parallel-size", "2", "--data-parallel-size", "2"])
     assert EngineSettings.from_args(args).gpus == 12
     assert EngineSettings(**PARALLEL).to_args() == [
-        "--tensor-parallel-size", "3", "--pipeline-parallel-size", "2", "--data-parallel-size", "2",
-    ]  # fmt: skip
+        "--tensor-parallel-size",
+        "3",
+        "--pipeline-parallel-size",
+        "2",
+        "--data-parallel-size",
+        "2",
+    ]
     with pytest.raises(SystemExit):
         parse_args(["--tensor-parallel-size", "two"])
 

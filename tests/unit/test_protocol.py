@@ -105,13 +105,28 @@ def test_a_workers_answer_decodes_without_pydantic_to_the_same_model_and_is_stil
     from rollout_svc.protocol import ChatMessage, Trajectory
 
     full = Trajectory(
-        request_id="r-1", session_id="s", group_id="g", prompt_token_ids=[1, 2], completion_token_ids=[3, 4],
-        logprobs=[-0.5, -0.25], finish_reason="abort", text="ab", weight_version=2, worker_id="w0",
-        queue_time_s=0.5, generation_time_s=1.5, abort_cause="pause", interruptions=1,
-        weight_versions=[(1, 0), (2, 1)], staleness=None, top_logprobs=[[(3, "a", -0.5)], [(4, "b", -0.25)]],
-        tokens=["a", "b"], tool_calls=[{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
-        content="", prompt_logprobs=[[], [(2, "b", -1.5, 3), (7, "x", -0.1, 1)]],
-    )  # fmt: skip
+        request_id="r-1",
+        session_id="s",
+        group_id="g",
+        prompt_token_ids=[1, 2],
+        completion_token_ids=[3, 4],
+        logprobs=[-0.5, -0.25],
+        finish_reason="abort",
+        text="ab",
+        weight_version=2,
+        worker_id="w0",
+        queue_time_s=0.5,
+        generation_time_s=1.5,
+        abort_cause="pause",
+        interruptions=1,
+        weight_versions=[(1, 0), (2, 1)],
+        staleness=None,
+        top_logprobs=[[(3, "a", -0.5)], [(4, "b", -0.25)]],
+        tokens=["a", "b"],
+        tool_calls=[{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        content="",
+        prompt_logprobs=[[], [(2, "b", -1.5, 3), (7, "x", -0.1, 1)]],
+    )
     decoded = decode(encode(full))
     assert decoded == full and type(decoded) is Trajectory
     assert decoded.weight_versions == [(1, 0), (2, 1)] and decoded.top_logprobs == [[(3, "a", -0.5)], [(4, "b", -0.25)]]

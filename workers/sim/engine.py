@@ -143,9 +143,16 @@ class SimEngine(EchoEngine):
         reason = "abort" if aborted else ("length" if len(output) >= params.max_tokens else "stop")
         tops, texts = _tops(output, params)
         return Completion(
-            prompt, list(output), [0.0] * len(output), reason, _bytes_text(output), tops, texts,
-            _prompt_logprobs(prompt, params), run.seq.cached_tokens,
-        )  # fmt: skip
+            prompt,
+            list(output),
+            [0.0] * len(output),
+            reason,
+            _bytes_text(output),
+            tops,
+            texts,
+            _prompt_logprobs(prompt, params),
+            run.seq.cached_tokens,
+        )
 
     def _sequence(self, request_id: str, prompt: list[int], params: SamplingParams, prior: Seq[int]) -> Sequence:
         """The sequence of a request: its tokens are a function of (prompt, first token); see the class."""

@@ -144,10 +144,13 @@ def run_fit_bench(
     profile_path.write_text(json.dumps(asdict(figures.profile)))
     # what the figures came from, to replay offline: the fit points, and the workload's lengths in tokens
     prompt_tokens, max_tokens = [len(p) for p in prompts], [q["max_tokens"] for q in params]
-    (log_dir / "simfit-runs.json").write_text(json.dumps({
-        "points": [asdict(p) for p in figures.points], "measured_s": figures.measured_s,
-        "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
-    }))  # fmt: skip
+    runs = {
+        "points": [asdict(p) for p in figures.points],
+        "measured_s": figures.measured_s,
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": max_tokens,
+    }
+    (log_dir / "simfit-runs.json").write_text(json.dumps(runs))
     sim = EngineSettings(
         engine="sim",
         sim_gpu=str(profile_path),

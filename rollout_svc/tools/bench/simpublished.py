@@ -181,9 +181,11 @@ def replay(
     tpots = [(ends[seq.request_id] - first[seq.request_id]) / (seq.target - 1) for seq in pending if seq.target > 1]
     ttfts = [first[seq.request_id] - arrivals[i] for i, seq in enumerate(pending)]
     return Replay(
-        max(ends.values()), sum(seq.target for seq in pending), statistics.median(tpots) * 1e3,
+        max(ends.values()),
+        sum(seq.target for seq in pending),
+        statistics.median(tpots) * 1e3,
         statistics.median(ttfts) * 1e3,
-    )  # fmt: skip
+    )
 
 
 def run_published_bench() -> list[tuple[Published, Replay]]:

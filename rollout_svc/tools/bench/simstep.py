@@ -199,9 +199,15 @@ async def _measure_step(
         report = (await client.step_report()).scaled(plan.time_scale)
     trajectories = [t for group in groups for t in group]
     row = StepRow(
-        gpus, placement, report.makespan_s, report.busy_s, report.output_tokens,
-        cut=report.cut, cut_tokens=report.cut_tokens, moves=report.moves,
-    )  # fmt: skip
+        gpus,
+        placement,
+        report.makespan_s,
+        report.busy_s,
+        report.output_tokens,
+        cut=report.cut,
+        cut_tokens=report.cut_tokens,
+        moves=report.moves,
+    )
     row.spans, row.moved = spans(report.busy_s, trajectories, plan.time_scale)
     return row, trajectories
 

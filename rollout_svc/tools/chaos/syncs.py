@@ -62,10 +62,10 @@ class Syncer:
         }
         log = open(self.fleet.log_dir / "trainer.log", "ab")  # noqa: SIM115 (the child keeps it; closed below)
         try:
+            args = [sys.executable, "-m", "rollout_svc.tools.chaos.syncs"]
             self.process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "rollout_svc.tools.chaos.syncs", env=env, stdout=asyncio.subprocess.PIPE,
-                stderr=log, start_new_session=True,
-            )  # fmt: skip
+                *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=log, start_new_session=True
+            )
         finally:
             log.close()
         self._reader = asyncio.create_task(self._read(self.process))
