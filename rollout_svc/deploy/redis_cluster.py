@@ -23,7 +23,6 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import redis
@@ -154,9 +153,7 @@ class RedisClusterServers:
             self.start()
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def start(self, timeout_s: float = 30.0) -> RedisClusterServers:
