@@ -168,13 +168,8 @@ async def test_a_worker_killed_during_a_sync_is_left_out_and_named(ws_settings, 
         )
         served = await client.generate([PROMPT] * 6, {"max_tokens": 4}, session_ids=[f"k{i}" for i in range(6)])
         assert {t.weight_version for t in served} == {1} and all(t.weight_versions == [(1, 0)] for t in served)
-        await async_wait_until(
-            lambda: (
-                heartbeat(rds, ws_settings, "w2", "state", "weight_version", "weight_digest")
-                == ["serving", "1", report.digest]
-            ),
-            20,
-            "w2 caught up to version 1 from w0",
+        await wait_serving(
+            rds, ws_settings, "w2", 20, "w2 caught up to version 1 from w0", version=1, digest=report.digest
         )
         assert "caught up to weight version 1 from w0" in procs.log("w2")
         status = await fleet_status(ws_settings)  # what `rollout-svc status --json` prints
@@ -338,11 +333,7 @@ async def test_a_trainer_killed_mid_transfer_loses_its_pause_and_the_old_version
         assert {w.weight_version for w in await client.workers()} == {1}
     # What they hold as received (version 1) survived the cut receive: a worker started now catches up from them.
     start(procs, "late")
-    await async_wait_until(
-        lambda: heartbeat(rds, ws_settings, "late", "state", "weight_version") == ["serving", "1"],
-        15,
-        "the late worker caught up to version 1 from a peer",
-    )
+    await wait_serving(rds, ws_settings, "late", 15, "the late worker caught up to version 1 from a peer", version=1)
 
 
 @pytest.mark.timeout(120)
@@ -396,10 +387,8 @@ async def test_a_sync_abandoned_before_its_announcement_holds_no_worker_and_no_c
         await sender.plane.publish(order)
         await asyncio.wait_for(group, 30)  # w0 joined: it now waits for tensors that never come
         start(procs, "late")  # w0 still sends it version 1, following the abandoned sync meanwhile
-        await async_wait_until(
-            lambda: heartbeat(rds, settings, "late", "state", "weight_version") == ["serving", "1"],
-            15,
-            "the late worker caught up while its peer waited on a dead sync",
+        await wait_serving(
+            rds, settings, "late", 15, "the late worker caught up while its peer waited on a dead sync", version=1
         )
         sender._group = None
         started = time.monotonic()
@@ -410,6 +399,27 @@ async def test_a_sync_abandoned_before_its_announcement_holds_no_worker_and_no_c
 def heartbeat(rds: redis.Redis, settings: Settings, worker_id: str, *fields: str) -> list[str | None]:
     values = rds.hmget(settings.keys.worker(worker_id), *fields)
     return [None if v is None else v.decode() for v in values]
+
+
+async def wait_serving(
+    rds: redis.Redis,
+    settings: Settings,
+    worker_id: str,
+    timeout_s: float,
+    what: str,
+    *,
+    version: int | None = None,
+    digest: str | None = None,
+) -> None:
+    """Wait until `worker_id`'s heartbeat says it serves, weight `version` and `digest` where given; AssertionError
+    naming `what` after `timeout_s`."""
+    expected = {"state": "serving"}
+    if version is not None:
+        expected["weight_version"] = str(version)
+    if digest is not None:
+        expected["weight_digest"] = digest
+    fields, values = list(expected), list(expected.values())
+    await async_wait_until(lambda: heartbeat(rds, settings, worker_id, *fields) == values, timeout_s, what)
 
 
 @pytest.mark.timeout(120)
@@ -424,11 +434,7 @@ async def test_a_late_worker_catches_up_from_its_peer_with_no_sender_running(ws_
     # The trainer is gone. A worker started now loads version 3 from w0, verified against the committed digest.
     start(procs, "late")
     live = time.monotonic()
-    await async_wait_until(
-        lambda: heartbeat(rds, ws_settings, "late", "state", "weight_version") == ["serving", "3"],
-        10,
-        "the late worker serving version 3",
-    )
+    await wait_serving(rds, ws_settings, "late", 10, "the late worker serving version 3", version=3)
     assert time.monotonic() - live < 5 + 1, "within its load time + 5 s (the echo loads in milliseconds)"
     assert heartbeat(rds, ws_settings, "late", "weight_digest") == [digest]
     assert "caught up to weight version 3 from w0" in procs.log("late")
@@ -440,11 +446,7 @@ async def test_a_late_worker_catches_up_from_its_peer_with_no_sender_running(ws_
     # It now holds version 3 as received, so it can send it on: w0 gone, another late worker catches up from it.
     procs.kill("w0")
     start(procs, "later")
-    await async_wait_until(
-        lambda: heartbeat(rds, ws_settings, "later", "state", "weight_digest") == ["serving", digest],
-        15,
-        "the second late worker caught up from the first",
-    )
+    await wait_serving(rds, ws_settings, "later", 15, "the second late worker caught up from the first", digest=digest)
     assert "caught up to weight version 3 from late" in procs.log("later")
 
 
@@ -459,13 +461,8 @@ async def test_a_sync_during_a_catch_up_wins_and_neither_waits_for_the_other(ws_
         started = time.monotonic()
         report = await sender.update(tensors(2).items(), version=2)  # while late catches up to version 1
         assert report.loaded == ["late", "w0"] and time.monotonic() - started < 15
-    await async_wait_until(
-        lambda: (
-            heartbeat(rds, ws_settings, "late", "state", "weight_version", "weight_digest")
-            == ["serving", "2", report.digest]
-        ),
-        15,
-        "the late worker serving version 2",
+    await wait_serving(
+        rds, ws_settings, "late", 15, "the late worker serving version 2", version=2, digest=report.digest
     )
     await asyncio.sleep(1.0)  # a catch-up of version 1 that ends now is dropped, not loaded over version 2
     assert heartbeat(rds, ws_settings, "late", "weight_version", "weight_digest") == ["2", report.digest]
@@ -485,10 +482,13 @@ async def test_a_late_worker_named_in_a_sync_that_waits_still_catches_up_from_it
         await sender.plane.publish(order)
         start(procs, "late")
         live = time.monotonic()
-        await async_wait_until(
-            lambda: heartbeat(rds, ws_settings, "late", "state", "weight_digest") == ["serving", report.digest],
+        await wait_serving(
+            rds,
+            ws_settings,
+            "late",
             20,
             "the late worker serving version 1 while its sync's join waits",
+            digest=report.digest,
         )
         took = time.monotonic() - live
         log = procs.log("late")
@@ -561,23 +561,22 @@ async def test_a_checkpoint_loaded_but_never_committed_gives_way_to_the_broadcas
         # Each serves version 1 again within the lease and a heartbeat (the first to do so answers all four: a
         # stale worker hands the turns pinned to it to one that serves).
         for worker_id in ("w0", "w1"):
-            await async_wait_until(
-                lambda w=worker_id: (
-                    heartbeat(rds, ws_settings, w, "state", "weight_version", "weight_digest")
-                    == ["serving", "1", report.digest]
-                ),
+            await wait_serving(
+                rds,
+                ws_settings,
+                worker_id,
                 max(1.0, died + lease_s + SYNC_HEARTBEAT_TTL_S - time.monotonic()),
                 f"{worker_id} serving version 1",
+                version=1,
+                digest=report.digest,
             )
             assert "ended without committing it" in procs.log(worker_id)
             assert "loaded again from the copy this worker received" in procs.log(worker_id)
         assert await sender.committed_version() == 1
         # It still holds version 1 as received, so a late worker can catch up from it.
         start(procs, "late")
-        await async_wait_until(
-            lambda: heartbeat(rds, ws_settings, "late", "state", "weight_digest") == ["serving", report.digest],
-            15,
-            "the late worker caught up to version 1 from a peer",
+        await wait_serving(
+            rds, ws_settings, "late", 15, "the late worker caught up to version 1 from a peer", digest=report.digest
         )
 
 
