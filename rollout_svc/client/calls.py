@@ -1,5 +1,5 @@
-"""One caller's batch of requests (a `Call`): results by position, as they finish; the merge of a retried request's
-attempts into one trajectory; what a connection has seen (`ClientStats`)."""
+"""One caller's batch of requests (a `Call`): a record per position (`Position`), results as they finish; the merge
+of a retried request's attempts into one trajectory; what a connection has seen (`ClientStats`)."""
 
 from __future__ import annotations
 
@@ -59,39 +59,57 @@ class GroupTarget:
             self.complete += 1
 
 
-class Call:
-    """One caller's batch of requests (a generate / sample / chat / tokenize call): results by position.
+@dataclass(slots=True)
+class Position:
+    """One position of a call. `request`: the caller's. `attempt_id`: the request id it is awaited under now (a
+    retry or a regeneration has a new one). `partial`: what its last aborted attempt returned, being continued.
+    `spent_s`: the (queue, generation) seconds of the earlier attempts it continues. `regenerations`: times it was
+    dropped as staler than `max_staleness` and generated again. `cutting`: cut by a completion target (its answer is
+    final). `result`: its answer, None until it came."""
 
-    `completed` yields positions as they finish; `done` resolves when all have. `attempt_ids[i]` is the request id
-    position i is awaited under (a retry has a new one); `partial[i]` the last aborted attempt being retried.
-    With `chunks`, `events` also yields `(position, TrajectoryChunk)` for streaming requests, as they arrive, and
-    `(position, None)` when a position finished.
+    request: Request
+    attempt_id: str
+    partial: Trajectory | None = None
+    spent_s: tuple[float, float] = (0.0, 0.0)
+    regenerations: int = 0
+    cutting: bool = False
+    result: Any = None
+
+
+class Call:
+    """One caller's batch of requests (a generate / sample / chat / tokenize call): a `Position` record each.
+
+    `completed` yields positions as they finish; `done` resolves when all have. With `chunks`, `events` also yields
+    `(position, TrajectoryChunk)` for streaming requests, as they arrive, and `(position, None)` when a position
+    finished.
     """
 
     def __init__(self, requests: Sequence[Request], loop: asyncio.AbstractEventLoop, chunks: bool = False) -> None:
-        self.requests = list(requests)
-        count = len(self.requests)
-        self.results: list[Any] = [None] * count
-        self.remaining = count
+        self.positions = [Position(request, request.request_id) for request in requests]
+        self.remaining = len(self.positions)
         self.done: asyncio.Future[None] = loop.create_future()
-        if not count:
+        if not self.positions:
             self.done.set_result(None)
         self._completed: asyncio.Queue[int] | None = None  # made on first use: most calls never read it
-        self.attempt_ids = [r.request_id for r in self.requests]
-        self.partial: list[Trajectory | None] = [None] * count
-        self.spent_s: list[tuple[float, float]] = [(0.0, 0.0)] * count  # earlier attempts' (queue, generation) s
-        self.regenerations: dict[int, int] = {}  # position -> times dropped as stale and generated again
         self.events: asyncio.Queue[tuple[int, TrajectoryChunk | None]] | None = asyncio.Queue() if chunks else None
-        self.cutting: set[int] = set()  # positions being cut (a completion target): their answer is final
         self.target: GroupTarget | None = None
         self.on_target: Callable[[], None] | None = None
+
+    @property
+    def requests(self) -> list[Request]:
+        """The caller's requests, in order."""
+        return [position.request for position in self.positions]
+
+    @property
+    def results(self) -> list[Any]:
+        """Each position's answer (None where none came yet), in order."""
+        return [position.result for position in self.positions]
 
     def watch(self, target: GroupTarget, reached: Callable[[], None]) -> None:
         """Call `reached()` once, when `target` is met (now, if it is already)."""
         self.target, self.on_target = target, reached
-        for index, result in enumerate(self.results):
-            if result is not None:
-                target.finished(index)
+        for index in self.finished():
+            target.finished(index)
         self._check_target()
 
     def _check_target(self) -> None:
@@ -104,19 +122,19 @@ class Call:
         """The positions, as they finish (those finished before the first look first)."""
         if self._completed is None:
             self._completed = asyncio.Queue()
-            for index, result in enumerate(self.results):
-                if result is not None:
-                    self._completed.put_nowait(index)
+            for index in self.finished():
+                self._completed.put_nowait(index)
         return self._completed
 
     def chunk(self, index: int, chunk: TrajectoryChunk) -> None:
-        if self.events is not None and self.results[index] is None:
+        if self.events is not None and self.positions[index].result is None:
             self.events.put_nowait((index, chunk))
 
     def set(self, index: int, result: Any) -> None:
-        if self.results[index] is not None:
+        position = self.positions[index]
+        if position.result is not None:
             return
-        self.results[index] = result
+        position.result = result
         self.remaining -= 1
         if self._completed is not None:
             self._completed.put_nowait(index)
@@ -128,29 +146,34 @@ class Call:
         if self.remaining == 0 and not self.done.done():
             self.done.set_result(None)
 
+    def finished(self) -> list[int]:
+        return [i for i, position in enumerate(self.positions) if position.result is not None]
+
     def unfinished(self) -> list[int]:
-        return [i for i, r in enumerate(self.results) if r is None]
+        return [i for i, position in enumerate(self.positions) if position.result is None]
 
     def renew(self, index: int, request_id: str, partial: Trajectory | None) -> None:
         """Await position `index` under a new attempt, `request_id`: a retry that continues `partial` (what the last
         attempt returned; its times count towards the position's), or, `partial` None, a regeneration, which starts
         over (the times so far are dropped) and counts in `regenerations`."""
-        self.attempt_ids[index], self.partial[index] = request_id, partial
+        position = self.positions[index]
+        position.attempt_id, position.partial = request_id, partial
         if partial is None:
-            self.spent_s[index] = (0.0, 0.0)
-            self.regenerations[index] = self.regenerations.get(index, 0) + 1
+            position.spent_s = (0.0, 0.0)
+            position.regenerations += 1
             return
-        queue_s, generation_s = self.spent_s[index]
-        self.spent_s[index] = (queue_s + partial.queue_time_s, generation_s + partial.generation_time_s)
+        queue_s, generation_s = position.spent_s
+        position.spent_s = (queue_s + partial.queue_time_s, generation_s + partial.generation_time_s)
 
     def merged(self, index: int, result: Trajectory, **update: Any) -> Trajectory:
         """An attempt's trajectory as the caller sees it: under the original request id, queue and generation times
         summed over the attempts it continues (`renew`), `update` applied."""
-        if not update and self.partial[index] is None and result.request_id == self.requests[index].request_id:
+        position = self.positions[index]
+        if not update and position.partial is None and result.request_id == position.request.request_id:
             return result  # the request's own answer (the common case: no copy)
-        queue_s, generation_s = self.spent_s[index]
+        queue_s, generation_s = position.spent_s
         update = {
-            "request_id": self.requests[index].request_id,
+            "request_id": position.request.request_id,
             "queue_time_s": queue_s + result.queue_time_s,
             "generation_time_s": generation_s + result.generation_time_s,
             **update,
@@ -159,11 +182,12 @@ class Call:
 
     def end_with_partial(self, index: int, **update: Any) -> None:
         """Finish a position being retried with the partial trajectory its last attempt returned."""
-        partial = self.partial[index]
+        position = self.positions[index]
+        partial = position.partial
         assert partial is not None
-        queue_s, generation_s = self.spent_s[index]  # the partial's own times are in these already
+        queue_s, generation_s = position.spent_s  # the partial's own times are in these already
         update = {
-            "request_id": self.requests[index].request_id,
+            "request_id": position.request.request_id,
             "queue_time_s": queue_s,
             "generation_time_s": generation_s,
             "interruptions": partial.interruptions + 1,
@@ -174,5 +198,5 @@ class Call:
     def expire(self) -> None:
         """The caller's deadline passed: a position being retried ends with its partial tokens (abort, deadline)."""
         for index in self.unfinished():
-            if self.partial[index] is not None:
+            if self.positions[index].partial is not None:
                 self.end_with_partial(index, abort_cause="deadline")

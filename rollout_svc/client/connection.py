@@ -222,10 +222,10 @@ class Connection:
         self._reread = set(self.fleet.links)
 
     def _await(self, call: Call) -> list[Attempt]:
-        attempts = [Attempt(call, i, request) for i, request in enumerate(call.requests)]
-        for request in call.requests:
-            if isinstance(request, RolloutRequest) and request.adapter is not None:
-                self.adapters.setdefault(request.adapter, 0)
+        attempts = [Attempt(call, i, position.request) for i, position in enumerate(call.positions)]
+        for attempt in attempts:
+            if isinstance(attempt.request, RolloutRequest) and attempt.request.adapter is not None:
+                self.adapters.setdefault(attempt.request.adapter, 0)
         self.attempts.update((a.request.request_id, a) for a in attempts)
         return attempts
 
@@ -248,7 +248,7 @@ class Connection:
 
     def cancel(self, call: Call) -> None:
         """Stop awaiting a call's unfinished requests and cancel them on the workers (queued or in flight)."""
-        ids = [call.attempt_ids[i] for i in call.unfinished()]
+        ids = [call.positions[i].attempt_id for i in call.unfinished()]
         for request_id in ids:
             if (attempt := self.attempts.get(request_id)) is not None:
                 attempt.cancelling = True  # kept, with its shard and placement, until the cancel is sent
@@ -263,18 +263,19 @@ class Connection:
         `abort_cause="partial"` if it was cut (`cut_fields`). The call's `done` resolves once every answer came."""
         ids = []
         for index in call.unfinished():
-            if index not in call.cutting:
-                call.cutting.add(index)
-                ids.append(call.attempt_ids[index])
+            position = call.positions[index]
+            if not position.cutting:
+                position.cutting = True
+                ids.append(position.attempt_id)
         if ids:
             self.outbox.put_nowait(_CutOp(ids))
 
     def forget(self, call: Call) -> None:
         """Stop awaiting a call's requests (those being cancelled stay until their cancel is sent)."""
-        for request_id in call.attempt_ids:
-            attempt = self.attempts.get(request_id)
+        for position in call.positions:
+            attempt = self.attempts.get(position.attempt_id)
             if attempt is not None and not attempt.cancelling:
-                del self.attempts[request_id]
+                del self.attempts[position.attempt_id]
 
     async def _submit_ops(self) -> None:
         """The single submitter: concurrent callers' batches go to Redis together, in one round trip; cancels
@@ -470,8 +471,9 @@ class Connection:
         """What the caller gets of an attempt's trajectory, merged with the attempts before it; None if it was retried
         (cut by a pause or a shutdown) or regenerated (staler than `max_staleness`) instead."""
         call, index, now = attempt.call, attempt.index, time.time()
-        request = call.requests[index]
-        if index in call.cutting:  # cut by a completion target: whatever came is final
+        position = call.positions[index]
+        request = position.request
+        if position.cutting:  # cut by a completion target: whatever came is final
             final = self._adapter_staleness(call.merged(index, result, **cut_fields(request, result)))
             if final.staleness is not None:
                 self.stats.staleness[final.staleness] += 1
@@ -486,8 +488,7 @@ class Connection:
         final = self._adapter_staleness(call.merged(index, result, **final_fields(request, result)))
         if final.staleness is not None:
             self.stats.staleness[final.staleness] += 1
-        regenerations = call.regenerations.get(index, 0)
-        again = regeneration_of(request, final, self.settings.client, regenerations, now, self._new_attempt)
+        again = regeneration_of(request, final, self.settings.client, position.regenerations, now, self._new_attempt)
         if again is None:
             return final
         call.renew(index, again.request_id, None)
@@ -538,8 +539,10 @@ class Connection:
         for attempt in lost:
             del self.attempts[attempt.request.request_id]
             call, index = attempt.call, attempt.index
-            call.set(index, ErrorResult(request_id=call.requests[index].request_id, code="shard_unavailable",
-                                        message=message, recoverable=True))  # fmt: skip
+            request_id = call.positions[index].request.request_id
+            call.set(
+                index, ErrorResult(request_id=request_id, code="shard_unavailable", message=message, recoverable=True)
+            )
 
     async def _watch_redis(self, link: ShardLink) -> None:
         """Ask a shard's Redis for its run_id every `REDIS_CHECK_S`; when it changes, resubmit what it no longer

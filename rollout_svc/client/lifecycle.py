@@ -39,9 +39,9 @@ NewAttempt = Callable[[RolloutRequest], tuple[str, str]]
 
 @dataclass(slots=True)
 class Attempt:
-    """One attempt awaited at position `index` of `call`, under `request.request_id` (`call.requests[index]` for the
-    first attempt, a retry or a regeneration of it later). `shard`: where it was enqueued (None until then, and for an
-    attached one). `placed`: its entry there, once Redis answered. `sending`: its enqueues not yet answered.
+    """One attempt awaited at position `index` of `call`, under `request.request_id` (the position's own request for
+    the first attempt, a retry or a regeneration of it later). `shard`: where it was enqueued (None until then, and
+    for an attached one). `placed`: its entry there, once Redis answered. `sending`: its enqueues not yet answered.
     `cancelling`: cancelled, the cancel not yet sent."""
 
     call: Call

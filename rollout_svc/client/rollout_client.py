@@ -300,7 +300,7 @@ class RolloutClient(FleetCalls, TokenCalls):
                     while not queue.empty():
                         index, chunk = _event(queue.get_nowait())
                         if chunk is None:
-                            yield index, self._trajectory(requests[index], call.results[index], raise_on_error)
+                            yield index, self._trajectory(requests[index], call.positions[index].result, raise_on_error)
                     if call.remaining:  # as `generate`: positions that ended with their partial tokens are answers
                         raise self._late(call, timeout_s) from None
                     return
@@ -309,7 +309,7 @@ class RolloutClient(FleetCalls, TokenCalls):
                     yield index, chunk
                 else:
                     finished += 1
-                    yield index, self._trajectory(requests[index], call.results[index], raise_on_error)
+                    yield index, self._trajectory(requests[index], call.positions[index].result, raise_on_error)
         finally:
             if timer is not None:
                 timer.cancel()
@@ -623,8 +623,8 @@ class RolloutClient(FleetCalls, TokenCalls):
 
     @staticmethod
     def _late(call: Call, timeout_s: float) -> RequestTimeoutError:
-        late = [call.requests[i].request_id for i in call.unfinished()]
-        completed = {r.request_id: result for r, result in zip(call.requests, call.results, strict=True) if result}
+        late = [call.positions[i].request.request_id for i in call.unfinished()]
+        completed = {p.request.request_id: p.result for p in call.positions if p.result is not None}
         return RequestTimeoutError(late, timeout_s, completed)
 
     def _trajectories(self, requests: Sequence[Request], results: list[Any], raise_on_error: bool) -> list[Trajectory]:

@@ -67,7 +67,8 @@ async def test_a_retried_request_is_answered_under_its_own_id_with_the_times_of_
     call.renew(0, "r-7", cut)
     cut_again = trajectory("r-7", finish_reason="abort", abort_cause="pause", queue_time_s=0.25, generation_time_s=2.0)
     call.renew(0, "r-8", cut_again)
-    assert call.attempt_ids == ["r-8"] and call.partial == [cut_again] and call.regenerations == {}
+    [position] = call.positions
+    assert position.attempt_id == "r-8" and position.partial == cut_again and position.regenerations == 0
 
     last = trajectory("r-8", interruptions=2, queue_time_s=0.125, generation_time_s=4.0)
     merged = call.merged(0, last)
@@ -80,7 +81,8 @@ async def test_a_regenerated_request_is_answered_under_its_own_id_with_the_times
     call = Call(requests(1), asyncio.get_running_loop())
     call.renew(0, "r-5", trajectory("r-0", finish_reason="abort", abort_cause="pause", generation_time_s=1.0))
     call.renew(0, "r-6", None)  # dropped as stale: starts over
-    assert call.attempt_ids == ["r-6"] and call.partial == [None] and call.regenerations == {0: 1}
+    [position] = call.positions
+    assert position.attempt_id == "r-6" and position.partial is None and position.regenerations == 1
 
     merged = call.merged(0, trajectory("r-6", queue_time_s=0.5, generation_time_s=2.0, staleness=0))
     assert merged.request_id == "r-0" and (merged.queue_time_s, merged.generation_time_s) == (0.5, 2.0)
