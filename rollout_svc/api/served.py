@@ -11,8 +11,7 @@ from typing import Generic, TypeVar
 
 from fastapi import Request
 
-from rollout_svc.client.fleet_calls import AdapterSpec
-from rollout_svc.client.rollout_client import RolloutClient
+from rollout_svc.client.rollout_client import AdapterSpec, RolloutClient
 from rollout_svc.openai.errors import APIError
 from rollout_svc.protocol import WorkerStatus
 

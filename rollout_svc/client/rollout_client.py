@@ -4,44 +4,35 @@ the fleet (pause, resume, abort, sleep)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-from pydantic import ValidationError
-
-from rollout_svc.client.calls import Call, ClientStats, GroupTarget
-from rollout_svc.client.connection import Connection
+from rollout_svc.client.calls import ClientStats
+from rollout_svc.client.connection import CallRunner, Connection, IdsPrompt, Params, Prompt, RequestBuilder
 from rollout_svc.client.expected import ExpectedLengths
-from rollout_svc.client.fleet_calls import FleetCalls
-from rollout_svc.client.lifecycle import error_trajectory
-from rollout_svc.client.partial import check_target, continued_fields
+from rollout_svc.client.partial import check_target
 from rollout_svc.client.steps import StepReport, step_report
-from rollout_svc.client.token_calls import TokenCalls
 from rollout_svc.config import Settings
 from rollout_svc.connections.urls import warn_if_evicting
-from rollout_svc.errors import GenerationError, InvalidRequestError, RequestTimeoutError
+from rollout_svc.control.lora import AdapterSpec
+from rollout_svc.control.plane import DEFAULT_HOLDER, FleetState
+from rollout_svc.errors import InvalidRequestError, ModelNotFoundError
 from rollout_svc.protocol import (
     ChatMessage,
-    ErrorResult,
-    Request,
+    DetokenizeRequest,
+    PauseMode,
     RolloutRequest,
-    SamplingParams,
+    TokenizeRequest,
     Trajectory,
     TrajectoryChunk,
-    as_sampling_params,
+    WorkerStatus,
 )
 
-T = TypeVar("T")
 _CHECKED_EVICTION: set[str] = set()  # Redis URLs whose maxmemory-policy this process has checked
-Params = SamplingParams | dict[str, Any] | None
-# A prompt of `stream`: token ids, text (tokenized by the worker, special tokens added), or chat messages.
-Prompt = Sequence[int] | str | Sequence[dict[str, Any] | ChatMessage]
-# A prompt of `generate`: token ids, or a trajectory a completion target cut, to continue.
-IdsPrompt = Sequence[int] | Trajectory
+__all__ = ["AdapterSpec", "IdsPrompt", "Params", "Prompt", "RolloutClient"]
 
 
-class RolloutClient(FleetCalls, TokenCalls):
+class RolloutClient:
     """Async client of the rollout service. Holds only its settings, so it pickles (to Ray actors, say).
 
     Example (start a local cluster first: `rollout-svc up --workers 2 --engine vllm`)::
@@ -77,9 +68,12 @@ class RolloutClient(FleetCalls, TokenCalls):
         client, for a job that may be run again and must collect what an earlier run enqueued (see `run`)."""
         self.settings = settings.copy_with(**overrides) if settings else Settings(**overrides)
         self.producer_id = producer_id
-        self._connection: Connection | None = None
-        self._starting: asyncio.Future[None] | None = None  # the current connection's start, awaited by every caller
-        self._last_step: tuple[Call, float, float] | None = None  # the last generation call, its start and end (unix s)
+        self._parts()
+
+    def _parts(self) -> None:
+        self._connector = Connector(self.settings, self.producer_id)
+        self._connect = self._connector.get  # the started connection of this event loop
+        self._runner = CallRunner()  # runs its calls, and keeps the last one for `step_report`
         self.expected_lengths = ExpectedLengths()  # per prompt, from the groups `sample` returned
 
     def __getstate__(self) -> dict[str, Any]:
@@ -88,8 +82,7 @@ class RolloutClient(FleetCalls, TokenCalls):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.settings = Settings.model_validate(state["settings"])
         self.producer_id = state.get("producer_id")
-        self._connection, self._starting = None, None
-        self._last_step, self.expected_lengths = None, ExpectedLengths()
+        self._parts()
 
     async def __aenter__(self) -> RolloutClient:
         await self._connect()
@@ -100,42 +93,13 @@ class RolloutClient(FleetCalls, TokenCalls):
 
     async def close(self) -> None:
         """Stop the reader and delete this producer's results stream."""
-        if self._connection is not None:
-            connection, starting, self._connection, self._starting = self._connection, self._starting, None, None
-            if starting is not None and not starting.done():
-                starting.cancel()
-                await asyncio.gather(starting, return_exceptions=True)
-            await connection.close()
-
-    async def _connect(self) -> Connection:
-        """The started connection of this event loop. Concurrent first calls share one start (none sees a
-        connection before it has discovered the shards); a start that failed is tried again by the next call."""
-        connection, starting = self._connection, self._starting
-        if _started(starting) and connection is not None and connection.loop is asyncio.get_running_loop():
-            return connection  # no shield, no await: this runs several times a request
-        if connection is None or connection.loop is not asyncio.get_running_loop():
-            connection = self._connection = Connection(self.settings, self.producer_id)
-            self._starting = asyncio.ensure_future(self._start(connection))
-        starting = self._starting
-        assert starting is not None  # set with the connection
-        try:
-            await asyncio.shield(starting)  # a done start: at once
-        except BaseException:
-            if starting.done() and self._connection is connection:
-                self._connection = self._starting = None
-            raise
-        return connection
-
-    async def _start(self, connection: Connection) -> None:
-        await connection.start()
-        if self.settings.redis_url not in _CHECKED_EVICTION:  # once per process and Redis
-            _CHECKED_EVICTION.add(self.settings.redis_url)
-            await warn_if_evicting(connection.redis, "rollout client")
+        await self._connector.close()
 
     @property
     def stats(self) -> ClientStats:
         """Duplicates ignored, token-exact retries and cancels this client has seen on its current connection."""
-        return self._connection.stats if self._connection is not None else ClientStats()
+        connection = self._connector.connection
+        return connection.stats if connection is not None else ClientStats()
 
     # --- generation -----------------------------------------------------------------------------------
 
@@ -185,11 +149,10 @@ class RolloutClient(FleetCalls, TokenCalls):
             ModelNotFoundError: the fleet holds no adapter named `adapter` (nothing was sent).
         """
         check_target(completion_target, cut_after_s)
-        requests = await self._ids_requests(
-            prompt_token_ids, sampling_params, session_ids, group_ids, timeout_s, adapter=adapter
-        )
-        results = await self._run(requests, timeout_s, target=(completion_target, cut_after_s))
-        return self._trajectories(requests, results, raise_on_error)
+        build = RequestBuilder(await self._connect(), timeout_s)
+        requests = build.rollout(build.ids(prompt_token_ids), sampling_params, session_ids, group_ids, adapter=adapter)
+        await self._check_adapter(adapter)
+        return await self._runner.run(build, requests, raise_on_error, (completion_target, cut_after_s))
 
     async def as_completed(
         self,
@@ -216,11 +179,11 @@ class RolloutClient(FleetCalls, TokenCalls):
         With a completion target, the cut ones are yielded last (once their workers answered the cut).
         """
         check_target(completion_target, cut_after_s)
-        requests = await self._ids_requests(
-            prompt_token_ids, sampling_params, session_ids, group_ids, timeout_s, adapter=adapter
-        )
+        build = RequestBuilder(await self._connect(), timeout_s)
+        requests = build.rollout(build.ids(prompt_token_ids), sampling_params, session_ids, group_ids, adapter=adapter)
+        await self._check_adapter(adapter)
         target = (completion_target, cut_after_s)
-        async for index, event in self._events(requests, timeout_s, raise_on_error, chunks=False, target=target):
+        async for index, event in self._runner.events(build, requests, raise_on_error, chunks=False, target=target):
             assert isinstance(event, Trajectory)
             yield index, event
 
@@ -254,69 +217,14 @@ class RolloutClient(FleetCalls, TokenCalls):
         token-exact retry chunks may repeat tokens already seen (same offset), so keep them by offset. Leaving the
         loop early cancels the requests not yet finished. Same errors as `generate`.
         """
-        requests = await self._prompt_requests(
-            prompts,
-            sampling_params,
-            session_ids,
-            group_ids,
-            timeout_s,
-            None,
-            stream=chunks,
-            tools=tools,
-            parse_tool_calls=parse_tool_calls,
-            chat_template_kwargs=chat_template_kwargs,
-            adapter=adapter,
+        build = RequestBuilder(await self._connect(), timeout_s)
+        template = {"tools": tools, "parse_tool_calls": parse_tool_calls, "chat_template_kwargs": chat_template_kwargs}
+        requests = build.rollout(
+            build.prompts(prompts), sampling_params, session_ids, group_ids, stream=chunks, adapter=adapter, **template
         )
-        async for event in self._events(requests, timeout_s, raise_on_error, chunks=chunks):
+        await self._check_adapter(adapter)
+        async for event in self._runner.events(build, requests, raise_on_error, chunks=chunks):
             yield event
-
-    async def _events(
-        self,
-        requests: list[RolloutRequest],
-        timeout_s: float | None,
-        raise_on_error: bool,
-        chunks: bool,
-        target: tuple[float | None, float | None] = (None, None),
-    ) -> AsyncIterator[tuple[int, TrajectoryChunk | Trajectory]]:
-        """Submit `requests` and yield `(index, chunk)` (with `chunks`) and `(index, trajectory)` as they arrive;
-        `target`: (completion target, cut after s), as `generate`'s."""
-        connection = await self._connect()
-        call = connection.new_call(requests, chunks=chunks)
-        timeout_s = self._timeout(timeout_s)
-        started, timer = time.time(), None
-        # With chunks every event (chunks, then each position's end) comes through `call.events`, else through
-        # `call.completed`: one queue, so nothing is yielded twice.
-        queue: asyncio.Queue[Any] = call.events if call.events is not None else call.completed
-        finished = 0
-        try:
-            await connection.submit(call)
-            timer = self._watch(connection, call, target)
-            deadline = time.monotonic() + timeout_s
-            while finished < len(requests):
-                try:
-                    event = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
-                except TimeoutError:
-                    call.expire()
-                    while not queue.empty():
-                        index, chunk = _event(queue.get_nowait())
-                        if chunk is None:
-                            yield index, self._trajectory(requests[index], call.positions[index].result, raise_on_error)
-                    if call.remaining:  # as `generate`: positions that ended with their partial tokens are answers
-                        raise self._late(call, timeout_s) from None
-                    return
-                index, chunk = _event(event)
-                if chunk is not None:
-                    yield index, chunk
-                else:
-                    finished += 1
-                    yield index, self._trajectory(requests[index], call.positions[index].result, raise_on_error)
-        finally:
-            if timer is not None:
-                timer.cancel()
-            if call.remaining:
-                connection.cancel(call)
-            connection.forget(call)
-            self._last_step = (call, started, time.time())
 
     async def sample(
         self,
@@ -351,26 +259,16 @@ class RolloutClient(FleetCalls, TokenCalls):
         if group_placement not in ("spread", "pack"):
             raise InvalidRequestError(f"group_placement must be 'spread' or 'pack', got {group_placement!r}")
         check_target(completion_target, cut_after_s)
-        params = as_sampling_params(sampling_params)
-        await self._check_adapter(adapter)
-        connection = await self._connect()
-        requests, groups, learned = [], [], self.expected_lengths
+        build, learned = RequestBuilder(await self._connect(), timeout_s), self.expected_lengths
         order = learned.order(prompt_token_ids, by_length=expected_lengths)
-        for i, expected in order:
-            prompt, group_id = prompt_token_ids[i], connection.new_id()
-            groups.append(group_id)
-            session_id = group_id if group_placement == "pack" else None
-            for j in range(n):
-                seeded = params if params.seed is None else params.model_copy(update={"seed": params.seed + j})
-                fields = {"prompt_token_ids": list(prompt), "group_id": group_id, "sampling_params": seeded}
-                fields |= {"expected_tokens": expected, "adapter": adapter}
-                requests.append(self._build(RolloutRequest, i, timeout_s, connection, session_id=session_id, **fields))
+        pack = group_placement == "pack"
+        requests, groups = build.samples(prompt_token_ids, n, sampling_params, order, pack, adapter=adapter)
+        await self._check_adapter(adapter)
         try:
-            results = await self._run(requests, timeout_s, target=(completion_target, cut_after_s))
+            flat = await self._runner.run(build, requests, raise_on_error, (completion_target, cut_after_s))
         finally:
-            if group_placement == "pack":  # unpin the groups: their pins would count as sessions for an hour
+            if pack:  # unpin the groups: their pins would count as sessions for an hour
                 await asyncio.gather(*(self.finish_session(g) for g in groups), return_exceptions=True)
-        flat = self._trajectories(requests, results, raise_on_error)
         out: list[list[Trajectory]] = [[] for _ in prompt_token_ids]
         for k, (i, _) in enumerate(order):
             out[i] = flat[k * n : (k + 1) * n]
@@ -392,24 +290,11 @@ class RolloutClient(FleetCalls, TokenCalls):
         The worker applies the model's chat template; `Trajectory.prompt_token_ids` are the ids it used.
         `adapter` and the errors are `generate`'s.
         """
-        params = as_sampling_params(sampling_params)
+        build = RequestBuilder(await self._connect(), timeout_s)
+        prompts = [{"messages": list(conversation)} for conversation in conversations]
+        requests = build.rollout(prompts, sampling_params, session_ids, None, adapter=adapter)
         await self._check_adapter(adapter)
-        sessions = _per_prompt(session_ids, len(conversations), "session_ids")
-        connection = await self._connect()
-        requests = [
-            self._build(
-                RolloutRequest,
-                i,
-                timeout_s,
-                connection,
-                messages=list(c),
-                session_id=sessions[i],
-                sampling_params=params,
-                adapter=adapter,
-            )
-            for i, c in enumerate(conversations)
-        ]
-        return self._trajectories(requests, await self._run(requests, timeout_s), raise_on_error)
+        return await self._runner.run(build, requests, raise_on_error)
 
     async def rollout_requests(
         self,
@@ -430,39 +315,19 @@ class RolloutClient(FleetCalls, TokenCalls):
         own (unique across the fleet; a batch job uses `batch:{id}:{custom_id}`), default fresh ones. Their
         deadline runs from now. `text_as_detokenized`: each trajectory's text as `detokenize` would give it (see
         `RolloutRequest`). `adapter`: `generate`'s. Raises `InvalidRequestError`, `ModelNotFoundError`."""
-        return await self._prompt_requests(
-            prompts,
+        build = RequestBuilder(await self._connect(), timeout_s)
+        template = {"tools": tools, "parse_tool_calls": parse_tool_calls, "chat_template_kwargs": chat_template_kwargs}
+        requests = build.rollout(
+            build.prompts(prompts, request_ids),
             sampling_params,
             session_ids,
             group_ids,
-            timeout_s,
-            request_ids,
-            tools=tools,
-            parse_tool_calls=parse_tool_calls,
-            chat_template_kwargs=chat_template_kwargs,
             text_as_detokenized=text_as_detokenized,
             adapter=adapter,
+            **template,
         )
-
-    async def _prompt_requests(
-        self,
-        prompts: Sequence[Prompt],
-        sampling_params: Params | Sequence[Params],
-        session_ids: Sequence[str | None] | None,
-        group_ids: Sequence[str | None] | None,
-        timeout_s: float | None,
-        request_ids: Sequence[str] | None,
-        **extra: Any,
-    ) -> list[RolloutRequest]:
-        """`_generation_requests` of prompts as `stream` takes them (ids, text or conversations), with `request_ids`
-        of the caller's own if given."""
-        fields = [_prompt_fields(prompt) for prompt in prompts]
-        if request_ids is not None:
-            if len(request_ids) != len(fields):
-                raise InvalidRequestError(f"{len(request_ids)} request ids for {len(fields)} prompts; give one each")
-            for field, request_id in zip(fields, request_ids, strict=True):
-                field["request_id"] = request_id
-        return await self._generation_requests(fields, sampling_params, session_ids, group_ids, timeout_s, **extra)
+        await self._check_adapter(adapter)
+        return requests
 
     async def run(
         self,
@@ -478,195 +343,233 @@ class RolloutClient(FleetCalls, TokenCalls):
         (`producer_id`) enqueued them and their results come to its stream. Same errors as `generate`; a timeout or
         a cancel cancels the unfinished requests on the workers.
         """
-        results = await self._run(requests, timeout_s, enqueued=enqueued)
-        return self._trajectories(requests, results, raise_on_error)
-
-    async def _ids_requests(
-        self,
-        prompts: Sequence[IdsPrompt],
-        sampling_params: Params,
-        session_ids: Sequence[str | None] | None,
-        group_ids: Sequence[str | None] | None,
-        timeout_s: float | None,
-        adapter: str | None = None,
-    ) -> list[RolloutRequest]:
-        """`_generation_requests` of `generate`'s prompts: token ids, or trajectories to continue (their session and
-        group unless the caller names others)."""
-        connection = await self._connect()
-        fields: list[dict[str, Any]] = []
-        sessions = _per_prompt(session_ids, len(prompts), "session_ids")
-        groups = _per_prompt(group_ids, len(prompts), "group_ids")
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, Trajectory):
-                fields.append(continued_fields(i, prompt, connection.new_id()))
-                sessions[i] = sessions[i] or fields[-1].pop("session_id")
-                groups[i] = groups[i] or fields[-1].pop("group_id")
-            else:
-                fields.append({"prompt_token_ids": list(prompt)})
-        return await self._generation_requests(fields, sampling_params, sessions, groups, timeout_s, adapter=adapter)
-
-    async def _generation_requests(
-        self,
-        prompts: Sequence[dict[str, Any]],
-        sampling_params: Params | Sequence[Params],
-        session_ids: Sequence[str | None] | None,
-        group_ids: Sequence[str | None] | None,
-        timeout_s: float | None,
-        **extra: Any,
-    ) -> list[RolloutRequest]:
-        """Validated rollout requests: `prompts[i]` holds request i's prompt field (and may hold its `request_id`),
-        `sampling_params` is shared or one per prompt, `extra` (streaming, tools) goes into every request. Raises
-        `InvalidRequestError`."""
-        if isinstance(sampling_params, (list, tuple)):
-            params = [as_sampling_params(p) for p in sampling_params]
-            if len(params) != len(prompts):
-                raise InvalidRequestError(f"{len(params)} sampling params for {len(prompts)} prompts; give one each")
-        else:
-            params = [as_sampling_params(sampling_params)] * len(prompts)  # type: ignore[arg-type]
-        sessions = _per_prompt(session_ids, len(prompts), "session_ids")
-        groups = _per_prompt(group_ids, len(prompts), "group_ids")
-        await self._check_adapter(extra.get("adapter"))
-        connection = await self._connect()
-        return [
-            self._build(
-                RolloutRequest,
-                i,
-                timeout_s,
-                connection,
-                **prompt,
-                session_id=sessions[i],
-                group_id=groups[i],
-                sampling_params=params[i],
-                **extra,
-            )
-            for i, prompt in enumerate(prompts)
-        ]
-
-    def _timeout(self, timeout_s: float | None) -> float:
-        return self.settings.client.request_timeout_s if timeout_s is None else timeout_s
-
-    def _build(self, cls: type[T], index: int, timeout_s: float | None, connection: Connection, **fields: Any) -> T:
-        """Validate one request before anything is sent, addressed to the shard it will go to (its `reply_to`, the
-        results stream there) with its deadline. Raises `InvalidRequestError` naming its index."""
-        now = time.time()
-        fields.setdefault("request_id", connection.new_id())
-        try:
-            return cls(  # type: ignore[call-arg]
-                reply_to=connection.reply_to(fields.get("session_id")),
-                deadline=now + self._timeout(timeout_s),
-                submitted_at=now,
-                **fields,
-            )
-        except ValidationError as exc:
-            raise InvalidRequestError(f"request {index} is invalid: {exc}") from exc
-
-    async def _run(
-        self,
-        requests: Sequence[Request],
-        timeout_s: float | None,
-        enqueued: bool = False,
-        target: tuple[float | None, float | None] = (None, None),
-    ) -> list[Any]:
-        """Enqueue a batch (unless `enqueued`: then only await it) and await every result, in order. Cancelled or
-        failed: its requests are cancelled. `target`: (completion target, cut after s), as `generate`'s."""
-        if not requests:
-            return []
-        connection = await self._connect()
-        call = connection.new_call(requests)
-        timeout_s = self._timeout(timeout_s)
-        started, timer = time.time(), None
-        try:
-            if enqueued:
-                connection.attach(call)
-            else:
-                await connection.submit(call)
-            timer = self._watch(connection, call, target)
-            deadline = connection.loop.call_later(timeout_s, _resolve, call.done)  # wakes this caller in time
-            try:
-                await call.done  # not asyncio.wait: one loop iteration less between the last result and the caller
-            finally:
-                deadline.cancel()
-            if call.remaining:
-                call.expire()
-            if call.remaining:
-                raise self._late(call, timeout_s)
-            return call.results
-        finally:
-            if timer is not None:
-                timer.cancel()
-            if call.remaining:
-                connection.cancel(call)
-            connection.forget(call)
-            if isinstance(requests[0], RolloutRequest):
-                self._last_step = (call, started, time.time())
-
-    @staticmethod
-    def _watch(
-        connection: Connection, call: Call, target: tuple[float | None, float | None]
-    ) -> asyncio.TimerHandle | None:
-        """Cut `call` once `target` (completion target, cut after s) is met; returns the timer to cancel, if any."""
-        fraction, after_s = target
-        if fraction is not None:
-            call.watch(GroupTarget(call.requests, fraction), lambda: connection.cut(call))
-        return None if after_s is None else connection.loop.call_later(after_s, connection.cut, call)
+        build = RequestBuilder(await self._connect(), timeout_s)
+        return await self._runner.run(build, requests, raise_on_error, enqueued=enqueued)
 
     async def step_report(self) -> StepReport:
         """How this client's last generation call (generate, sample, chat, as_completed, stream, run) used the
         fleet: makespan, busy time per worker (the live workers that served none count idle), idle fraction,
         cuts and moves (`StepReport`). Raises `InvalidRequestError` before the first such call."""
-        if self._last_step is None:
+        if self._runner.last_step is None:
             raise InvalidRequestError("no generation call yet: step_report() describes the last one")
-        call, started, ended = self._last_step
+        call, started, ended = self._runner.last_step
         trajectories = [r for r in call.results if isinstance(r, Trajectory)]
         live = [w.worker_id for w in await self.workers()]
         return step_report(trajectories, started, ended, live)
 
-    @staticmethod
-    def _late(call: Call, timeout_s: float) -> RequestTimeoutError:
-        late = [call.positions[i].request.request_id for i in call.unfinished()]
-        completed = {p.request.request_id: p.result for p in call.positions if p.result is not None}
-        return RequestTimeoutError(late, timeout_s, completed)
+    # --- control ----------------------------------------------------------------------------------------
 
-    def _trajectories(self, requests: Sequence[Request], results: list[Any], raise_on_error: bool) -> list[Trajectory]:
-        return [self._trajectory(r, result, raise_on_error) for r, result in zip(requests, results, strict=True)]
+    async def pause(
+        self,
+        mode: PauseMode = "keep",
+        *,
+        holder: str = DEFAULT_HOLDER,
+        timeout_s: float | None = None,
+        lease_s: float | None = None,
+        renew: bool = True,
+    ) -> int:
+        """Pause the fleet: no worker takes rollout requests (they wait in the queue; deadlines keep running).
 
-    @staticmethod
-    def _trajectory(request: Request, result: Any, raise_on_error: bool) -> Trajectory:
-        if isinstance(result, ErrorResult):
-            if raise_on_error:
-                raise GenerationError(result.request_id, result.code, result.message, result.recoverable)
-            assert isinstance(request, RolloutRequest)
-            return error_trajectory(request, result)
-        return result
+        `mode`: `keep` freezes in-flight requests with their KV cache until `resume`; `abort` cuts them (this
+        client's own come back whole, retried token-exact after `resume`); `wait` returns once they finished.
+        `holder` names who pauses (the fleet stays paused while any holder does). The pause is held under a lease
+        of `lease_s` seconds (default `Settings.client.pause_lease_s`, 20 s) that this client renews while it is
+        open: if this process dies, hangs or closes without `resume`, the pause lapses and the fleet serves again
+        within the lease plus one heartbeat. `lease_s=0`: held until `resume`, whatever becomes of this process;
+        `renew=False`: a timed pause, lapsing `lease_s` after it was issued. Returns the control epoch once every
+        live worker acknowledged. Raises `ControlTimeoutError` naming those that did not within `timeout_s`
+        (default `Settings.client.control_timeout_s`); the pause stays written, so a retry converges.
+        """
+        connection = await self._connect()
+        lease_s = connection.settings.client.pause_lease_s if lease_s is None else lease_s
+        return await connection.control.pause(mode, holder=holder, timeout_s=timeout_s, lease_s=lease_s, renew=renew)
+
+    async def resume(self, *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None) -> int:
+        """Release `holder`'s pause; kept requests continue, queued ones start. Returns the epoch once acked."""
+        return await (await self._connect()).control.resume(holder=holder, timeout_s=timeout_s)
+
+    async def pause_generation(self, mode: PauseMode = "keep", *, timeout_s: float | None = None) -> int:
+        """SkyRL's name for `pause` (keep mode by default: in-flight requests freeze and continue on resume)."""
+        return await self.pause(mode, timeout_s=timeout_s)
+
+    async def resume_generation(self, *, timeout_s: float | None = None) -> int:
+        """SkyRL's name for `resume`."""
+        return await self.resume(timeout_s=timeout_s)
+
+    async def is_paused(self, per_worker: bool = False) -> bool | dict[str, bool]:
+        """Whether the fleet is paused (its desired state); `per_worker=True`: {worker id: paused or asleep}."""
+        connection = await self._connect()
+        if per_worker:
+            return {w.worker_id: w.state in ("paused", "sleeping") for w in await connection.registry.live_workers()}
+        return (await connection.control.state()).paused
+
+    async def abort(
+        self,
+        request_ids: Sequence[str] | None = None,
+        *,
+        session_id: str | None = None,
+        all: bool = False,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Abort requests without pausing: exactly one of `request_ids`, `session_id` or `all=True`.
+
+        In-flight ones return partial trajectories and queued ones are answered unrun, all with
+        `finish_reason="abort"`, `abort_cause="user"`; an explicit abort is final (not retried). A session or
+        `all` abort hits requests enqueued before it; later ones run. Returns the epoch once every live worker
+        acknowledged (`ControlTimeoutError` otherwise).
+        """
+        return await (await self._connect()).control.abort(request_ids, session_id, all, timeout_s=timeout_s)
+
+    async def sleep(self, level: int = 1, mode: PauseMode = "abort", *, timeout_s: float | None = None) -> int:
+        """Put every engine to sleep (vLLM sleep mode; on CPU no memory is freed: `WorkerStatus.memory_released`).
+
+        A sleeping worker takes no rollout requests; in-flight ones are first paused as `mode` says.
+        """
+        return await (await self._connect()).control.sleep(level, mode, timeout_s=timeout_s)
+
+    async def wake_up(self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None) -> int:
+        """Wake the engines (all memory, or only the pools `tags` names); the pause state from before returns."""
+        return await (await self._connect()).control.wake_up(tags, timeout_s=timeout_s)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, *, timeout_s: float | None = None) -> int:
+        """Drop every engine's prefix cache (`ControlCommandError` names workers whose engine refused)."""
+        control = (await self._connect()).control
+        return await control.reset_prefix_cache(reset_running_requests, timeout_s=timeout_s)
+
+    async def fleet_state(self) -> FleetState:
+        """The fleet's desired control state: epoch, pause holders and mode, sleep level."""
+        return await (await self._connect()).control.state()
+
+    # --- LoRA adapters ----------------------------------------------------------------------------------
+
+    async def load_adapter(
+        self, name: str, path: str, *, version: int | None = None, timeout_s: float | None = None
+    ) -> int:
+        """Load the LoRA adapter in directory `path` (peft's `save_pretrained` output, under the workers'
+        checkpoint root) as `name` on every worker, or a new version of `name`: requests on the old version finish
+        on it, new ones take the new one, nothing pauses. Returns the version (default: the newest + 1) once every
+        live worker loaded it. Raises `ControlCommandError` naming each worker whose load failed and why."""
+        return await (await self._connect()).control.load_adapter(name, path, version=version, timeout_s=timeout_s)
+
+    async def unload_adapter(self, name: str, *, timeout_s: float | None = None) -> int:
+        """Drop adapter `name` fleet-wide (requests running on it finish); requests for it then raise
+        `ModelNotFoundError`. Returns the epoch."""
+        return await (await self._connect()).control.unload_adapter(name, timeout_s=timeout_s)
+
+    async def adapters(self) -> dict[str, AdapterSpec]:
+        """The adapters the fleet holds: name -> its newest version and directory."""
+        return (await self.fleet_state()).adapters
+
+    async def _check_adapter(self, name: str | None) -> None:
+        """Raise `ModelNotFoundError` unless the fleet holds adapter `name` (None: the base model, always)."""
+        if name is not None and name not in (held := await self.adapters()):
+            raise ModelNotFoundError(name, sorted(held))
+
+    # --- sessions and fleet -----------------------------------------------------------------------------
+
+    async def finish_session(self, session_id: str) -> bool:
+        """Unpin a session: its next request is placed anew. Returns whether it was pinned."""
+        return await (await self._connect()).session_streams(session_id).finish_session(session_id)
+
+    async def session_worker(self, session_id: str) -> str | None:
+        """The worker a session is pinned to, or None."""
+        return await (await self._connect()).session_streams(session_id).pinned_worker(session_id)
+
+    async def workers(self) -> list[WorkerStatus]:
+        """Live workers (heartbeat not expired), sorted by id, with their control state (`state`, `applied_epoch`)."""
+        return await (await self._connect()).registry.live_workers()
+
+    async def named_models(self) -> list[str]:
+        """The named models whose workers ever registered in this deployment (`Settings.model_name`; each has queues
+        and control state of its own: address one with `RolloutClient(settings, model_name=...)`)."""
+        return await (await self._connect()).fleet.named_models()
+
+    async def world_size(self) -> int:
+        """GPUs (ranks) behind the live workers: each worker's tensor x pipeline x data parallel size, summed (1 per
+        echo or sim engine). `len(await workers())` counts worker processes."""
+        return sum(w.weight_ranks for w in await self.workers())
+
+    # --- the tokenizer (a worker's: the client needs none) -------------------------------------------
+
+    async def tokenize(
+        self, texts: Sequence[str], add_special_tokens: bool = True, *, timeout_s: float | None = None
+    ) -> list[list[int]]:
+        """Token ids of each text, from a worker's tokenizer (the client needs none). Served while paused."""
+        build = RequestBuilder(await self._connect(), timeout_s)
+        fields = [{"text": text, "add_special_tokens": add_special_tokens} for text in texts]
+        requests = [build.request(TokenizeRequest, i, f) for i, f in enumerate(fields)]
+        return [r.token_ids for r in await self._runner.run(build, requests, raise_on_error=True)]
+
+    async def apply_chat_template(
+        self,
+        conversations: Sequence[Sequence[dict[str, Any]]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[list[int]]:
+        """Prompt token ids of each conversation under the model's chat template, with a generation prompt (unless
+        `chat_template_kwargs` says otherwise: `add_generation_prompt`, `continue_final_message`, `chat_template`).
+        `tools`: OpenAI's function tools, for the template."""
+        build = RequestBuilder(await self._connect(), timeout_s)
+        template = {"tools": tools, "chat_template_kwargs": chat_template_kwargs}
+        requests = [
+            build.request(TokenizeRequest, i, {"messages": list(c), **template}) for i, c in enumerate(conversations)
+        ]
+        return [r.token_ids for r in await self._runner.run(build, requests, raise_on_error=True)]
+
+    async def detokenize(
+        self, token_ids: Sequence[Sequence[int]], skip_special_tokens: bool = True, *, timeout_s: float | None = None
+    ) -> list[str]:
+        """Text of each list of token ids, from a worker's tokenizer."""
+        build = RequestBuilder(await self._connect(), timeout_s)
+        fields = [{"token_ids": list(ids), "skip_special_tokens": skip_special_tokens} for ids in token_ids]
+        requests = [build.request(DetokenizeRequest, i, f) for i, f in enumerate(fields)]
+        return [r.text for r in await self._runner.run(build, requests, raise_on_error=True)]
 
 
-def _event(event: int | tuple[int, TrajectoryChunk | None]) -> tuple[int, TrajectoryChunk | None]:
-    """An entry of `Call.completed` (a position that finished) or `Call.events`, as `(position, chunk or None)`."""
-    return (event, None) if isinstance(event, int) else event
+class Connector:
+    """The started connection of the running event loop, made on first use (`get`). Concurrent first calls share one
+    start (none sees a connection before it has discovered the shards); a start that failed is tried again by the
+    next call; a call on another event loop gets a connection of its own."""
 
+    def __init__(self, settings: Settings, producer_id: str | None) -> None:
+        self.settings, self.producer_id = settings, producer_id
+        self.connection: Connection | None = None
+        self._starting: asyncio.Future[None] | None = None  # the current connection's start, awaited by every caller
 
-def _prompt_fields(prompt: Prompt) -> dict[str, Any]:
-    """The RolloutRequest field a prompt goes in: `prompt` (text), `messages` (a conversation) or token ids."""
-    if isinstance(prompt, str):
-        return {"prompt": prompt}
-    items = list(prompt)
-    if items and not isinstance(items[0], int):
-        return {"messages": items}
-    return {"prompt_token_ids": items}
+    async def get(self) -> Connection:
+        """The started connection. Raises the Redis error if no shard can be reached."""
+        connection, starting = self.connection, self._starting
+        if _started(starting) and connection is not None and connection.loop is asyncio.get_running_loop():
+            return connection  # no shield, no await: this runs several times a request
+        if connection is None or connection.loop is not asyncio.get_running_loop():
+            connection = self.connection = Connection(self.settings, self.producer_id)
+            self._starting = asyncio.ensure_future(self._start(connection))
+        starting = self._starting
+        assert starting is not None  # set with the connection
+        try:
+            await asyncio.shield(starting)  # a done start: at once
+        except BaseException:
+            if starting.done() and self.connection is connection:
+                self.connection = self._starting = None
+            raise
+        return connection
 
+    async def _start(self, connection: Connection) -> None:
+        await connection.start()
+        if self.settings.redis_url not in _CHECKED_EVICTION:  # once per process and Redis
+            _CHECKED_EVICTION.add(self.settings.redis_url)
+            await warn_if_evicting(connection.redis, "rollout client")
 
-def _per_prompt(values: Sequence[str | None] | None, count: int, name: str) -> list[str | None]:
-    if values is None:
-        return [None] * count
-    if len(values) != count:
-        raise InvalidRequestError(f"{name} has {len(values)} entries for {count} prompts; give one per prompt")
-    return list(values)
-
-
-def _resolve(done: asyncio.Future[None]) -> None:
-    """A call's deadline: wake its caller, which then expires what did not finish."""
-    if not done.done():
-        done.set_result(None)
+    async def close(self) -> None:
+        """Close the connection, if any (a start under way is cancelled first)."""
+        if self.connection is not None:
+            connection, starting, self.connection, self._starting = self.connection, self._starting, None, None
+            if starting is not None and not starting.done():
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+            await connection.close()
 
 
 def _started(start: asyncio.Future[None] | None) -> bool:

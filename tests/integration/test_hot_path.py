@@ -15,7 +15,7 @@ import uvloop
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from rollout_svc.client.connection import Connection
+from rollout_svc.client.results import ResultRouter
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.connections.urls import redis_async
@@ -226,18 +226,18 @@ async def test_a_caller_answers_before_the_reader_sends_its_next_read(
     With one turn (`CALLER_TURNS` 1) each answer came after the next read."""
     echo_workers(1)
     events: list[str] = []
-    read_results, route = RequestStreams.read_results, Connection._route
+    read_results, route = RequestStreams.read_results, ResultRouter.route
 
     async def logged_read(self: RequestStreams, *args: object, **kwargs: object) -> object:
         events.append("read")
         return await read_results(self, *args, **kwargs)
 
-    def logged_route(self: Connection, payload: bytes) -> None:
+    def logged_route(self: ResultRouter, payload: bytes) -> None:
         events.append("result")
         route(self, payload)
 
     monkeypatch.setattr(RequestStreams, "read_results", logged_read)
-    monkeypatch.setattr(Connection, "_route", logged_route)
+    monkeypatch.setattr(ResultRouter, "route", logged_route)
     loop = asyncio.get_running_loop()
     async with RolloutClient(settings) as client:
         for i in range(5):

@@ -58,7 +58,7 @@ def test_a_client_pickles_with_its_settings_by_concern():
     client = RolloutClient(redis_url="redis://h:1/0", max_staleness=1, request_timeout_s=9)
     again = pickle.loads(pickle.dumps(client))
     assert again.settings == client.settings and again.settings.client.max_staleness == 1
-    assert len(again.expected_lengths) == 0 and again._last_step is None  # fresh state, as a new client's
+    assert len(again.expected_lengths) == 0 and again._runner.last_step is None  # fresh state, as a new client's
 
 
 def test_every_engine_setting_is_an_option_of_up_and_demo():

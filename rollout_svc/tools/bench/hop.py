@@ -27,6 +27,7 @@ from typing import Any
 import redis
 from rich.console import Console
 
+from rollout_svc.client.calls import Call
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.connections.urls import redis_sync
@@ -311,7 +312,7 @@ async def _enqueue(settings: Settings, prompts: list[list[int]], count: int) -> 
             size = min(MEMORY_CHUNK, count - start)
             chunk = [prompts[(start + i) % len(prompts)] for i in range(size)]
             requests = await client.rollout_requests(chunk, {"max_tokens": 16}, timeout_s=3600)
-            call = connection.new_call(requests)
+            call = Call(requests, connection.loop)
             await connection.submit(call)
             connection.forget(call)
             payload_bytes += sum(len(encode(r)) for r in requests)

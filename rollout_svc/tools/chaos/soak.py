@@ -51,7 +51,8 @@ from typing import IO, Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from rollout_svc.client.rollout_client import RolloutClient, error_trajectory
+from rollout_svc.client.lifecycle import error_trajectory
+from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.connections.urls import redis_async
 from rollout_svc.errors import RequestTimeoutError, RolloutError
 from rollout_svc.keys import WORKERS_GROUP, Keys
