@@ -27,8 +27,9 @@ from redis.exceptions import RedisError
 from rollout_svc.config import Settings
 from rollout_svc.connections.topology import close_router, redis_router, shard_url
 from rollout_svc.connections.urls import redis_async_bounded
+from rollout_svc.control.commands import Command
 from rollout_svc.control.leases import PauseLeases
-from rollout_svc.control.plane import DEFAULT_HOLDER, ControlPlane, FleetState, PauseMode
+from rollout_svc.control.plane import ControlPlane, FleetState
 from rollout_svc.dataplane.registry import Registry
 from rollout_svc.dataplane.streams import RequestStreams
 from rollout_svc.errors import InvalidRequestError
@@ -225,9 +226,10 @@ class FleetRegistry:
 
 
 class FleetControl:
-    """`ControlPlane`'s issuer side over every shard: each command is issued in every shard at once and returns once
-    every shard's live workers acknowledged it (the largest epoch is returned). Errors as `ControlPlane`'s, with a
-    note naming the shard. Leased pauses it issued with `renew` are renewed while it lives (`leases`)."""
+    """`ControlPlane`'s issuer side over every shard: a command is issued in every shard at once (`issue`) and
+    returns once every shard's live workers acknowledged it (the largest epoch is returned). Errors as
+    `ControlPlane`'s, with a note naming the shard. Leased pauses it issued with `renew` are renewed while it lives
+    (`leases`)."""
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
@@ -241,30 +243,21 @@ class FleetControl:
         """Stop renewing leases (the pauses lapse after them unless resumed); the links are the fleet's."""
         await self.leases.close()
 
-    async def _all(self, call: Callable[[ControlPlane], Awaitable[int]]) -> int:
+    async def issue(self, command: Command, *, timeout_s: float | None = None) -> int:
+        """`command` (built by `control.commands`) issued in every shard at once (`ControlPlane.issue`); returns the
+        largest epoch once every shard's live workers acknowledged it. A leased pause with `renew` is renewed while
+        this object lives; a pause without, or a resume, of a holder stops its renewal here."""
+        if command.renew:
+            with self.leases.issuing(command.args["holder"], command.args["lease_s"]):
+                return await self._each(command, timeout_s)
+        if command.kind in ("pause", "resume"):
+            self.leases.release(command.args["holder"])
+        return await self._each(command, timeout_s)
+
+    async def _each(self, command: Command, timeout_s: float | None) -> int:
         await self.fleet.refresh()
-        return max((await self.fleet.each(lambda link: call(link.control))).values(), default=0)
-
-    async def pause(
-        self,
-        mode: PauseMode = "keep",
-        *,
-        holder: str = DEFAULT_HOLDER,
-        timeout_s: float | None = None,
-        lease_s: float = 0.0,
-        renew: bool = True,
-    ) -> int:
-        """`lease_s` > 0: the pause lapses that long after it was issued, or (with `renew`) after this object's last
-        renewal: it is renewed while this process lives. 0: held until `resume`."""
-        if lease_s <= 0 or not renew:
-            self.leases.release(holder)
-            return await self._all(lambda c: c.pause(mode, holder=holder, timeout_s=timeout_s, lease_s=lease_s))
-        with self.leases.issuing(holder, lease_s):
-            return await self._all(lambda c: c.pause(mode, holder=holder, timeout_s=timeout_s, lease_s=lease_s))
-
-    async def resume(self, *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None) -> int:
-        self.leases.release(holder)
-        return await self._all(lambda c: c.resume(holder=holder, timeout_s=timeout_s))
+        epochs = await self.fleet.each(lambda link: link.control.issue(command, timeout_s=timeout_s))
+        return max(epochs.values(), default=0)
 
     async def renew_lease(self, holder: str, lease_s: float) -> bool:
         """Extend `holder`'s leased pause in every shard; whether every shard still holds it."""
@@ -272,39 +265,14 @@ class FleetControl:
         held = await self.fleet.each(lambda link: link.control.renew_lease(holder, lease_s))
         return all(held.values())
 
-    async def abort(
-        self,
-        request_ids: Sequence[str] | None = None,
-        session_id: str | None = None,
-        all: bool = False,
-        *,
-        timeout_s: float | None = None,
-    ) -> int:
-        return await self._all(lambda c: c.abort(request_ids, session_id, all, timeout_s=timeout_s))
-
-    async def sleep(self, level: int = 1, mode: PauseMode = "abort", *, timeout_s: float | None = None) -> int:
-        return await self._all(lambda c: c.sleep(level, mode, timeout_s=timeout_s))
-
-    async def wake_up(self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None) -> int:
-        return await self._all(lambda c: c.wake_up(tags, timeout_s=timeout_s))
-
-    async def reset_prefix_cache(self, reset_running_requests: bool = False, *, timeout_s: float | None = None) -> int:
-        return await self._all(lambda c: c.reset_prefix_cache(reset_running_requests, timeout_s=timeout_s))
-
-    async def load_adapter(
-        self, name: str, path: str, *, version: int | None = None, timeout_s: float | None = None
-    ) -> int:
-        """`ControlPlane.load_adapter` in every shard, at one version (default: the newest any shard had + 1)."""
+    async def next_adapter_version(self, name: str, version: int | None = None) -> int:
+        """The version a load of adapter `name` takes: `version`, or the newest any shard ever had + 1 (each shard's
+        issue refuses one not above its own newest)."""
+        if version is not None:
+            return version
         await self.fleet.refresh()
-        if version is None:
-            newest = await self.fleet.each(lambda link: link.control.newest_adapter_version(name))
-            version = max(newest.values(), default=0) + 1
-        chosen = version
-        await self.fleet.each(lambda link: link.control.load_adapter(name, path, version=chosen, timeout_s=timeout_s))
-        return chosen
-
-    async def unload_adapter(self, name: str, *, timeout_s: float | None = None) -> int:
-        return await self._all(lambda c: c.unload_adapter(name, timeout_s=timeout_s))
+        newest = await self.fleet.each(lambda link: link.control.newest_adapter_version(name))
+        return max(newest.values(), default=0) + 1
 
     async def next_weight_version(self, version: int | None = None) -> int:
         """The version a weight sync commits: `version`, or the committed one plus one. Raises

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from rollout_svc.cli.common import DEFAULT_REDIS_URL, RedisUrl, TimeoutS, run_on_fleet
+from rollout_svc.control import commands
 
 if TYPE_CHECKING:
     from rollout_svc.fleet import FleetControl
@@ -30,9 +32,13 @@ def load(
 ) -> None:
     """Load a LoRA adapter on every worker, or a new version of one: requests running on the old version finish on
     it, new requests take the new one, nothing pauses."""
-    loaded = run_on_fleet(
-        redis_url, f"loading adapter {name}", lambda c: c.load_adapter(name, path, version=version, timeout_s=timeout_s)
-    )
+
+    async def load_at(control: FleetControl) -> int:
+        chosen = await control.next_adapter_version(name, version)
+        await control.issue(commands.load_adapter(name, path, chosen), timeout_s=timeout_s)
+        return chosen
+
+    loaded = run_on_fleet(redis_url, f"loading adapter {name}", load_at)
     typer.echo(f"adapter {name} version {loaded} loaded from {path} by every live worker")
 
 
@@ -43,7 +49,9 @@ def unload(
     timeout_s: TimeoutS = None,
 ) -> None:
     """Unload a LoRA adapter fleet-wide (requests running on it finish); requests for it then get 404."""
-    epoch = run_on_fleet(redis_url, f"unloading adapter {name}", lambda c: c.unload_adapter(name, timeout_s=timeout_s))
+    command = partial(commands.unload_adapter, name)
+    what = f"unloading adapter {name}"
+    epoch = run_on_fleet(redis_url, what, lambda control: control.issue(command(), timeout_s=timeout_s))
     typer.echo(f"adapter {name} unloaded: control epoch {epoch}, acknowledged by every live worker")
 
 

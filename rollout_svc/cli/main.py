@@ -10,8 +10,9 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from enum import StrEnum
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 from urllib.parse import urlparse
@@ -25,11 +26,13 @@ from rollout_svc.cli.dead_letters import dead_letters_app
 from rollout_svc.cli.engine_options import engine_options
 from rollout_svc.cli.lora_commands import adapter_app
 from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.control import commands
+from rollout_svc.control.commands import Command
+from rollout_svc.protocol import PauseMode
 
 if TYPE_CHECKING:
     from rollout_svc.deploy.local import LocalCluster, ModelGroup
     from rollout_svc.deploy.ray import RayWorkerGroup
-    from rollout_svc.fleet import FleetControl
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -474,9 +477,10 @@ class PauseModeChoice(StrEnum):
     wait = "wait"
 
 
-def _control(redis_url: str, what: str, command: Callable[[FleetControl], Awaitable[int]]) -> None:
-    """Run one control command (`run_on_fleet`'s exit codes) and say which epoch every live worker acknowledged."""
-    epoch = run_on_fleet(redis_url, what, command)
+def _control(redis_url: str, what: str, command: Callable[[], Command], timeout_s: float | None) -> None:
+    """Issue the control command `command()` builds in every shard (`run_on_fleet`'s exit codes, a bad argument's
+    too) and say which epoch every live worker acknowledged."""
+    epoch = run_on_fleet(redis_url, what, lambda control: control.issue(command(), timeout_s=timeout_s))
     typer.echo(f"{what}: control epoch {epoch}, acknowledged by every live worker")
 
 
@@ -504,17 +508,15 @@ def pause(
 ) -> None:
     """Pause the fleet: workers take no rollout requests (they wait in the queue) until `resume` (or, with
     `--lease-s`, until that lease lapses: nothing renews it once this command exits)."""
-    _control(
-        redis_url,
-        f"paused ({mode.value})",
-        lambda c: c.pause(mode.value, holder=holder, timeout_s=timeout_s, lease_s=lease_s, renew=False),  # type: ignore[arg-type]
-    )
+    pause_mode: PauseMode = mode.value  # type: ignore[assignment]
+    command = partial(commands.pause, pause_mode, holder=holder, lease_s=lease_s, renew=False)
+    _control(redis_url, f"paused ({mode.value})", command, timeout_s)
 
 
 @app.command()
 def resume(redis_url: RedisUrl = DEFAULT_REDIS_URL, holder: Holder = "operator", timeout_s: TimeoutS = None) -> None:
     """Release a pause: workers take requests again once no holder holds one."""
-    _control(redis_url, "resumed", lambda c: c.resume(holder=holder, timeout_s=timeout_s))
+    _control(redis_url, "resumed", partial(commands.resume, holder=holder), timeout_s)
 
 
 @app.command()
@@ -529,7 +531,8 @@ def abort(
     if sum((all_requests, session is not None, bool(request))) != 1:
         typer.echo("give exactly one of --all, --session ID, --request ID...", err=True)
         raise typer.Exit(2)
-    _control(redis_url, "aborted", lambda c: c.abort(request, session, all_requests, timeout_s=timeout_s))
+    command = partial(commands.abort, request, session_id=session, all_requests=all_requests)
+    _control(redis_url, "aborted", command, timeout_s)
 
 
 @app.command()
@@ -542,7 +545,8 @@ def sleep(
     timeout_s: TimeoutS = None,
 ) -> None:
     """Put every engine to sleep (vLLM sleep mode; on CPU nothing is freed). Workers take no requests."""
-    _control(redis_url, f"asleep (level {level})", lambda c: c.sleep(level, mode.value, timeout_s=timeout_s))  # type: ignore[arg-type]
+    pause_mode: PauseMode = mode.value  # type: ignore[assignment]
+    _control(redis_url, f"asleep (level {level})", partial(commands.sleep, level, pause_mode), timeout_s)
 
 
 @app.command("wake-up")
@@ -554,7 +558,7 @@ def wake_up(
     timeout_s: TimeoutS = None,
 ) -> None:
     """Wake the engines; once fully awake the fleet is paused or serving as it was before the sleep."""
-    _control(redis_url, "awake", lambda c: c.wake_up(tags or None, timeout_s=timeout_s))
+    _control(redis_url, "awake", partial(commands.wake_up, tags or None), timeout_s)
 
 
 @app.command("reset-prefix-cache")
@@ -564,9 +568,8 @@ def reset_prefix_cache(
     timeout_s: TimeoutS = None,
 ) -> None:
     """Drop every engine's prefix cache."""
-    _control(
-        redis_url, "prefix cache reset", lambda c: c.reset_prefix_cache(reset_running_requests, timeout_s=timeout_s)
-    )
+    command = partial(commands.reset_prefix_cache, reset_running_requests)
+    _control(redis_url, "prefix cache reset", command, timeout_s)
 
 
 @app.command()

@@ -14,8 +14,10 @@ from rollout_svc.client.partial import check_target
 from rollout_svc.client.steps import StepReport, step_report
 from rollout_svc.config import Settings
 from rollout_svc.connections.urls import warn_if_evicting
+from rollout_svc.control import commands
+from rollout_svc.control.commands import DEFAULT_HOLDER, Command
 from rollout_svc.control.lora import AdapterSpec
-from rollout_svc.control.plane import DEFAULT_HOLDER, FleetState
+from rollout_svc.control.plane import FleetState
 from rollout_svc.errors import InvalidRequestError, ModelNotFoundError
 from rollout_svc.protocol import (
     ChatMessage,
@@ -380,13 +382,12 @@ class RolloutClient:
         live worker acknowledged. Raises `ControlTimeoutError` naming those that did not within `timeout_s`
         (default `Settings.client.control_timeout_s`); the pause stays written, so a retry converges.
         """
-        connection = await self._connect()
-        lease_s = connection.settings.client.pause_lease_s if lease_s is None else lease_s
-        return await connection.control.pause(mode, holder=holder, timeout_s=timeout_s, lease_s=lease_s, renew=renew)
+        lease_s = self.settings.client.pause_lease_s if lease_s is None else lease_s
+        return await self._issue(commands.pause(mode, holder=holder, lease_s=lease_s, renew=renew), timeout_s)
 
     async def resume(self, *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None) -> int:
         """Release `holder`'s pause; kept requests continue, queued ones start. Returns the epoch once acked."""
-        return await (await self._connect()).control.resume(holder=holder, timeout_s=timeout_s)
+        return await self._issue(commands.resume(holder=holder), timeout_s)
 
     async def pause_generation(self, mode: PauseMode = "keep", *, timeout_s: float | None = None) -> int:
         """SkyRL's name for `pause` (keep mode by default: in-flight requests freeze and continue on resume)."""
@@ -418,23 +419,27 @@ class RolloutClient:
         `all` abort hits requests enqueued before it; later ones run. Returns the epoch once every live worker
         acknowledged (`ControlTimeoutError` otherwise).
         """
-        return await (await self._connect()).control.abort(request_ids, session_id, all, timeout_s=timeout_s)
+        command = commands.abort(request_ids, session_id=session_id, all_requests=all)
+        return await self._issue(command, timeout_s)
 
     async def sleep(self, level: int = 1, mode: PauseMode = "abort", *, timeout_s: float | None = None) -> int:
         """Put every engine to sleep (vLLM sleep mode; on CPU no memory is freed: `WorkerStatus.memory_released`).
 
         A sleeping worker takes no rollout requests; in-flight ones are first paused as `mode` says.
         """
-        return await (await self._connect()).control.sleep(level, mode, timeout_s=timeout_s)
+        return await self._issue(commands.sleep(level, mode), timeout_s)
 
     async def wake_up(self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None) -> int:
         """Wake the engines (all memory, or only the pools `tags` names); the pause state from before returns."""
-        return await (await self._connect()).control.wake_up(tags, timeout_s=timeout_s)
+        return await self._issue(commands.wake_up(tags), timeout_s)
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, *, timeout_s: float | None = None) -> int:
         """Drop every engine's prefix cache (`ControlCommandError` names workers whose engine refused)."""
-        control = (await self._connect()).control
-        return await control.reset_prefix_cache(reset_running_requests, timeout_s=timeout_s)
+        return await self._issue(commands.reset_prefix_cache(reset_running_requests), timeout_s)
+
+    async def _issue(self, command: Command, timeout_s: float | None) -> int:
+        """Issue `command` in every shard; the epoch once every live worker acknowledged it (`FleetControl.issue`)."""
+        return await (await self._connect()).control.issue(command, timeout_s=timeout_s)
 
     async def fleet_state(self) -> FleetState:
         """The fleet's desired control state: epoch, pause holders and mode, sleep level."""
@@ -449,12 +454,15 @@ class RolloutClient:
         checkpoint root) as `name` on every worker, or a new version of `name`: requests on the old version finish
         on it, new ones take the new one, nothing pauses. Returns the version (default: the newest + 1) once every
         live worker loaded it. Raises `ControlCommandError` naming each worker whose load failed and why."""
-        return await (await self._connect()).control.load_adapter(name, path, version=version, timeout_s=timeout_s)
+        control = (await self._connect()).control
+        version = await control.next_adapter_version(name, version)
+        await control.issue(commands.load_adapter(name, path, version), timeout_s=timeout_s)
+        return version
 
     async def unload_adapter(self, name: str, *, timeout_s: float | None = None) -> int:
         """Drop adapter `name` fleet-wide (requests running on it finish); requests for it then raise
         `ModelNotFoundError`. Returns the epoch."""
-        return await (await self._connect()).control.unload_adapter(name, timeout_s=timeout_s)
+        return await self._issue(commands.unload_adapter(name), timeout_s)
 
     async def adapters(self) -> dict[str, AdapterSpec]:
         """The adapters the fleet holds: name -> its newest version and directory."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from rollout_svc.config import Settings
+from rollout_svc.control import commands
 from rollout_svc.errors import InvalidRequestError, WeightSyncError
 from rollout_svc.fleet import Fleet, FleetControl, FleetWeightPlane
 from rollout_svc.keys import JOINED, LOADED, RECEIVED
@@ -411,7 +412,8 @@ class _Pause:
         if self.held_at is not None:
             return
         self.held_at = time.monotonic()
-        await self.control.pause(self.mode, holder=SYNC_HOLDER, timeout_s=self.timeout_s, lease_s=self.lease_s)
+        command = commands.pause(self.mode, holder=SYNC_HOLDER, lease_s=self.lease_s)  # renewed while it is held
+        await self.control.issue(command, timeout_s=self.timeout_s)
         self.pause_s = time.monotonic() - self.held_at
 
     async def lapsed(self) -> str | None:
@@ -424,7 +426,7 @@ class _Pause:
         if self.held_at is None:
             return
         try:
-            await self.control.resume(holder=SYNC_HOLDER, timeout_s=self.timeout_s)
+            await self.control.issue(commands.resume(holder=SYNC_HOLDER), timeout_s=self.timeout_s)
         finally:
             self.paused_s, self.held_at = time.monotonic() - self.held_at, None
 

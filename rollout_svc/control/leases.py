@@ -24,13 +24,13 @@ class PauseLeases:
     """Renews leased pauses. `renew(holder, lease_s)` extends one pause everywhere and returns whether it is still
     held everywhere (`FleetControl.renew_lease`).
 
-    Example::
+    Example (what `FleetControl.issue` does with a leased pause and its resume)::
 
         leases = PauseLeases(control.renew_lease)
         with leases.issuing("weight-sync", 20.0):
-            await control.pause("keep", holder="weight-sync", lease_s=20.0)   # renewed from now on
+            await plane.issue(commands.pause("keep", holder="weight-sync", lease_s=20.0))   # renewed from now on
         ...
-        leases.release("weight-sync")                                         # resumed: stop renewing
+        leases.release("weight-sync")                                                     # resumed: stop renewing
     """
 
     def __init__(self, renew: Callable[[str, float], Awaitable[bool]]) -> None:

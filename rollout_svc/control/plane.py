@@ -3,9 +3,10 @@
 The only module that spells the control keys' verbs (DESIGN.md section 4, "Control semantics"):
 
 - Desired state lives in `Keys.state` (epoch, pause holders, sleep level and mode, woken tags). Every command
-  bumps the epoch, updates the hash and is logged in `Keys.commands` under its epoch, in one script; a message on
-  `Keys.control_channel` only nudges (pub/sub is at most once). Workers also read the hash before their first
-  request, after a reconnect and at every heartbeat, so a lost nudge costs at most one heartbeat interval.
+  (built by `control.commands`, sent by `issue`) bumps the epoch, updates the hash and is logged in `Keys.commands`
+  under its epoch, in one script; a message on `Keys.control_channel` only nudges (pub/sub is at most once).
+  Workers also read the hash before their first request, after a reconnect and at every heartbeat, so a lost nudge
+  costs at most one heartbeat interval.
 - A worker acknowledges by writing the epoch it applied (a watermark) and its state into its heartbeat hash in
   one step, and announcing it on `Keys.acks_channel`. The issuer waits until every worker that was live when it
   issued has applied epoch >= E; a worker whose heartbeat expires meanwhile is dropped (its requests are
@@ -17,7 +18,7 @@ The only module that spells the control keys' verbs (DESIGN.md section 4, "Contr
   next nudge or heartbeat, `state()`) leaves it out, so a dead holder's pause ends within its lease plus one
   heartbeat interval without anyone writing. The next command or renewal prunes it and records when it lapsed
   (`lapsed:{holder}`, for `status`).
-- LoRA adapters are fleet state too (`control.lora`): `load_adapter` / `unload_adapter` are commands whose
+- LoRA adapters are fleet state too (`control.lora`): `load_adapter` and `unload_adapter` are commands whose
   acknowledgement means every live worker holds (or dropped) the adapter; a late worker loads them as it converges.
 - Cancel is not a command: a producer writes tombstones (`Keys.cancelled`, with a TTL) and nudges on
   `Keys.cancel_channel`; no barrier.
@@ -32,17 +33,18 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, get_args
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
-from rollout_svc.config import MAX_LEASE_S, Settings
+from rollout_svc.config import Settings
 from rollout_svc.connections.acl import ADMIN, permission_denied
 from rollout_svc.connections.urls import next_message, retry_while_away
-from rollout_svc.control.lora import AdapterSpec, check_adapter_name
+from rollout_svc.control.commands import SLEEP_TAGS, Command
+from rollout_svc.control.lora import AdapterSpec
 from rollout_svc.control.scripts import CANCEL_LUA, COMMIT_LUA, ISSUE_LUA, RENEW_LEASE_LUA, RESEED_LUA
 from rollout_svc.dataplane.registry import Registry
 from rollout_svc.dataplane.streams import Entry, Placed, RequestStreams, Sweep
@@ -58,9 +60,7 @@ from rollout_svc.errors import (
 from rollout_svc.keys import StateField
 from rollout_svc.protocol import ControlCommand, PauseMode, RolloutRequest, decode, encode, unrun_trajectory
 
-SLEEP_TAGS = ("weights", "kv_cache")  # vLLM's memory pools: asleep until both are woken
 MODE_STRENGTH: dict[str, int] = {"keep": 0, "wait": 1, "abort": 2}
-DEFAULT_HOLDER = "operator"
 COMMAND_LOG_LEN = 1000  # commands kept in the log: a worker that far behind converges on the state alone
 ACK_POLL_S = 0.1  # how often an issuer also reads the heartbeats (a lost announcement, a dead worker)
 SWEEP_PAGE = 1000
@@ -144,27 +144,16 @@ class FleetState:
         return fields | {StateField.awake(tag): "1" for tag in self.awake_tags}
 
 
-@dataclass
-class _Issue:
-    """A command on its way: what it changes in the state hash."""
-
-    kind: str
-    args: dict[str, Any]
-    set_fields: dict[str, str] = field(default_factory=dict)
-    del_fields: list[str] = field(default_factory=list)
-    lease: tuple[str, int] = ("", 0)  # a lease field set to now + ms by the issue script
-
-
 class ControlPlane:
     """Issue control commands and wait for every live worker's acknowledgement; read the desired state.
 
     Example::
 
         plane = ControlPlane(redis, settings)
-        await plane.pause("keep")          # returns once every live worker froze its in-flight requests
-        await plane.resume()
+        await plane.issue(commands.pause("keep"))   # returns once every live worker froze its in-flight requests
+        await plane.issue(commands.resume())
 
-    Every command raises `ControlTimeoutError` (naming the workers that did not ack within `timeout_s`,
+    Issuing a command raises `ControlTimeoutError` (naming the workers that did not ack within `timeout_s`,
     default `Settings.client.control_timeout_s`), `ControlCommandError` (naming the workers that reported a failure) and
     `AccessDeniedError` (Redis refused: this connection's Redis user is not `admin`; the state is unchanged).
     """
@@ -195,37 +184,39 @@ class ControlPlane:
 
     # --- commands -------------------------------------------------------------------------------------------
 
-    async def pause(
-        self,
-        mode: PauseMode = "keep",
-        *,
-        holder: str = DEFAULT_HOLDER,
-        timeout_s: float | None = None,
-        lease_s: float = 0.0,
-    ) -> int:
-        """Stop taking requests; in-flight ones are frozen (`keep`), aborted (`abort`) or finished (`wait`).
+    async def issue(self, command: Command, *, timeout_s: float | None = None) -> int:
+        """Issue `command` (built by `control.commands`) and wait for every live worker's acknowledgement (for a
+        session or all abort, sweep the queue of what it hits too). Returns the epoch.
 
-        `lease_s` > 0: the pause lapses that long after it was issued or last renewed (`renew_lease`); 0: it is held
-        until `resume`. Returns the epoch, once every live worker applied it (for `wait`, once their in-flight
-        requests finished). Requests queue meanwhile; their deadlines keep running.
+        A load of an adapter at a version not above every earlier one of its name raises `InvalidRequestError`, an
+        unload of one this shard does not hold `ModelNotFoundError`, both before anything is written. While Redis
+        is away (restarting, failing over) the command is issued again for up to `redis_outage_s`, then the
+        connection error is raised: a command issued twice is applied at its later epoch (the desired state is the
+        same; an abort's scope grows by what was enqueued in between). A refusal by Redis' ACLs raises
+        `AccessDeniedError`: it comes before the issue script wrote anything (the acks subscription) or from that
+        script's first write, so the state is unchanged.
         """
-        _check_mode(mode)
-        if not 0 <= lease_s <= MAX_LEASE_S:
-            raise InvalidRequestError(
-                f"a pause's lease must be 0 (none) to {MAX_LEASE_S:g} seconds, got {lease_s}; to hold a pause until "
-                "resume, give none"
+        if command.kind in ("load_adapter", "unload_adapter"):
+            await self._check_adapter(command)
+        try:
+            return await retry_while_away(
+                lambda: self._issue_and_await(command, timeout_s), self.settings.client.redis_outage_s, command.kind
             )
-        lease_ms = int(lease_s * 1000)
-        unset = [StateField.lapsed(holder)] + ([StateField.lease(holder)] if lease_ms <= 0 else [])
-        issue = _Issue("pause", {"mode": mode, "holder": holder}, {StateField.holder(holder): mode}, unset)
-        if lease_ms > 0:
-            issue.lease, issue.args["lease_s"] = (StateField.lease(holder), lease_ms), lease_s
-        return await self._run(issue, timeout_s)
+        except ResponseError as exc:
+            if permission_denied(exc):
+                raise AccessDeniedError(command.kind, ADMIN, str(exc)) from exc
+            raise
 
-    async def resume(self, *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None) -> int:
-        """Release `holder`'s pause; the fleet serves again once no holder holds one. Returns the epoch."""
-        fields = [StateField.holder(holder), StateField.lease(holder)]
-        return await self._run(_Issue("resume", {"holder": holder}, del_fields=fields), timeout_s)
+    async def _check_adapter(self, command: Command) -> None:
+        """Refuse a load at a version not above every earlier one of the name, or an unload of a name not held."""
+        name = command.args["name"]
+        if command.kind == "unload_adapter":
+            if not await self.redis.hexists(self.keys.state, StateField.adapter(name)):
+                raise ModelNotFoundError(name, sorted((await self.state()).adapters))
+            return
+        newest = await self.newest_adapter_version(name)
+        if command.args["version"] <= newest:
+            raise InvalidRequestError(f"adapter {name} has had version {newest}: a new one must be above it")
 
     async def renew_lease(self, holder: str, lease_s: float) -> bool:
         """Extend `holder`'s leased pause to `lease_s` from now. Returns whether it still holds its pause (False:
@@ -239,97 +230,11 @@ class ControlPlane:
                 raise AccessDeniedError("renew a pause lease", ADMIN, str(exc)) from exc
             raise
 
-    async def abort(
-        self,
-        request_ids: Sequence[str] | None = None,
-        session_id: str | None = None,
-        all: bool = False,
-        *,
-        timeout_s: float | None = None,
-    ) -> int:
-        """Abort requests without pausing: in-flight ones return partial trajectories, queued ones are answered
-        unrun, all with `finish_reason="abort"`, `abort_cause="user"`, and neither is retried.
-
-        Exactly one scope: `request_ids` (also hits their retries), `session_id`, or `all`. A session or `all`
-        abort hits requests enqueued before the command; later ones run. Returns the epoch.
-        """
-        if sum((request_ids is not None, session_id is not None, bool(all))) != 1:
-            raise InvalidRequestError("abort needs exactly one of request_ids, session_id or all=True")
-        args: dict[str, Any] = {"request_ids": list(request_ids or []), "session_id": session_id, "all": bool(all)}
-        return await self._run(_Issue("abort", args), timeout_s, sweep=session_id is not None or bool(all))
-
-    async def sleep(self, level: int = 1, mode: PauseMode = "abort", *, timeout_s: float | None = None) -> int:
-        """Put the engines to sleep (vLLM sleep mode: level 1 offloads weights and drops the KV cache, level 2
-        drops both). A sleeping worker takes no requests; in-flight ones are first paused as `mode` says.
-        On CPU vLLM frees no memory: workers report `memory_released=False`. Returns the epoch."""
-        _check_mode(mode)
-        if level < 1:
-            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level}; to pause use pause()")
-        fields = {StateField.SLEEP_LEVEL: str(level), StateField.SLEEP_MODE: mode}
-        issue = _Issue("sleep", {"level": level, "mode": mode}, fields, [StateField.awake(t) for t in SLEEP_TAGS])
-        return await self._run(issue, timeout_s)
-
-    async def wake_up(self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None) -> int:
-        """Restore engine memory: all of it, or only the pools `tags` names (`weights`, `kv_cache`). Once all are
-        awake the fleet serves again, paused or not as it was before the sleep. Returns the epoch."""
-        unknown = set(tags or ()) - set(SLEEP_TAGS)
-        if unknown:
-            raise InvalidRequestError(f"unknown wake-up tags {sorted(unknown)}; known: {', '.join(SLEEP_TAGS)}")
-        if tags:
-            issue = _Issue("wake_up", {"tags": list(tags)}, {StateField.awake(t): "1" for t in tags})
-        else:
-            fields = {StateField.SLEEP_LEVEL: "0"}
-            issue = _Issue("wake_up", {"tags": None}, fields, [StateField.awake(t) for t in SLEEP_TAGS])
-        return await self._run(issue, timeout_s)
-
-    async def reset_prefix_cache(self, reset_running_requests: bool = False, *, timeout_s: float | None = None) -> int:
-        """Drop every engine's cached prefixes. Without `reset_running_requests` vLLM refuses while requests hold
-        KV blocks, and the command fails naming those workers (`ControlCommandError`). Returns the epoch."""
-        issue = _Issue("reset_prefix_cache", {"reset_running_requests": reset_running_requests})
-        return await self._run(issue, timeout_s)
-
-    async def load_adapter(
-        self, name: str, path: str, *, version: int | None = None, timeout_s: float | None = None
-    ) -> int:
-        """Load the LoRA adapter in directory `path` (peft's format, under every worker's checkpoint root) as `name`
-        on every worker; again with a new directory, as a new version of `name` (the old version stays loaded
-        until the requests running on it finish; new requests take the new one; nothing pauses).
-
-        `version` (default: the newest one ever given + 1) must be above every earlier version of `name`. Returns
-        the version, once every live worker loaded it. Raises `InvalidRequestError` (a bad name or version),
-        `ControlCommandError` naming each worker whose load failed and why (a path outside its root, no
-        `adapter_config.json`, a rank above the engine's `max_lora_rank`, LoRA not enabled), `ControlTimeoutError`.
-        """
-        check_adapter_name(name)
-        if not path:
-            raise InvalidRequestError("load_adapter needs the adapter's directory (peft's save_pretrained output)")
-        newest = await self.newest_adapter_version(name)
-        version = newest + 1 if version is None else version
-        if version <= newest:
-            raise InvalidRequestError(f"adapter {name} has had version {newest}: a new one must be above it")
-        spec = AdapterSpec(version, str(path))
-        fields = {StateField.adapter(name): spec.to_field(), StateField.adapter_last(name): str(version)}
-        await self._run(
-            _Issue("load_adapter", {"name": name, "path": str(path), "version": version}, fields), timeout_s
-        )
-        return version
-
     async def newest_adapter_version(self, name: str) -> int:
         """The newest version `name` has ever had here (0: none), loaded now or not."""
         current, last = await self.redis.hmget(self.keys.state, StateField.adapter(name), StateField.adapter_last(name))
         value = current.decode() if isinstance(current, bytes) else current
         return max(AdapterSpec.from_field(value).version if value else 0, int(last or 0))
-
-    async def unload_adapter(self, name: str, *, timeout_s: float | None = None) -> int:
-        """Drop the adapter `name` from every worker (each once nothing runs on it); requests for it then fail
-        with `unknown_adapter` (HTTP 404). Returns the epoch. Raises `ModelNotFoundError` if the fleet holds no
-        adapter of that name."""
-        check_adapter_name(name)
-        if not await self.redis.hexists(self.keys.state, StateField.adapter(name)):
-            raise ModelNotFoundError(name, sorted((await self.state()).adapters))
-        return await self._run(
-            _Issue("unload_adapter", {"name": name}, del_fields=[StateField.adapter(name)]), timeout_s
-        )
 
     async def commit_weights(self, version: int, checkpoint: str = "", digest: str = "") -> None:
         """Record `version` as the fleet's committed weight version (loaded from `checkpoint`, "" for a broadcast,
@@ -357,41 +262,24 @@ class ControlPlane:
         fields, now = await pipe.execute()
         return FleetState.from_hash(fields, _unix_ms(now))
 
-    async def _run(self, issue: _Issue, timeout_s: float | None, sweep: bool = False) -> int:
-        """Issue a command and wait for its acknowledgements (and, for a session/all abort, sweep the queue).
-
-        While Redis is away (restarting, failing over) the command is issued again for up to `redis_outage_s`, then
-        the connection error is raised: a command issued twice is applied at its later epoch (the desired state is
-        the same; an abort's scope grows by what was enqueued in between). A refusal by Redis' ACLs raises
-        `AccessDeniedError`: it comes before the issue script wrote anything (the acks subscription) or from that
-        script's first write, so the state is unchanged.
-        """
-        try:
-            return await retry_while_away(
-                lambda: self._issue_and_await(issue, timeout_s, sweep), self.settings.client.redis_outage_s, issue.kind
-            )
-        except ResponseError as exc:
-            if permission_denied(exc):
-                raise AccessDeniedError(issue.kind, ADMIN, str(exc)) from exc
-            raise
-
-    async def _issue_and_await(self, issue: _Issue, timeout_s: float | None, sweep: bool) -> int:
+    async def _issue_and_await(self, command: Command, timeout_s: float | None) -> int:
         timeout_s = self.settings.client.control_timeout_s if timeout_s is None else timeout_s
         async with self._issuing:
             acks = await self._subscribed()
             snapshot = await self.registry.live_ids()
-            command = ControlCommand(command_id=uuid.uuid4().hex, kind=issue.kind, args=issue.args)
-            fields = [x for item in issue.set_fields.items() for x in item]
-            args: list[bytes | str | int] = [encode(command), COMMAND_LOG_LEN, self.keys.control_channel]
-            args += [*issue.lease, len(issue.set_fields), *fields]
-            epoch = int(await self._issue(keys=[self.keys.state, self.keys.commands], args=[*args, *issue.del_fields]))
-            if sweep:
-                await self._sweep_queued(epoch, issue.args)
-            failed = await self._await_acks(issue.kind, epoch, snapshot, acks, timeout_s)
+            logged = ControlCommand(command_id=uuid.uuid4().hex, kind=command.kind, args=command.args)
+            fields = [x for item in command.set_fields.items() for x in item]
+            args: list[bytes | str | int] = [encode(logged), COMMAND_LOG_LEN, self.keys.control_channel]
+            args += [*command.lease, len(command.set_fields), *fields]
+            keys = [self.keys.state, self.keys.commands]
+            epoch = int(await self._issue(keys=keys, args=[*args, *command.del_fields]))
+            if command.sweep:
+                await self._sweep_queued(epoch, command.args)
+            failed = await self._await_acks(command.kind, epoch, snapshot, acks, timeout_s)
         if failed:
             statuses = await self.registry.statuses(sorted(failed))
             failures = {w: s.error for w, s in statuses.items() if s is not None and s.error_epoch == epoch}
-            raise ControlCommandError(issue.kind, epoch, failures or dict.fromkeys(failed, "failed"))
+            raise ControlCommandError(command.kind, epoch, failures or dict.fromkeys(failed, "failed"))
         return epoch
 
     async def _subscribed(self) -> PubSub:
@@ -532,8 +420,3 @@ def _unix_ms(time_reply: Any) -> int:
     """Redis' TIME reply (seconds, microseconds; redis-py gives a tuple of ints) in unix ms."""
     seconds, micros = time_reply
     return int(seconds) * 1000 + int(micros) // 1000
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in get_args(PauseMode):
-        raise InvalidRequestError(f"unknown pause mode {mode!r}; use one of {', '.join(get_args(PauseMode))}")

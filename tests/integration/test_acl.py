@@ -24,6 +24,7 @@ from redis.exceptions import AuthenticationError, NoPermissionError, ResponseErr
 from rollout_svc import AccessDeniedError, RolloutClient, Settings, SyncRolloutClient
 from rollout_svc.client.status import fleet_status
 from rollout_svc.connections.acl import Credentials, create_users, permission_denied
+from rollout_svc.control.commands import resume
 from rollout_svc.control.plane import ControlPlane, FleetState
 from rollout_svc.dataplane.reaper import Reaper
 from rollout_svc.dataplane.streams import Enqueue
@@ -202,7 +203,7 @@ async def test_a_worker_reaps_reseeds_and_reaches_barriers_but_cannot_issue_comm
         with pytest.raises(NoPermissionError):
             await connection.hset(KEYS.state, "pause:operator", "")
         with pytest.raises(AccessDeniedError, match="`admin` user"):
-            await plane.resume()
+            await plane.issue(resume())
         assert admin.hget(KEYS.state, "epoch") == b"5"
         with pytest.raises(NoPermissionError):  # tombstones are the producers'
             await connection.zadd(KEYS.cancelled, {b"r-9": 1})
