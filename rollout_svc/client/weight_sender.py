@@ -209,13 +209,13 @@ class WeightSender:
                     assert path is not None
                     report = await self._checkpoint(version, path)
                 if not report.loaded:
-                    raise WeightSyncError(version, "no worker loaded the weights; the old version stays committed", {
-                        **report.stale, **dict.fromkeys(report.dead, "dead")
-                    })  # fmt: skip
+                    failed = {**report.stale, **dict.fromkeys(report.dead, "dead")}
+                    raise WeightSyncError(
+                        version, "no worker loaded the weights; the old version stays committed", failed
+                    )
                 if (lapsed := await pause.lapsed()) is not None:
-                    raise WeightSyncError(version, f"not committed: {lapsed}; the old version stays committed", {
-                        w: "loaded, not committed: stale until the next sync" for w in report.loaded
-                    })  # fmt: skip
+                    failed = dict.fromkeys(report.loaded, "loaded, not committed: stale until the next sync")
+                    raise WeightSyncError(version, f"not committed: {lapsed}; the old version stays committed", failed)
                 await self.control.commit_weights(version, path or "", report.digest)
             finally:
                 await pause.release()
@@ -275,12 +275,15 @@ class WeightSender:
                 assert self._group is not None
                 spec = self._group.spec
             names = sorted(members)
-            await self.plane.publish(
-                WeightSyncOrder(
-                    sync_id=sync_id, version=version, transport="broadcast", members=names, group=spec,
-                    staged=pause is not None,
-                )
-            )  # fmt: skip
+            order = WeightSyncOrder(
+                sync_id=sync_id,
+                version=version,
+                transport="broadcast",
+                members=names,
+                group=spec,
+                staged=pause is not None,
+            )
+            await self.plane.publish(order)
             joined = await self.plane.await_barrier(sync_id, JOINED, names, self.timeout_s)
             if rebuilt:
                 try:
