@@ -29,16 +29,16 @@ log = logging.getLogger("rollout_svc.client")
 # response (a write and a wake-up of Redis in the way of every answer at 1 in flight: docs/benchmarks.md, (i)).
 CALLER_TURNS = 2
 # Enqueue attempts past admission (`Connection.enqueue`); the future resolves once Redis took them.
-EnqueueAttempts = Callable[[Sequence[Attempt], int], "asyncio.Future[None]"]
+EnqueueAttempts = Callable[[Sequence[Attempt], int], asyncio.Future[None]]
 
 
 class ResultRouter:
-    """Routes a producer's results to their calls. Given the connection's map of `attempts` (request id ->
-    `Attempt`), its `stats`, `new_attempt` (the id and `reply_to` of a retry) and `enqueue` (for retries and
-    regenerations), and `closed` (set when the connection closes). Keeps what it reads with every batch of results:
-    `committed_version` (the fleet's committed weight version) and `adapters` (adapter -> its newest version, for
-    those the producer's requests named); `reread`: shards whose reader goes back to the start of its stream (an
-    attached call's results may have come before)."""
+    """Routes a producer's results to their calls. Given the connection's `producer_id` (`named`: its results stay
+    in its streams), its map of `attempts` (request id -> `Attempt`), its `stats`, `new_attempt` (the id and
+    `reply_to` of a retry), `enqueue` (for retries and regenerations) and `closed` (set when it closes). Keeps what
+    it reads with every batch of results: `committed_version` (the fleet's committed weight version) and `adapters`
+    (adapter -> its newest version, for those the producer's requests named); `reread`: shards whose reader goes
+    back to the start of its stream (an attached call's results may have come before)."""
 
     def __init__(
         self,
