@@ -165,16 +165,17 @@ class Continuation(Message):
     adapter_versions: list[WeightSpan] = Field(default_factory=list)  # as weight_versions, of the request's adapter
 
     @classmethod
-    def of(cls, result: Trajectory, retry_of: str) -> Continuation:
+    def of(cls, result: Trajectory, retry_of: str, interruptions_added: int = 1) -> Continuation:
         """What the interrupted attempt `result` generated, for the attempt that goes on from it: its tokens,
-        logprobs (and top logprobs, token texts), text, weight and adapter version spans, and one interruption
-        more. `retry_of`: the request id the caller submitted."""
+        logprobs (and top logprobs, token texts), text, weight and adapter version spans, and its interruptions
+        plus `interruptions_added` (one: this attempt was interrupted; zero: a trajectory a caller passes back to
+        be continued, whose cut it already counts). `retry_of`: the request id the caller submitted."""
         return cls(
             retry_of=retry_of,
             token_ids=result.completion_token_ids,
             logprobs=result.logprobs,
             text=result.text,
-            interruptions=result.interruptions + 1,
+            interruptions=result.interruptions + interruptions_added,
             weight_versions=result.weight_versions,
             adapter_versions=result.adapter_versions,
             top_logprobs=result.top_logprobs,

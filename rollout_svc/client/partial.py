@@ -45,21 +45,10 @@ def continued_fields(index: int, trajectory: Trajectory, request_id: str) -> dic
             f"prompt {index} is a trajectory without prompt token ids (a text or chat request cut before it ran): "
             "send its prompt again instead"
         )
-    continuation = Continuation(
-        retry_of=request_id,
-        token_ids=trajectory.completion_token_ids,
-        logprobs=trajectory.logprobs,
-        text=trajectory.text,
-        interruptions=trajectory.interruptions,
-        weight_versions=trajectory.weight_versions,
-        adapter_versions=trajectory.adapter_versions,
-        top_logprobs=trajectory.top_logprobs,
-        tokens=trajectory.tokens,
-    )
     return {
         "request_id": request_id,
         "prompt_token_ids": trajectory.prompt_token_ids,
         "session_id": trajectory.session_id,
         "group_id": trajectory.group_id,
-        "continuation": continuation,
+        "continuation": Continuation.of(trajectory, request_id, interruptions_added=0),
     }
