@@ -2,7 +2,7 @@
 
 A shard is a group of workers whose keys share one Redis Cluster hash tag (`rollout_svc.keys`): its requests
 streams, sessions, heartbeats, control state, weight-sync barriers and the producers' results streams for it. Every
-per-shard object (`RequestStreams`, `Registry`, `ControlPlane`, `WeightSyncPlane`) works within one shard, over a
+per-shard object (`ProducerStreams`, `Registry`, `ControlPlane`, `WeightSyncPlane`) works within one shard, over a
 connection to the primary serving its slot (`cluster_connect.shard_url`). This module holds one `ShardLink` per
 shard and fans out what must reach every shard: control commands (`FleetControl`), the worker registry
 (`FleetRegistry`) and weight sync (`FleetWeightPlane`). One Redis is the one-shard case: one link, `g0`.
@@ -30,8 +30,8 @@ from rollout_svc.connections.urls import redis_async_bounded
 from rollout_svc.control.commands import Command
 from rollout_svc.control.leases import PauseLeases
 from rollout_svc.control.plane import ControlPlane, FleetState
+from rollout_svc.dataplane.producer_streams import ProducerStreams
 from rollout_svc.dataplane.registry import Registry
-from rollout_svc.dataplane.streams import RequestStreams
 from rollout_svc.errors import InvalidRequestError
 from rollout_svc.keys import Keys
 from rollout_svc.protocol import WeightManifest, WeightSyncOrder, WorkerStatus
@@ -81,7 +81,7 @@ class ShardLink:
         )
 
     @property
-    def streams(self) -> RequestStreams:
+    def streams(self) -> ProducerStreams:
         return self.control.streams
 
     @property

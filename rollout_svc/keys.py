@@ -102,7 +102,7 @@ class StateField:
 
 
 class DeadLetterField:
-    """Fields of a dead letter (`Keys.dead`): written by `dataplane.streams`, read by `dataplane.dead_letters`."""
+    """Fields of a dead letter (`Keys.dead`): written by `RecoveryStreams.dead_letter`, read by `DeadLetters`."""
 
     PAYLOAD = b"payload"  # the request's msgpack envelope as it was queued
     REASON = b"reason"  # an `ErrorCode`: undecodable or max_deliveries

@@ -14,7 +14,8 @@ from rollout_svc.errors import EngineDeadError
 from workers.echo import EchoEngine
 from workers.engine import Engine
 from workers.metrics import WorkerMetrics
-from workers.worker import Worker, default_worker_id
+from workers.state import default_worker_id
+from workers.worker import Worker
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

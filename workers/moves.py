@@ -9,7 +9,7 @@ its old batch. The rule, checked every `move_check_s` by each worker:
 
 - placement is by cost, moves are on (`WorkerSettings.move_stragglers`), and this worker runs at least 2
   generations (a request alone on its GPU gains nothing by moving);
-- some other worker holds no work and has a free slot (`RequestStreams.idle_workers`: load 0 in `Keys.loads`);
+- some other worker holds no work and has a free slot (`WorkerStreams.idle_workers`: load 0 in `Keys.loads`);
 - then its generations that have been in the engine at least `move_after_s`, not of a session (sessions stay
   sticky), moved fewer than `MAX_MOVES` times and worth a re-prefill (below) go one to each idle worker, those that
   have made the most tokens first, leaving at least one here.
@@ -36,7 +36,7 @@ import time
 
 from rollout_svc.config import Settings
 from rollout_svc.connections.urls import REDIS_AWAY
-from rollout_svc.dataplane.streams import RequestStreams
+from rollout_svc.dataplane.worker_streams import WorkerStreams
 from rollout_svc.protocol import RolloutRequest
 from workers.inflight import InFlight, InFlightIndex
 from workers.metrics import WorkerMetrics
@@ -54,7 +54,7 @@ class StragglerMover:
         settings: Settings,
         worker_id: str,
         index: InFlightIndex,
-        streams: RequestStreams,
+        streams: WorkerStreams,
         metrics: WorkerMetrics | None,
     ) -> None:
         self.settings, self.worker_id, self.index, self.streams = settings, worker_id, index, streams

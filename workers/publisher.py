@@ -7,7 +7,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from rollout_svc.dataplane.streams import RequestStreams
+from rollout_svc.dataplane.worker_streams import WorkerStreams
 from workers.inflight import InFlight, Woken
 from workers.serve import REDIS_ERRORS, backoff_s
 from workers.state import WorkerState
@@ -16,7 +16,7 @@ log = logging.getLogger("rollout_svc.worker")
 
 
 class Publisher:
-    """The queue of answered requests, and the loop that publishes them (`RequestStreams.publish`: each result into
+    """The queue of answered requests, and the loop that publishes them (`WorkerStreams.publish`: each result into
     its producer's results stream, its entry acked and deleted, fenced if the entry is no longer this worker's).
 
     An answered request stays in flight until its result is published (its entry is pending until then); once it
@@ -24,7 +24,7 @@ class Publisher:
 
     def __init__(
         self,
-        streams: RequestStreams,
+        streams: WorkerStreams,
         state: WorkerState,
         results_ttl_s: float,
         released: Callable[[InFlight], None],

@@ -10,7 +10,9 @@ from collections.abc import Callable
 
 from rollout_svc.config import Settings
 from rollout_svc.connections.urls import REDIS_AWAY
-from rollout_svc.dataplane.streams import Enqueue, Entry, RequestStreams
+from rollout_svc.dataplane.recovery_streams import RecoveryStreams
+from rollout_svc.dataplane.streams import Enqueue, Entry
+from rollout_svc.dataplane.worker_streams import WorkerStreams
 from rollout_svc.errors import EngineDeadError, InvalidRequestError, ProtocolError
 from rollout_svc.protocol import (
     DetokenizeRequest,
@@ -46,7 +48,9 @@ def backoff_s(failures: int) -> float:
 
 class RequestServer:
     """Turns taken entries into results on one engine. `publish(record)` queues a record once answered (its
-    `reply_to` and `payload` set; `reply_to` None: acknowledge only); `on_engine_dead(exc)` stops the worker."""
+    `reply_to` and `payload` set; `reply_to` None: acknowledge only); `on_engine_dead(exc)` stops the worker.
+    `streams` pins sessions, sends chunks and hands stragglers over; `recovery` forwards a session's request to the
+    worker holding the session, and dead-letters what cannot be served."""
 
     def __init__(
         self,
@@ -55,13 +59,14 @@ class RequestServer:
         state: WorkerState,
         index: InFlightIndex,
         rules: AbortRules,
-        streams: RequestStreams,
+        streams: WorkerStreams,
+        recovery: RecoveryStreams,
         publish: Callable[[InFlight], None],
         on_engine_dead: Callable[[EngineDeadError], None],
         metrics: WorkerMetrics | None = None,
     ) -> None:
         self.settings, self.engine, self.state, self.index, self.rules = settings, engine, state, index, rules
-        self.streams = streams
+        self.streams, self.recovery, self.keys = streams, recovery, settings.keys
         self._publish, self._on_engine_dead = publish, on_engine_dead
         self.metrics = metrics  # None: nothing is counted
         self.served = 0  # generations run on the engine (aborted ones included)
@@ -102,7 +107,7 @@ class RequestServer:
         self.index.decoded(record, request)
         if isinstance(request, RolloutRequest) and self.rules.hits(record):
             return self._answer(record, request, unrun_trajectory(request, "user", self.state.worker_id))
-        if isinstance(request, RolloutRequest) and request.session_id and entry.stream == self.streams.keys.requests:
+        if isinstance(request, RolloutRequest) and request.session_id and entry.stream == self.keys.requests:
             # A session's request in the shared stream (no live worker when it was sent, or requeued from a
             # dead one): pin the session here, unless a live worker holds it already. If one does (it took a
             # request of the same session from the shared stream first), this one goes to it: a session runs on
@@ -112,7 +117,7 @@ class RequestServer:
                 forward = Enqueue(
                     entry.payload, entry.session_id, entry.deliveries - 1, entry.epoch, cost=entry.cost, forward=True
                 )  # to the holder even while it drains (found by the chaos soak: a pin to a draining worker dropped)
-                await self.streams.requeue([forward], [entry])  # placed on the holder; not counted as a delivery
+                await self.recovery.requeue([forward], [entry])  # placed on the holder; not counted as a delivery
                 return
         try:
             result = await self._run(request, record, taken_at)
@@ -152,7 +157,7 @@ class RequestServer:
         self._publish(record)
 
     async def _dead_letter(self, entry: Entry, code: ErrorCode, message: str) -> None:
-        await self.streams.dead_letter(
+        await self.recovery.dead_letter(
             entry, code, message, self.state.worker_id, maxlen=self.settings.worker.dead_letter_maxlen,
             results_ttl_s=self.settings.results_ttl_s,
         )  # fmt: skip

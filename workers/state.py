@@ -6,6 +6,7 @@ import asyncio
 import os
 import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,11 @@ from workers.lora_table import AdapterTable
 
 if TYPE_CHECKING:
     from workers.engine import Engine
+
+
+def default_worker_id() -> str:
+    """A worker id unique on this host: `{hostname}-{pid}-{4 hex digits}`."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
 
 
 @dataclass

@@ -5,10 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -28,7 +25,8 @@ from rollout_svc.connections.urls import (
 from rollout_svc.control.plane import ControlPlane
 from rollout_svc.dataplane.reaper import Reaper
 from rollout_svc.dataplane.registry import Registry
-from rollout_svc.dataplane.streams import Entry, RequestStreams
+from rollout_svc.dataplane.streams import Entry, StreamConnection
+from rollout_svc.dataplane.worker_streams import TakeOptions, WorkerStreams
 from rollout_svc.errors import EngineDeadError
 from rollout_svc.keys import Nudge
 from rollout_svc.protocol import WorkerStatus
@@ -40,7 +38,7 @@ from workers.metrics import WorkerMetrics
 from workers.moves import StragglerMover
 from workers.publisher import Publisher
 from workers.serve import REDIS_ERRORS, RequestServer, backoff_s
-from workers.state import WorkerState
+from workers.state import WorkerState, default_worker_id
 from workers.weight_receiver import WeightReceiver
 
 log = logging.getLogger("rollout_svc.worker")
@@ -50,10 +48,6 @@ TOKEN_CONCURRENCY = 256  # tokenize requests served at once
 FENCED_DRAIN_S = 30.0  # how long a fenced worker waits for its aborted requests before coming back
 WORKER_CONNECTIONS = 256  # a worker's shared connections to Redis at most; more commands at once wait for one
 SHARE_WAIT_S = 0.02  # a worker that left queued work to others' shares reads again after this (or a slot freed)
-
-
-def default_worker_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
 
 
 class Worker:
@@ -131,7 +125,7 @@ class Worker:
         # Hundreds of streams sending chunks at once wait for a connection, rather than fail "Too many connections".
         self.redis = redis_async_bounded(url, WORKER_CONNECTIONS, 30.0, decode_responses=False)
         self._router = redis_router(self.settings.redis_url, decode_responses=False)
-        self.streams = RequestStreams(self.redis, self.keys, self.settings.session_ttl_s)
+        self.streams = WorkerStreams(StreamConnection(self.redis, self.keys, self.settings.session_ttl_s))
         # The take loop's takes and blocking reads get a connection of their own, which a pause can unblock at once,
         # and so do the publisher's publishes: both used directly (`DirectConnection`), the request's hot path.
         self._take_streams = self.streams.on_own_connection()
@@ -151,7 +145,7 @@ class Worker:
             self._load_after, self._woken,
         )  # fmt: skip
         self.server = RequestServer(
-            self.settings, self.engine, self.state, self.index, self.rules, self.streams,
+            self.settings, self.engine, self.state, self.index, self.rules, self.streams, self.reaper.streams,
             self.publisher.put, self._engine_died, self.metrics,
         )  # fmt: skip
         self.mover = StragglerMover(self.settings, self.worker_id, self.index, self.streams, self.metrics)
@@ -295,7 +289,7 @@ class Worker:
 
     async def _ensure_groups(self) -> None:
         for stream in (self.keys.requests, self.keys.pinned_requests(self.worker_id), self.keys.token_requests):
-            await self.streams.ensure_group(stream)
+            await self.streams.connection.ensure_group(stream)
 
     async def _idle(self, seconds: float) -> None:
         """Sleep, but wake at once on stop."""
@@ -338,18 +332,21 @@ class Worker:
         await self._serving_announced.wait()
 
     async def _take(self, free: int) -> tuple[list[Entry], bool]:
-        """A take of its fair share (`RequestStreams.take`); with nothing to take, one blocking read of the next
+        """A take of its fair share (`WorkerStreams.take`); with nothing to take, one blocking read of the next
         entry, on the connection a pause can unblock. Returns the entries and whether queued ones were left to
         other workers' shares."""
-        await self._take_streams.direct.client_id()  # type: ignore[union-attr]  # known to `_stop_taking`
+        await self._take_streams.connection.direct.client_id()  # type: ignore[union-attr]  # known to `_stop_taking`
         # No await between the take loop's `resumed` check and here: a pause sees `_reading` and unblocks the read.
         self._reading = True
         try:
             idle, ttl_ms = not (self.index.generating or self._woken.tokens), int(self.settings.heartbeat_ttl_s * 1e3)
-            streams, share = self._take_streams, self.settings.worker.placement == "cost"
+            streams, options = (
+                self._take_streams,
+                TakeOptions(self.worker_id, ttl_ms, self.settings.worker.placement == "cost"),
+            )
             if not self._woken.drained:  # else its last read found nothing more queued: to the next read at once
-                with self._woken.claimed() as (carried, pinned):
-                    entries, left = await streams.take(self.worker_id, free, ttl_ms, carried, idle, share, pinned)
+                with self._woken.claimed() as carried:
+                    entries, left = await streams.take(options, free, carried, idle=idle)
                 if entries or left or free <= 0:
                     return entries, left
             woken = await streams.wait_for_entries(self.worker_id, self.settings.read_block_ms, asked := min(free, 2))
@@ -398,7 +395,7 @@ class Worker:
         deadline = time.monotonic() + self.settings.read_block_ms / 1000 + 1
         while self._reading and time.monotonic() < deadline:
             self._read_returned.clear()
-            if (client_id := self._take_streams.direct.known_client_id) is not None:  # type: ignore[union-attr]
+            if (client_id := self._take_streams.connection.direct.known_client_id) is not None:  # type: ignore[union-attr]
                 with contextlib.suppress(ResponseError, *REDIS_ERRORS):  # an old Redis, or fakeredis: wait instead
                     await self.redis.client_unblock(client_id)
             with contextlib.suppress(TimeoutError):  # not blocked yet (the command not sent): unblock again
@@ -636,7 +633,7 @@ class Worker:
         try:
             # Deregister before draining the pinned stream: placement then no longer picks this worker.
             await self.registry.deregister(self.worker_id)
-            await self.streams.forget_load(self.worker_id)
+            await self.reaper.streams.forget_load(self.worker_id)
             moved = await self.reaper.reclaim(self.worker_id, backlog=True)
             log.info("worker %s stopped; requeued %d requests", self.worker_id, moved)
         except REDIS_ERRORS as exc:

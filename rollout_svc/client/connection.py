@@ -34,7 +34,8 @@ from rollout_svc.client.results import ResultRouter
 from rollout_svc.client.shard_watch import ShardWatch
 from rollout_svc.client.submitter import CancelOp, CutOp, EnqueueOp, Submitter
 from rollout_svc.config import Settings, tune_gc
-from rollout_svc.dataplane.streams import ENQUEUE_CHUNK, Enqueue, RequestStreams
+from rollout_svc.dataplane.producer_streams import ENQUEUE_CHUNK, ProducerStreams
+from rollout_svc.dataplane.streams import Enqueue
 from rollout_svc.errors import GenerationError, InvalidRequestError, QueueFullError, RequestTimeoutError
 from rollout_svc.fleet import Fleet, FleetControl, FleetRegistry, rendezvous
 from rollout_svc.protocol import (
@@ -135,7 +136,7 @@ class Connection:
         reply_to = self.reply_to(request.session_id if isinstance(request, RolloutRequest) else None)
         return request if request.reply_to == reply_to else request.model_copy(update={"reply_to": reply_to})
 
-    def session_streams(self, session_id: str) -> RequestStreams:
+    def session_streams(self, session_id: str) -> ProducerStreams:
         """The data plane of the shard a session's requests go to."""
         return self.fleet.links[self.shard_for(session_id)].streams
 

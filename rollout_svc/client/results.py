@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 from rollout_svc.client.calls import Call, ClientStats
 from rollout_svc.client.lifecycle import Attempt, NewAttempt, cut_fields, final_fields, regeneration_of, retry_of
 from rollout_svc.config import Settings
-from rollout_svc.dataplane.streams import RequestStreams
+from rollout_svc.dataplane.producer_streams import ProducerStreams
 from rollout_svc.errors import ProtocolError
 from rollout_svc.fleet import ShardLink
 from rollout_svc.keys import PAYLOAD_FIELD
@@ -67,7 +67,7 @@ class ResultRouter:
             with contextlib.suppress(RedisError, OSError):
                 await streams.aclose()
 
-    async def _read_on(self, link: ShardLink, streams: RequestStreams) -> None:
+    async def _read_on(self, link: ShardLink, streams: ProducerStreams) -> None:
         last_id, failures = b"0-0", 0
         done_ids: list[bytes] = []
         results = link.keys.results(self.producer_id)

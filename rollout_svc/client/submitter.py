@@ -15,7 +15,8 @@ from redis.exceptions import RedisError
 from rollout_svc.client.lifecycle import Attempt
 from rollout_svc.config import Settings
 from rollout_svc.connections.urls import retry_while_away
-from rollout_svc.dataplane.streams import Enqueue, Placed, RequestStreams
+from rollout_svc.dataplane.producer_streams import ProducerStreams
+from rollout_svc.dataplane.streams import Enqueue, Placed
 from rollout_svc.fleet import Fleet, ShardLink
 from rollout_svc.protocol import RolloutRequest, Trajectory, unrun_trajectory
 
@@ -73,7 +74,7 @@ class Submitter:
         self.settings, self.fleet, self.attempts = settings, fleet, attempts
         self._answer, self._closed = answer, closed
         self.outbox: asyncio.Queue[Op] = asyncio.Queue()
-        self._streams: dict[str, RequestStreams] = {}  # shard -> the submitter's own connection there
+        self._streams: dict[str, ProducerStreams] = {}  # shard -> the submitter's own connection there
         self.task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
@@ -96,8 +97,8 @@ class Submitter:
                         await streams.aclose()
                 return
 
-    def _streams_of(self, link: ShardLink) -> RequestStreams:
-        """The submitter's own connection to a shard (`RequestStreams.on_own_connection`: enqueues are the request's
+    def _streams_of(self, link: ShardLink) -> ProducerStreams:
+        """The submitter's own connection to a shard (`ProducerStreams.on_own_connection`: enqueues are the request's
         hot path), anew for a link opened anew."""
         streams = self._streams.get(link.name)
         if streams is None or streams.redis is not link.redis:

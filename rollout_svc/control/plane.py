@@ -46,8 +46,10 @@ from rollout_svc.connections.urls import next_message, retry_while_away
 from rollout_svc.control.commands import SLEEP_TAGS, Command
 from rollout_svc.control.lora import AdapterSpec
 from rollout_svc.control.scripts import CANCEL_LUA, COMMIT_LUA, ISSUE_LUA, RENEW_LEASE_LUA, RESEED_LUA
+from rollout_svc.dataplane.producer_streams import ProducerStreams
+from rollout_svc.dataplane.recovery_streams import RecoveryStreams
 from rollout_svc.dataplane.registry import Registry
-from rollout_svc.dataplane.streams import Entry, Placed, RequestStreams, Sweep
+from rollout_svc.dataplane.streams import Entry, Placed, StreamConnection, Sweep
 from rollout_svc.errors import (
     AccessDeniedError,
     ControlCommandError,
@@ -161,7 +163,8 @@ class ControlPlane:
     def __init__(self, redis: Redis, settings: Settings) -> None:
         self.redis, self.settings, self.keys = redis, settings, settings.keys
         self.registry = Registry(redis, self.keys, settings.heartbeat_ttl_s)
-        self.streams = RequestStreams(redis, self.keys, settings.session_ttl_s)
+        self.streams = ProducerStreams(StreamConnection(redis, self.keys, settings.session_ttl_s))
+        self.recovery = RecoveryStreams(self.streams.connection)
         self._issue = redis.register_script(ISSUE_LUA)
         self._reseed = redis.register_script(RESEED_LUA)
         self._renew = redis.register_script(RENEW_LEASE_LUA)
@@ -180,7 +183,7 @@ class ControlPlane:
         for script in (self._issue, self._reseed, self._renew, self._commit, self._cancel):
             script.sha = await self.redis.script_load(script.script)
         await self.registry.load_scripts()
-        await self.streams.load_scripts()
+        await self.streams.connection.load_scripts()
 
     # --- commands -------------------------------------------------------------------------------------------
 
@@ -333,7 +336,7 @@ class ControlPlane:
         swept = 0
         for stream in streams:
             after: bytes | None = None
-            while entries := await self.streams.undelivered(stream, SWEEP_PAGE, after):
+            while entries := await self.recovery.undelivered(stream, SWEEP_PAGE, after):
                 after = entries[-1].entry_id
                 hits = [e for e in entries if e.epoch < epoch and (session_id is None or e.session_id == session_id)]
                 sweeps = [s for s in map(self._abort_answer, hits) if s is not None]

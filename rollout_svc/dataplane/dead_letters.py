@@ -1,12 +1,12 @@
 """Dead letters for an operator: read them, and replay them as fresh requests through the producers' enqueue path.
 
-A dead letter is an entry of `Keys.dead`, written by `Reaper.dead_letter` (`RequestStreams.dead_letter`), with the
-fields (`keys.DeadLetterField`) `payload` (the request's msgpack envelope as it was queued), `reason` (an
+A dead letter is an entry of `Keys.dead`, written by `Reaper.requeue` or a worker (`RecoveryStreams.dead_letter`),
+with the fields (`keys.DeadLetterField`) `payload` (the request's msgpack envelope as it was queued), `reason` (an
 `ErrorCode`: undecodable or max_deliveries), `stream` and `entry_id` (where it was queued), `deliveries`,
 `worker_id` ('' when a reaper wrote it) and `message` (why, in words). Payloads are read with `protocol.decode`
 only (msgpack, never pickle); one that does not decode is listed with the reason and never replayed.
 
-Replay is at-least-once. Each batch is enqueued first, exactly as a producer enqueues (`RequestStreams.enqueue`:
+Replay is at-least-once. Each batch is enqueued first, exactly as a producer enqueues (`ProducerStreams.enqueue`:
 sessions placed, admission checked against `max_queued_requests`, the current control epoch, no delivery count),
 and only then XDELed from the dead-letter stream. A crash between the two leaves the request queued and its dead
 letter in place: replayed again, it is a duplicate, which producers drop by request id. A full queue refuses the
@@ -23,7 +23,9 @@ from typing import Any
 from redis.asyncio import Redis
 
 from rollout_svc.config import Settings
-from rollout_svc.dataplane.streams import Enqueue, Placed, RequestStreams
+from rollout_svc.dataplane.producer_streams import ProducerStreams
+from rollout_svc.dataplane.recovery_streams import RecoveryStreams
+from rollout_svc.dataplane.streams import Enqueue, Placed, StreamConnection
 from rollout_svc.errors import InvalidRequestError, ProtocolError, QueueFullError
 from rollout_svc.keys import DeadLetterField
 from rollout_svc.protocol import (
@@ -135,7 +137,8 @@ class DeadLetters:
 
     def __init__(self, redis: Redis, settings: Settings) -> None:
         self.redis, self.settings, self.keys = redis, settings, settings.keys
-        self.streams = RequestStreams(redis, settings.keys, settings.session_ttl_s)
+        connection = StreamConnection(redis, settings.keys, settings.session_ttl_s)
+        self.producer, self.recovery = ProducerStreams(connection), RecoveryStreams(connection)
 
     async def count(self) -> int:
         """How many dead letters the stream holds."""
@@ -202,13 +205,13 @@ class DeadLetters:
             return
         # Requeued first, deleted second: a crash between leaves a duplicate (dropped by request id), never a loss.
         if not report.kept:
-            await self.streams.delete_dead_letters([letter.entry_id for letter in ready])
+            await self.recovery.delete_dead_letters([letter.entry_id for letter in ready])
         report.replayed += [Replayed(letter, where) for letter, where in zip(ready, placed, strict=True)]
 
     async def _enqueue(self, letters: list[DeadLetter], report: ReplayReport) -> list[Placed] | None:
         """Where each went, or None if admission refused them all (`report.queue_full` says why)."""
         try:
-            return await self.streams.enqueue(
+            return await self.producer.enqueue(
                 [_enqueue_item(le) for le in letters], self.settings.client.max_queued_requests
             )
         except QueueFullError as exc:

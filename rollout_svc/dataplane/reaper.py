@@ -18,8 +18,9 @@ from collections.abc import Callable, Collection
 from redis.asyncio import Redis
 
 from rollout_svc.config import Settings
+from rollout_svc.dataplane.recovery_streams import RecoveryStreams
 from rollout_svc.dataplane.registry import Registry
-from rollout_svc.dataplane.streams import Enqueue, Entry, RequestStreams, entry_id_key
+from rollout_svc.dataplane.streams import Enqueue, Entry, StreamConnection, entry_id_key
 
 log = logging.getLogger("rollout_svc.dataplane.reaper")
 REAP_LOCK_TTL_S = 60.0
@@ -31,7 +32,7 @@ class Reaper:
 
     def __init__(self, redis: Redis, settings: Settings) -> None:
         self.settings, self.keys = settings, settings.keys
-        self.streams = RequestStreams(redis, self.keys, settings.session_ttl_s)
+        self.streams = RecoveryStreams(StreamConnection(redis, self.keys, settings.session_ttl_s))
         self.registry = Registry(redis, self.keys, settings.heartbeat_ttl_s)
         self._ttl_ms = int(settings.heartbeat_ttl_s * 1000)
 
@@ -148,7 +149,7 @@ class Reaper:
 
     async def requeue_orphans(self, worker_id: str) -> int:
         """After a Redis restart: requeue the entries of the shared streams and `worker_id`'s pinned stream that no
-        read will deliver (`RequestStreams.orphans`), under one reap lock per stream so that workers reconciling at
+        read will deliver (`RecoveryStreams.orphans`), under one reap lock per stream so that workers reconciling at
         once do not each requeue them. Returns how many moved (and logs it)."""
         moved = 0
         for stream in (self.keys.requests, self.keys.pinned_requests(worker_id), self.keys.token_requests):
@@ -175,7 +176,7 @@ class Reaper:
         in flight. A request it answered in that second comes back so: the publish script's result, ack and delete
         were lost together, perhaps after its producer read the result; nothing reads a worker's own pending list
         but the reaper of a dead worker, so such an entry stayed pending for good (a chaos run's drain found one),
-        and a producer that lost the result too and asked `RequestStreams.held` would have waited on it.
+        and a producer that lost the result too and asked `ProducerStreams.held` would have waited on it.
 
         `held()`: (stream, entry id) of what the worker has in flight now. Two looks `settle_s` apart: an entry a
         read had delivered but the worker had not yet put in flight at the first look is held at the second, and

@@ -1,4 +1,4 @@
-"""The data plane's Lua scripts (run by `dataplane.streams` and `dataplane.registry`), rendered once at import.
+"""The data plane's Lua scripts (run by the streams' sides and `dataplane.registry`), rendered once at import.
 
 Each declares every key it touches in KEYS, binds its fixed KEYS and ARGV to named locals first, and names every
 field, state and reply through `keys.lua` placeholders (`'${HeartbeatField.STATE}'`), never spelled here.
@@ -22,6 +22,17 @@ _LOADS_LUA = lua("""
 local function add_to_load(loads, field, tokens)
   local left = (tonumber(redis.call('HGET', loads, field) or '0') or 0) + tokens
   redis.call('HSET', loads, field, math.max(0, left))
+end
+""")
+
+# Shared by the publish and load report scripts: stamp a worker's free slots in the loads hash (`Keys.loads`
+# ID:free, "free-slots at-ms") with Redis's clock, which the take script reads them by (a worker host's clock may
+# be off).
+_FREE_LUA = lua("""
+local function stamp_free(loads, worker, free)
+  local t = redis.call('TIME')
+  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('HSET', loads, worker .. '${FREE_SUFFIX}', string.format('%d %d', free, now_ms))
 end
 """)
 
@@ -209,7 +220,10 @@ return {'${ScriptReply.OK}', redis.call('DEL', skey)}
 # An item's result is added only if its XACK returned 1, that is if the entry was still pending here; 0 means it was
 # requeued while this worker was presumed dead, and the worker that takes the requeued copy answers it. Returns how
 # many were fenced.
-PUBLISH_LUA = _LOADS_LUA + lua("""
+PUBLISH_LUA = (
+    _LOADS_LUA
+    + _FREE_LUA
+    + lua("""
 local results_ttl_s, group, worker, free = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local fenced, touched, done = 0, {}, 0
 for a = 7, #ARGV, 5 do
@@ -228,14 +242,21 @@ for a = 7, #ARGV, 5 do
 end
 for key in pairs(touched) do redis.call('EXPIRE', key, results_ttl_s) end
 if free ~= '' then
-  local t = redis.call('TIME')
-  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local woken = tonumber(ARGV[5])
   if done ~= woken then add_to_load(KEYS[1], worker, woken - done) end
   if tonumber(ARGV[6]) > 0 then add_to_load(KEYS[1], worker .. '${PINNED_SUFFIX}', -tonumber(ARGV[6])) end
-  redis.call('HSET', KEYS[1], worker .. '${FREE_SUFFIX}', string.format('%d %d', free, now_ms))
+  stamp_free(KEYS[1], worker, free)
 end
 return fenced
+""")
+)
+
+# KEYS: [1] the loads hash. ARGV: [1] the worker's id, [2] its free slots (0 while it takes nothing: paused,
+# draining). Records them, stamped with Redis's clock (`stamp_free`), leaving its load as it is. Returns 1.
+REPORT_LOAD_LUA = _FREE_LUA + lua("""
+local loads, worker, free = KEYS[1], ARGV[1], ARGV[2]
+stamp_free(loads, worker, free)
+return 1
 """)
 
 
@@ -323,7 +344,7 @@ if redis.call('GET', lock) == holder then return redis.call('DEL', lock) end
 return 0
 """)
 
-# A worker's take of rollout requests, non-blocking, by fair share of the work (`RequestStreams.take`).
+# A worker's take of rollout requests, non-blocking, by fair share of the work (`WorkerStreams.take`).
 # KEYS: [1] its pinned stream, [2] the shared stream, [3] the loads hash (`Keys.loads`: per worker, field ID holds
 # the tokens it holds, added here and taken off by its publishes, field ID:free "free-slots at-ms", and ID:pinned the
 # tokens placed in its pinned stream not yet taken, taken off here).

@@ -28,6 +28,7 @@ from rollout_svc.control.commands import resume
 from rollout_svc.control.plane import ControlPlane, FleetState
 from rollout_svc.dataplane.reaper import Reaper
 from rollout_svc.dataplane.streams import Enqueue
+from rollout_svc.dataplane.worker_streams import TakeOptions, WorkerStreams
 from rollout_svc.deploy.local import PrivateRedis
 from rollout_svc.keys import JOINED, Keys
 from rollout_svc.protocol import RolloutRequest, WorkerStatus, encode
@@ -179,19 +180,20 @@ async def test_a_worker_reaps_reseeds_and_reaches_barriers_but_cannot_issue_comm
     settings = role_settings(users.worker)
     connection = AsyncRedis.from_url(users.worker)
     plane = ControlPlane(connection, settings)
+    worker = WorkerStreams(plane.streams.connection)
     try:
         await plane.load_scripts()
         for worker_id in ("w-dead", "w-live"):
             await plane.registry.heartbeat(WorkerStatus(worker_id=worker_id))
-            await plane.streams.ensure_group(KEYS.pinned_requests(worker_id))
-        await plane.streams.ensure_group(KEYS.requests)
+            await plane.streams.connection.ensure_group(KEYS.pinned_requests(worker_id))
+        await plane.streams.connection.ensure_group(KEYS.requests)
         await plane.streams.enqueue([request("r-1"), request("r-2"), request("r-3")], 100)
-        assert len((await plane.streams.take("w-dead", 2, 60_000))[0]) == 2  # the take script, as a worker
+        assert len((await worker.take(TakeOptions("w-dead", 60_000), 2))[0]) == 2  # the take script, as a worker
         admin.delete(KEYS.worker("w-dead"))  # its heartbeat expired
         reaper = Reaper(connection, settings)
         assert await reaper.reap_dead("w-live") == {"w-dead": 2}  # reap lock, requeue script, forget
-        [taken], _ = await plane.streams.take("w-live", 1, 60_000)
-        assert await plane.streams.dead_letter(
+        [taken], _ = await worker.take(TakeOptions("w-live", 60_000), 1)
+        assert await plane.recovery.dead_letter(
             taken, "max_deliveries", "a test", "w-live", maxlen=100, results_ttl_s=60
         )
         assert admin.xlen(KEYS.dead) == 1 and admin.xlen(KEYS.results("p")) == 1

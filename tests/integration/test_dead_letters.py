@@ -15,7 +15,10 @@ from redis.asyncio import Redis
 
 from rollout_svc.config import Settings
 from rollout_svc.dataplane.dead_letters import DeadLetters
-from rollout_svc.dataplane.streams import Enqueue, RequestStreams
+from rollout_svc.dataplane.producer_streams import ProducerStreams
+from rollout_svc.dataplane.recovery_streams import RecoveryStreams
+from rollout_svc.dataplane.streams import Enqueue, StreamConnection
+from rollout_svc.dataplane.worker_streams import TakeOptions, WorkerStreams
 from rollout_svc.keys import DELIVERIES_FIELD, EPOCH_FIELD, PAYLOAD_FIELD, SESSION_FIELD
 from rollout_svc.protocol import ErrorResult, RolloutRequest, Trajectory, encode
 from tests.support import ROOT, Results, wait_until
@@ -52,9 +55,9 @@ def make_dead_letters(settings: Settings, rds: redis.Redis, replies: Results) ->
     async def requeue() -> None:
         client = Redis.from_url(settings.redis_url)
         try:
-            streams = RequestStreams(client, keys, settings.session_ttl_s)
+            recovery = RecoveryStreams(StreamConnection(client, keys, settings.session_ttl_s))
             item = Enqueue(encode(poison(replies)), "s-1", deliveries=settings.worker.max_deliveries)
-            await streams.requeue([item], [])
+            await recovery.requeue([item], [])
         finally:
             await client.aclose()
 
@@ -119,12 +122,12 @@ async def dead_letter_without_workers(settings: Settings, request: RolloutReques
     """The data plane dead-letters a request that a worker (gone, never a process here) had taken, as a reaper does."""
     client = Redis.from_url(settings.redis_url)
     try:
-        streams = RequestStreams(client, settings.keys, settings.session_ttl_s)
+        connection = StreamConnection(client, settings.keys, settings.session_ttl_s)
         for stream in (settings.keys.requests, settings.keys.pinned_requests("w-gone")):
-            await streams.ensure_group(stream)
-        await streams.enqueue([Enqueue(encode(request))], 100)
-        [taken], _ = await streams.take("w-gone", 1, 60_000)
-        assert await streams.dead_letter(
+            await connection.ensure_group(stream)
+        await ProducerStreams(connection).enqueue([Enqueue(encode(request))], 100)
+        [taken], _ = await WorkerStreams(connection).take(TakeOptions("w-gone", 60_000), 1)
+        assert await RecoveryStreams(connection).dead_letter(
             taken,
             "max_deliveries",
             "a test",

@@ -20,7 +20,9 @@ from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.connections.urls import redis_async
 from rollout_svc.dataplane.direct import DirectConnection, stream_records
-from rollout_svc.dataplane.streams import RequestStreams
+from rollout_svc.dataplane.producer_streams import ProducerStreams
+from rollout_svc.dataplane.streams import StreamConnection
+from rollout_svc.dataplane.worker_streams import WorkerStreams
 from rollout_svc.keys import PAYLOAD_FIELD, PINNED_SUFFIX, WORKERS_GROUP
 
 
@@ -128,18 +130,18 @@ def test_stream_replies_parse_as_the_clients_do(settings: Settings, rds: redis.R
 
     async def main() -> tuple:
         client = redis_async(settings.redis_url, decode_responses=False)
-        shared = RequestStreams(client, keys, settings.session_ttl_s)
+        shared = StreamConnection(client, keys, settings.session_ttl_s)
         own = shared.on_own_connection()
         try:
             for name in (stream, keys.pinned_requests("w-direct"), keys.pinned_requests("w-client")):
                 await shared.ensure_group(name)
             for i in range(3):
                 await client.xadd(stream, {PAYLOAD_FIELD: f"p{i}".encode()})
-            direct_read = await own.wait_for_entries("w-direct", 100)
-            client_read = await shared.wait_for_entries("w-client", 100)
+            direct_read = await WorkerStreams(own).wait_for_entries("w-direct", 100)
+            client_read = await WorkerStreams(shared).wait_for_entries("w-client", 100)
             await client.xadd("results", {PAYLOAD_FIELD: b"r0"})
-            direct_results = await own.read_results("results", b"0-0", [], 100, keys.state)
-            client_results = await shared.read_results("results", b"0-0", [], 100, keys.state)
+            direct_results = await ProducerStreams(own).read_results("results", b"0-0", [], 100, keys.state)
+            client_results = await ProducerStreams(shared).read_results("results", b"0-0", [], 100, keys.state)
             return direct_read, client_read, direct_results, client_results
         finally:
             await own.aclose()
@@ -172,9 +174,9 @@ def test_an_idle_worker_s_answer_goes_out_before_its_next_take(settings: Setting
 
     async def main() -> tuple[int, int]:
         client = redis_async(settings.redis_url, decode_responses=False)
-        streams = RequestStreams(client, keys, settings.session_ttl_s)
+        streams = WorkerStreams(StreamConnection(client, keys, settings.session_ttl_s))
         for name in (keys.requests, keys.pinned_requests("w0")):
-            await streams.ensure_group(name)
+            await streams.connection.ensure_group(name)
         await client.xadd(keys.requests, {PAYLOAD_FIELD: b"request"})
         [entry] = await streams.wait_for_entries("w0", 100)
         released: list[InFlight] = []
@@ -226,9 +228,9 @@ async def test_a_caller_answers_before_the_reader_sends_its_next_read(
     With one turn (`CALLER_TURNS` 1) each answer came after the next read."""
     echo_workers(1)
     events: list[str] = []
-    read_results, route = RequestStreams.read_results, ResultRouter.route
+    read_results, route = ProducerStreams.read_results, ResultRouter.route
 
-    async def logged_read(self: RequestStreams, *args: object, **kwargs: object) -> object:
+    async def logged_read(self: ProducerStreams, *args: object, **kwargs: object) -> object:
         events.append("read")
         return await read_results(self, *args, **kwargs)
 
@@ -236,7 +238,7 @@ async def test_a_caller_answers_before_the_reader_sends_its_next_read(
         events.append("result")
         route(self, payload)
 
-    monkeypatch.setattr(RequestStreams, "read_results", logged_read)
+    monkeypatch.setattr(ProducerStreams, "read_results", logged_read)
     monkeypatch.setattr(ResultRouter, "route", logged_route)
     loop = asyncio.get_running_loop()
     async with RolloutClient(settings) as client:

@@ -7,7 +7,9 @@ from collections import Counter
 from redis.asyncio import Redis
 
 from rollout_svc import RolloutClient
-from rollout_svc.dataplane.streams import Enqueue, RequestStreams
+from rollout_svc.dataplane.producer_streams import ProducerStreams
+from rollout_svc.dataplane.streams import Enqueue, StreamConnection
+from rollout_svc.dataplane.worker_streams import TakeOptions, WorkerStreams
 
 PARAMS = {"max_tokens": 100, "ignore_eos": True, "temperature": 0.0}
 
@@ -41,19 +43,20 @@ async def test_a_take_shares_tokens_not_requests(settings):
     # Worker a holds 8 requests of 400 tokens; 40 of 40 tokens wait. Sharing tokens, b takes all 40 (1,600 tokens
     # against a's 3,200); sharing requests, it would take 24 and leave 16 to a.
     redis = Redis.from_url(settings.redis_url)
-    streams, keys = RequestStreams(redis, settings.keys, 60), settings.keys
+    connection, keys = StreamConnection(redis, settings.keys, 60), settings.keys
+    producer, worker = ProducerStreams(connection), WorkerStreams(connection)
     try:
         for stream in (keys.requests, keys.pinned_requests("a"), keys.pinned_requests("b")):
-            await streams.ensure_group(stream)
-        await streams.enqueue([Enqueue(b"long", cost=400) for _ in range(8)], 100)
-        taken_by_a, _ = await streams.take("a", 64, 60_000)  # alone: it takes all 8
+            await connection.ensure_group(stream)
+        await producer.enqueue([Enqueue(b"long", cost=400) for _ in range(8)], 100)
+        taken_by_a, _ = await worker.take(TakeOptions("a", 60_000), 64)  # alone: it takes all 8
         assert len(taken_by_a) == 8 and int(await redis.hget(keys.loads, "a")) == 3200
-        await streams.report_load("b", 64)  # b is open now: a live worker with free slots
-        await streams.enqueue([Enqueue(b"short", cost=40) for _ in range(40)], 100)
-        taken_by_b, left = await streams.take("b", 64, 60_000)
+        await worker.report_load("b", 64)  # b is open now: a live worker with free slots
+        await producer.enqueue([Enqueue(b"short", cost=40) for _ in range(40)], 100)
+        taken_by_b, left = await worker.take(TakeOptions("b", 60_000), 64)
         assert len(taken_by_b) == 40 and not left
         # a publishes its 8: its load drops to 0 in the same script call
-        await streams.publish([(entry, None) for entry in taken_by_a], 60, load=("a", 64))
+        await worker.publish([(entry, None) for entry in taken_by_a], 60, load=("a", 64))
         assert int(await redis.hget(keys.loads, "a")) == 0
     finally:
         await redis.aclose()

@@ -16,7 +16,9 @@ from redis.asyncio import Redis
 
 from rollout_svc import InvalidRequestError, QueueFullError, RequestTimeoutError, RolloutClient, SyncRolloutClient
 from rollout_svc.config import Settings
-from rollout_svc.dataplane.streams import Enqueue, RequestStreams
+from rollout_svc.dataplane.producer_streams import ProducerStreams
+from rollout_svc.dataplane.recovery_streams import RecoveryStreams
+from rollout_svc.dataplane.streams import Enqueue, StreamConnection
 from rollout_svc.keys import COST_FIELD, PAYLOAD_FIELD, WORKERS_GROUP
 from rollout_svc.protocol import RolloutRequest, SamplingParams, Trajectory, decode, encode
 from tests.support import Results, Streaming, async_wait_until, pending
@@ -225,8 +227,8 @@ async def test_entry_over_max_deliveries_becomes_dead_letter_with_error_result(s
     request = RolloutRequest(request_id="poison", prompt_token_ids=[1], reply_to=replies.stream)
     redis_async = Redis.from_url(settings.redis_url)
     try:
-        streams = RequestStreams(redis_async, settings.keys, settings.session_ttl_s)
-        await streams.requeue([Enqueue(encode(request), deliveries=settings.worker.max_deliveries)], [])
+        recovery = RecoveryStreams(StreamConnection(redis_async, settings.keys, settings.session_ttl_s))
+        await recovery.requeue([Enqueue(encode(request), deliveries=settings.worker.max_deliveries)], [])
     finally:
         await redis_async.aclose()
     [error] = replies.read(1)
@@ -248,8 +250,8 @@ async def test_a_request_enqueued_twice_on_one_worker_runs_once_and_is_answered_
     )
     redis_async = Redis.from_url(settings.redis_url)
     try:
-        streams = RequestStreams(redis_async, settings.keys, settings.session_ttl_s)
-        await streams.enqueue([Enqueue(encode(request)), Enqueue(encode(request))], 100)
+        producer = ProducerStreams(StreamConnection(redis_async, settings.keys, settings.session_ttl_s))
+        await producer.enqueue([Enqueue(encode(request)), Enqueue(encode(request))], 100)
     finally:
         await redis_async.aclose()
     [trajectory] = replies.read(1)

@@ -11,8 +11,11 @@ from redis.asyncio import Redis
 
 from rollout_svc.config import Settings
 from rollout_svc.control.plane import ControlPlane
+from rollout_svc.dataplane.producer_streams import ProducerStreams
 from rollout_svc.dataplane.reaper import Reaper
+from rollout_svc.dataplane.recovery_streams import RecoveryStreams
 from rollout_svc.dataplane.streams import Enqueue
+from rollout_svc.dataplane.worker_streams import TakeOptions, WorkerStreams
 from rollout_svc.errors import QueueFullError
 from rollout_svc.keys import WORKERS_GROUP
 from rollout_svc.protocol import RolloutRequest, WorkerStatus, decode, encode
@@ -25,14 +28,19 @@ async def plane(settings: Settings, rds) -> AsyncIterator[ControlPlane]:
     plane = ControlPlane(redis, settings)
     await plane.load_scripts()
     for stream in (settings.keys.requests, settings.keys.token_requests):
-        await plane.streams.ensure_group(stream)
+        await plane.streams.connection.ensure_group(stream)
     yield plane
     await redis.aclose()
 
 
 async def register(plane: ControlPlane, worker_id: str, state: str = "serving", applied_epoch: int = 0) -> None:
     await plane.registry.heartbeat(WorkerStatus(worker_id=worker_id, state=state, applied_epoch=applied_epoch))  # type: ignore[arg-type]
-    await plane.streams.ensure_group(plane.keys.pinned_requests(worker_id))
+    await plane.streams.connection.ensure_group(plane.keys.pinned_requests(worker_id))
+
+
+def sides(plane: ControlPlane) -> tuple[ProducerStreams, WorkerStreams, RecoveryStreams]:
+    """The data plane's three sides, over the control plane's connection."""
+    return plane.streams, WorkerStreams(plane.streams.connection), plane.recovery
 
 
 def request(request_id: str, reply_to: str, session_id: str | None = None, cost: int = 0) -> Enqueue:
@@ -43,20 +51,20 @@ def request(request_id: str, reply_to: str, session_id: str | None = None, cost:
 
 
 async def test_reaper_requeues_what_a_dead_worker_held_and_re_places_its_sessions(plane, settings, rds):
-    keys, streams = settings.keys, plane.streams
+    keys, (producer, worker, _) = settings.keys, sides(plane)
     await register(plane, "w-dead")
     await register(plane, "w-live")
     reply = keys.results("p")
-    placed = await streams.enqueue([request("r1", reply), request("r2", reply), request("r3", reply, "s1")], 100)
+    placed = await producer.enqueue([request("r1", reply), request("r2", reply), request("r3", reply, "s1")], 100)
     assert [p.stream for p in placed] == [
         keys.requests,
         keys.requests,
         keys.pinned_requests("w-dead"),
     ]  # tie: lowest id
-    taken, _ = await streams.take("w-dead", 2, 60_000)  # takes r3 (pinned) and r1; r2 stays queued
+    taken, _ = await worker.take(TakeOptions("w-dead", 60_000), 2)  # takes r3 (pinned) and r1; r2 stays queued
     assert sorted(decode(e.payload).request_id for e in taken) == ["r1", "r3"]
     assert [e.session_id for e in taken if e.stream != keys.requests] == ["s1"]  # a field: no decoding needed
-    await streams.enqueue([request("r4", reply, "s1")], 100)  # queued behind in the dead worker's pinned stream
+    await producer.enqueue([request("r4", reply, "s1")], 100)  # queued behind in the dead worker's pinned stream
     rds.delete(keys.worker("w-dead"))  # its heartbeat expired
 
     assert await Reaper(plane.redis, settings).reap_dead("w-live") == {"w-dead": 3}  # r1, r3 pending; r4 backlog
@@ -75,10 +83,10 @@ async def test_a_worker_back_under_its_id_is_not_reaped(plane, settings, rds):
     """Found dead, then back under the same id (a restart under the same id) before the reaper took its lock: its
     pinned stream, consumer and registration are its own again (found by the chaos soak: a reaper requeued them
     back into the stream it drained, thousands of times, then deleted it under the live worker)."""
-    keys, streams = settings.keys, plane.streams
+    keys, producer = settings.keys, plane.streams
     await register(plane, "w-back")
     await register(plane, "w-reaper")
-    await streams.enqueue([request("r1", keys.results("p"), "s1")], 100)
+    await producer.enqueue([request("r1", keys.results("p"), "s1")], 100)
     rds.delete(keys.worker("w-back"))
     assert await plane.registry.dead_workers() == ["w-back"]
     await register(plane, "w-back")  # its replacement registers
@@ -92,11 +100,11 @@ async def test_a_stale_worker_releases_its_pinned_backlog_once_and_placement_ski
     """`Reaper.release_backlog`: the entries waiting in a live worker's pinned stream go back through placement.
     While its heartbeat still says serving they land there again and the call ends (it moves only what was there
     when it started); once it says stale, they go to a worker that serves, their sessions re-pinned."""
-    keys, streams = settings.keys, plane.streams
+    keys, producer = settings.keys, plane.streams
     await register(plane, "a-stale")
     await register(plane, "b-serving")
     reply = keys.results("p")
-    placed = await streams.enqueue([request(f"r{i}", reply, f"s{i}") for i in range(3)], 100)
+    placed = await producer.enqueue([request(f"r{i}", reply, f"s{i}") for i in range(3)], 100)
     pinned = keys.pinned_requests("a-stale")
     assert [p.stream for p in placed] == [pinned, keys.pinned_requests("b-serving"), pinned]  # fewest sessions
     reaper = Reaper(plane.redis, settings)
@@ -112,33 +120,33 @@ async def test_a_stale_worker_releases_its_pinned_backlog_once_and_placement_ski
 async def test_a_new_session_goes_to_the_worker_with_the_least_work_not_the_fewest_sessions(plane, settings, rds):
     """Placement by cost for sessions: a new session's worker is the one holding the fewest tokens (taken, plus
     placed in its pinned stream and not taken yet), sessions only breaking a tie."""
-    keys, streams = settings.keys, plane.streams
+    keys, (producer, worker, _) = settings.keys, sides(plane)
     await register(plane, "a")
     await register(plane, "b")
     reply = keys.results("p")
     # One long turn, then three short ones, in one call: the long one's tokens count against its worker at once.
-    placed = await streams.enqueue(
+    placed = await producer.enqueue(
         [request("r0", reply, "s0", cost=1000), *(request(f"r{i}", reply, f"s{i}", cost=10) for i in (1, 2, 3))], 100
     )
     a, b = keys.pinned_requests("a"), keys.pinned_requests("b")
     assert [p.stream for p in placed] == [a, b, b, b]  # by sessions it was a, b, a, b
     assert rds.hget(keys.loads, "a:pinned") == b"1000" and rds.hget(keys.loads, "b:pinned") == b"30"
     # Taken: the tokens move from pinned to held; a take that leaves nothing new in the pinned stream sets it to 0.
-    taken, _ = await streams.take("b", 1, 60_000)
+    taken, _ = await worker.take(TakeOptions("b", 60_000), 1)
     assert len(taken) == 1 and rds.hget(keys.loads, "b:pinned") == b"20" and rds.hget(keys.loads, "b") == b"10"
     rds.hset(keys.loads, "b:pinned", 5)  # a count short of what is there: never below 0
-    await streams.take("b", 1, 60_000)
+    await worker.take(TakeOptions("b", 60_000), 1)
     assert rds.hget(keys.loads, "b:pinned") == b"0"
-    await streams.take("b", 8, 60_000)
+    await worker.take(TakeOptions("b", 60_000), 8)
     assert rds.hget(keys.loads, "b:pinned") == b"0" and rds.hget(keys.loads, "b") == b"30"
     # b holds 3 sessions and 30 tokens, a 1 session and 1000 (pinned): the next new session goes to b.
-    [placed_next] = await streams.enqueue([request("r4", reply, "s4", cost=10)], 100)
+    [placed_next] = await producer.enqueue([request("r4", reply, "s4", cost=10)], 100)
     assert placed_next.stream == b
     # A chunk refused for admission adds nothing to a worker's pinned tokens.
     with pytest.raises(QueueFullError):
-        await streams.enqueue([request("r5", reply, "s5", cost=500), request("r6", reply, "s6", cost=500)], 1)
+        await producer.enqueue([request("r5", reply, "s5", cost=500), request("r6", reply, "s6", cost=500)], 1)
     assert rds.hget(keys.loads, "b:pinned") == b"10"
-    assert "b:pinned" not in await streams.loads() and (await streams.loads())["b"] == 30
+    assert "b:pinned" not in await producer.loads() and (await producer.loads())["b"] == 30
 
 
 async def test_a_worker_reaped_while_it_takes_more_leaves_nothing_behind(plane, settings, rds, monkeypatch):
@@ -146,22 +154,22 @@ async def test_a_worker_reaped_while_it_takes_more_leaves_nothing_behind(plane, 
     requeue and the forgetting of its consumer must not be dropped with the consumer (found by the 10-minute chaos
     soak: XGROUP DELCONSUMER dropped such entries, which then sat before the group's last-delivered id, never
     delivered again)."""
-    keys, streams = settings.keys, plane.streams
+    keys, (producer, worker, recovery) = settings.keys, sides(plane)
     await register(plane, "w-alive")
-    await streams.enqueue([request("r1", keys.results("p")), request("r2", keys.results("p"))], 100)
-    [first] = await streams._readgroup("w-alive", {keys.requests: ">"}, 1, None)
+    await producer.enqueue([request("r1", keys.results("p")), request("r2", keys.results("p"))], 100)
+    [first] = await worker._readgroup("w-alive", {keys.requests: ">"}, 1, None)
     rds.delete(keys.worker("w-alive"))  # Redis forgot its heartbeat; it lives on
     reaper = Reaper(plane.redis, settings)
-    delete, took = streams.delete, []
+    delete, took = recovery.delete, []
 
     async def delete_while_the_worker_reads(stream):  # the pinned stream goes after the pending entries are requeued
-        took.extend(await streams._readgroup("w-alive", {keys.requests: ">"}, 1, None))
+        took.extend(await worker._readgroup("w-alive", {keys.requests: ">"}, 1, None))
         await delete(stream)
 
     monkeypatch.setattr(reaper.streams, "delete", delete_while_the_worker_reads)
     assert await reaper.reap("w-alive", "w-reaper") == 2
     assert decode(first.payload).request_id == "r1" and [decode(e.payload).request_id for e in took] == ["r2"]
-    again = await streams._readgroup("w-other", {keys.requests: ">"}, 10, None)
+    again = await worker._readgroup("w-other", {keys.requests: ">"}, 10, None)
     assert sorted(decode(e.payload).request_id for e in again) == ["r1", "r2"]  # both deliverable again
     assert rds.xlen(keys.requests) == 2  # the requeued copies, and nothing stranded
 
@@ -169,9 +177,9 @@ async def test_a_worker_reaped_while_it_takes_more_leaves_nothing_behind(plane, 
 async def test_a_consumer_left_with_pending_entries_and_no_heartbeat_is_reaped(plane, settings, rds):
     """A worker reaped while it lived, that took more and died before it noticed, is no longer registered: its
     consumer (pending entries, idle past the TTL, no heartbeat) is reaped all the same."""
-    keys, streams = settings.keys, plane.streams
-    await streams.enqueue([request("r1", keys.results("p"))], 100)
-    await streams._readgroup("ghost", {keys.requests: ">"}, 1, None)
+    keys, (producer, worker, _) = settings.keys, sides(plane)
+    await producer.enqueue([request("r1", keys.results("p"))], 100)
+    await worker._readgroup("ghost", {keys.requests: ">"}, 1, None)
     fast = settings.copy_with(heartbeat_ttl_s=0.05)
 
     def ghost_idle_past_the_ttl() -> bool:
@@ -187,8 +195,8 @@ async def test_an_entry_over_max_deliveries_becomes_a_dead_letter_and_its_produc
     keys = settings.keys
     await register(plane, "w1")
     replies = Results(rds, keys.results("p"))
-    await plane.streams.requeue([Enqueue(request("poison", replies.stream).payload, deliveries=2)], [])
-    [entry], _ = await plane.streams.take("w1", 1, 60_000)
+    await plane.recovery.requeue([Enqueue(request("poison", replies.stream).payload, deliveries=2)], [])
+    [entry], _ = await WorkerStreams(plane.streams.connection).take(TakeOptions("w1", 60_000), 1)
     assert entry.deliveries == settings.worker.max_deliveries
     rds.delete(keys.worker("w1"))
     assert await Reaper(plane.redis, settings).reap_dead("someone") == {"w1": 0}
@@ -198,28 +206,28 @@ async def test_an_entry_over_max_deliveries_becomes_a_dead_letter_and_its_produc
 
 
 async def test_placement_skips_sleeping_draining_and_unconverged_workers(plane, settings, rds):
-    keys, streams = settings.keys, plane.streams
+    keys, producer = settings.keys, plane.streams
     rds.hset(keys.state, "epoch", 3)
     await register(plane, "a-sleeping", "sleeping", 3)
     await register(plane, "b-draining", "draining", 3)
     await register(plane, "c-behind", "serving", 2)  # has not applied epoch 3 yet
     await register(plane, "d-paused", "paused", 3)  # a paused fleet still places: requests wait in the queue
-    [placed] = await streams.enqueue([request("r1", "x", "s1")], 100)
+    [placed] = await producer.enqueue([request("r1", "x", "s1")], 100)
     assert placed.stream == keys.pinned_requests("d-paused")
     await register(plane, "d-paused", "sleeping", 3)
-    [moved] = await streams.enqueue([request("r2", "x", "s1")], 100)  # its worker fell asleep: unpinned
+    [moved] = await producer.enqueue([request("r2", "x", "s1")], 100)  # its worker fell asleep: unpinned
     assert moved.stream == keys.requests and rds.get(keys.session("s1")) is None
     await register(plane, "c-behind", "serving", 3)  # converged now
-    [pinned] = await streams.enqueue([request("r3", "x", "s1")], 100)
+    [pinned] = await producer.enqueue([request("r3", "x", "s1")], 100)
     assert pinned.stream == keys.pinned_requests("c-behind")
 
 
 async def test_a_stale_worker_set_is_noticed_inside_the_script(plane, settings, rds):
-    keys, streams = settings.keys, plane.streams
+    keys, producer = settings.keys, plane.streams
     await register(plane, "w1")
-    await streams.enqueue([request("r1", "x", "s1")], 100)  # caches the worker set {w1}
+    await producer.enqueue([request("r1", "x", "s1")], 100)  # caches the worker set {w1}
     await register(plane, "w0")  # a new worker the cache does not know: least loaded, lowest id
-    [placed] = await streams.enqueue([request("r2", "x", "s2")], 100)
+    [placed] = await producer.enqueue([request("r2", "x", "s2")], 100)
     assert placed.stream == keys.pinned_requests("w0")
 
 
@@ -248,12 +256,12 @@ async def test_orphans_behind_more_held_entries_than_one_page_are_found(plane, s
     read = rds.xreadgroup(WORKERS_GROUP, "w0", {stream: ">"}, count=1500)  # all delivered: the group is past them
     ids = [entry_id for entry_id, _ in read[0][1]]
     rds.xack(stream, WORKERS_GROUP, *ids[1200:])  # acked but not deleted: what a replayed AOF brings back
-    orphans = await plane.streams.orphans(stream)
+    orphans = await plane.recovery.orphans(stream)
     assert [e.entry_id for e in orphans] == ids[1200:]
-    assert len(await plane.streams.orphans(stream, count=100)) == 100  # at most `count`
+    assert len(await plane.recovery.orphans(stream, count=100)) == 100  # at most `count`
     rds.xack(stream, WORKERS_GROUP, *ids[:1200])
     rds.xdel(stream, *ids)
-    assert await plane.streams.orphans(stream) == []
+    assert await plane.recovery.orphans(stream) == []
 
 
 async def test_a_restart_takes_over_a_reap_lock_its_gone_predecessor_left_but_waits_for_a_reaper(plane, settings, rds):
@@ -283,12 +291,12 @@ async def test_a_reap_cut_short_by_redis_is_finished_by_its_reapers_next_pass(pl
     """A reaper that took a dead worker's lock and lost Redis mid-reap (restarted; its lock kept by the append-only
     file) finishes the reap at its next pass, not after the lock's 60 s TTL (a 10-minute chaos soak saw 3 requests
     of a killed worker wait 64 s so, past their call's timeout). Another reaper still leaves the lock alone."""
-    keys, streams = settings.keys, plane.streams
+    keys, (producer, worker, _) = settings.keys, sides(plane)
     await register(plane, "w-dead")
     await register(plane, "w-live")
-    placed = await streams.enqueue([request("r1", keys.results("p"), "s1")], 100)
+    placed = await producer.enqueue([request("r1", keys.results("p"), "s1")], 100)
     assert placed[0].stream == keys.pinned_requests("w-dead")
-    await streams.take("w-dead", 1, 60_000)
+    await worker.take(TakeOptions("w-dead", 60_000), 1)
     rds.delete(keys.worker("w-dead"))  # its heartbeat expired
     rds.set(keys.reap_lock("w-dead"), "w-live", px=60_000)  # w-live's reap, cut short by the restart
     assert await Reaper(plane.redis, settings).reap_dead("w-other") == {}, "another reaper waits for the lock"
@@ -303,16 +311,16 @@ async def test_a_worker_a_straggler_was_just_moved_to_is_not_idle(plane, setting
     """`idle_workers` (where a straggler may move): a worker whose pinned stream holds a moved generation it has not
     taken yet holds work. Counted as idle, it drew a second move within the same 0.2 s check, and then moved one of
     the two back (a CI run of test_moves saw a request moved twice)."""
-    keys, streams = settings.keys, plane.streams
+    keys, worker = settings.keys, WorkerStreams(plane.streams.connection)
     for worker_id in ("a", "b"):
         await register(plane, worker_id)
-        await streams.report_load(worker_id, 4)
-    assert await streams.idle_workers("a", 60_000) == ["b"]
-    await streams.hand_over("b", request("moved", keys.results("p"), cost=100))
-    assert await streams.idle_workers("a", 60_000) == []
-    await streams.take("b", 4, 60_000)  # taken: its load now, and nothing left pinned
+        await worker.report_load(worker_id, 4)
+    assert await worker.idle_workers("a", 60_000) == ["b"]
+    await worker.hand_over("b", request("moved", keys.results("p"), cost=100))
+    assert await worker.idle_workers("a", 60_000) == []
+    await worker.take(TakeOptions("b", 60_000), 4)  # taken: its load now, and nothing left pinned
     assert rds.hget(keys.loads, "b") == b"100" and rds.hget(keys.loads, "b:pinned") == b"0"
-    assert await streams.idle_workers("a", 60_000) == []
+    assert await worker.idle_workers("a", 60_000) == []
 
 
 async def test_a_request_forwarded_to_its_session_s_draining_worker_waits_there(plane, settings, rds):
@@ -320,19 +328,19 @@ async def test_a_request_forwarded_to_its_session_s_draining_worker_waits_there(
     ran it; w-b took the other. Its pin finds the session on w-a and forwards the request there: a session runs on
     one worker at a time (the chaos soak saw the two run at once when a pin to a draining worker was dropped). What
     is not a forward (a new turn, a drain's backlog requeued) is placed anew, as before."""
-    keys, streams = settings.keys, plane.streams
+    keys, (_, worker, recovery) = settings.keys, sides(plane)
     await register(plane, "w-a")
     await register(plane, "w-b")
     reply = keys.results("p")
-    assert await streams.pin_session("s1", "w-a") == "w-a"
+    assert await worker.pin_session("s1", "w-a") == "w-a"
     await register(plane, "w-a", state="draining")
-    assert await streams.pin_session("s1", "w-b") == "w-a"  # w-a may be running the session's other request
+    assert await worker.pin_session("s1", "w-b") == "w-a"  # w-a may be running the session's other request
     payload = request("r2", reply, "s1").payload
-    [forwarded] = await streams.requeue([Enqueue(payload, "s1", deliveries=0, epoch=0, forward=True)], [])
+    [forwarded] = await recovery.requeue([Enqueue(payload, "s1", deliveries=0, epoch=0, forward=True)], [])
     assert forwarded.stream == keys.pinned_requests("w-a")
-    [requeued] = await streams.requeue([Enqueue(payload, "s1", deliveries=1, epoch=0)], [])  # the drain's backlog
+    [requeued] = await recovery.requeue([Enqueue(payload, "s1", deliveries=1, epoch=0)], [])  # the drain's backlog
     assert requeued.stream == keys.pinned_requests("w-b")
-    assert await streams.pin_session("s1", "w-b") == "w-b"  # the session moved with it
+    assert await worker.pin_session("s1", "w-b") == "w-b"  # the session moved with it
 
 
 async def test_entries_pending_on_a_live_worker_that_it_no_longer_holds_are_requeued_after_a_second_look(
@@ -342,11 +350,11 @@ async def test_entries_pending_on_a_live_worker_that_it_no_longer_holds_are_requ
     publish script's ack and delete lost; a chaos run's drain found one, pending for good). The worker's reap loop
     requeues such entries: pending on it and not in flight at two looks a moment apart. One that a read had just
     delivered is in flight at the second look, one answered meanwhile is acked: neither moves."""
-    keys, streams = settings.keys, plane.streams
+    keys, (producer, worker, _) = settings.keys, sides(plane)
     await register(plane, "w0")
     reply = keys.results("p")
-    await streams.enqueue([request(f"r{i}", reply) for i in range(4)], 100)
-    taken, _ = await streams.take("w0", 4, 60_000)
+    await producer.enqueue([request(f"r{i}", reply) for i in range(4)], 100)
+    taken, _ = await worker.take(TakeOptions("w0", 60_000), 4)
     by_id = {decode(e.payload).request_id: e for e in taken}
     assert sorted(by_id) == ["r0", "r1", "r2", "r3"]
     held = {(e.stream, e.entry_id) for e in (by_id["r0"],)}  # r0 in flight throughout
@@ -359,6 +367,6 @@ async def test_entries_pending_on_a_live_worker_that_it_no_longer_holds_are_requ
     pending = await reaper.pending_keys("w0", [keys.requests], 100)
     assert pending == {(by_id[r].stream, by_id[r].entry_id) for r in ("r0", "r1")}
     await register(plane, "w1")
-    [again], _ = await streams.take("w1", 4, 60_000)
+    [again], _ = await worker.take(TakeOptions("w1", 60_000), 4)
     assert decode(again.payload).request_id == "r3" and again.deliveries == 2  # its first delivery carried
     assert await reaper.requeue_forgotten("w0", lambda: held, settle_s=0.1) == 0  # r0 and r1 held: nothing
