@@ -45,6 +45,13 @@ class Converger:
         self._awaiting: set[InFlight] = set()  # aborted by a command, must return before the ack
         self._adapter_failed: set[tuple[str, int]] = set()  # (name, version) whose load failed here: not retried
 
+    async def cancel_tombstoned(self) -> None:
+        """Read the tombstones written since the last read; abort the in-flight requests they name (those taken
+        later are answered unrun, see `AbortRules`)."""
+        new = self.rules.add_tombstones(await self.control.tombstones(self.rules.tombstones_seen))
+        if new:
+            await self.index.cancel_all(self.index.by_request_ids(new), "user")
+
     def restart(self) -> None:
         """A new incarnation: converge from scratch (the engine keeps its pause state)."""
         self._seen_epoch = None

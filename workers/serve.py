@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -44,6 +45,12 @@ RETRY_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 
 def backoff_s(failures: int) -> float:
     return RETRY_BACKOFF_S[min(failures, len(RETRY_BACKOFF_S)) - 1]
+
+
+async def idle(stopping: asyncio.Event, seconds: float) -> None:
+    """Sleep `seconds`, but return at once when `stopping` is set (a worker's loops between their rounds)."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stopping.wait(), seconds)
 
 
 class RequestServer:

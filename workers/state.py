@@ -24,6 +24,26 @@ def default_worker_id() -> str:
 
 
 @dataclass
+class Wakes:
+    """The events a worker's loops wait on, each set by what gives its loop something to do."""
+
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)  # set once: the loops end, the worker drains
+    slot_freed: asyncio.Event = field(default_factory=asyncio.Event)  # a generation left the index: the take loop looks
+    control: asyncio.Event = field(default_factory=asyncio.Event)  # a nudge or a reconnect: the control loop converges
+    weights: asyncio.Event = field(default_factory=asyncio.Event)  # a weights nudge or a reconnect: the weights loop
+
+    def stop(self) -> None:
+        """Every loop sees the stop at once (a take loop waiting for capacity too)."""
+        for event in (self.stopping, self.slot_freed, self.control, self.weights):
+            event.set()
+
+    def nudges_lost(self) -> None:
+        """Nudges may have been lost (a reconnect, a reconcile): the control and weights loops look."""
+        self.control.set()
+        self.weights.set()
+
+
+@dataclass
 class WorkerState:
     """Read by the take loop (`resumed`), written by the converger and the heartbeat (fencing).
 
@@ -43,6 +63,7 @@ class WorkerState:
     error_epoch: int = 0
     error: str = ""
     fenced_results: int = 0
+    fenced: bool = False  # presumed dead while it lived: it takes nothing until it is back as a new incarnation
     resumed: asyncio.Event = field(default_factory=asyncio.Event)  # set while it takes rollout requests
     adapters: AdapterTable = field(default_factory=AdapterTable)  # the LoRA adapters its engine holds
 

@@ -7,7 +7,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from rollout_svc.dataplane.direct import stream_records
-from rollout_svc.dataplane.streams import STALE_RETRIES, Enqueue, Placed, StreamConnection, Sweep
+from rollout_svc.dataplane.streams import STALE_RETRIES, Enqueue, Placed, StreamSide, Sweep
 from rollout_svc.errors import ProtocolError, QueueFullError
 from rollout_svc.keys import FREE_SUFFIX, PAYLOAD_FIELD, PINNED_SUFFIX, WORKERS_GROUP, ScriptReply, StateField
 from rollout_svc.protocol import decode
@@ -15,25 +15,13 @@ from rollout_svc.protocol import decode
 ENQUEUE_CHUNK = 1000  # entries per script call: bounds how long one call blocks Redis
 
 
-class ProducerStreams:
+class ProducerStreams(StreamSide):
     """A producer's side of the data plane (`dataplane.streams` says how the streams work): enqueues placed by the
     enqueue script, its results read with the committed weight version, cancelled entries swept, sessions unpinned,
     and what an operator's status reads (depths, loads).
 
     `on_own_connection()` gives a copy for one sequential user of its hot paths (a producer's submitter or its
     result reader): its enqueues and result reads then go over a `DirectConnection` of their own."""
-
-    def __init__(self, connection: StreamConnection) -> None:
-        self.connection, self.redis, self.keys = connection, connection.redis, connection.keys
-
-    def on_own_connection(self) -> ProducerStreams:
-        """A copy whose hot paths go over a connection of its own, for one sequential user; `aclose()` gives it
-        back."""
-        return ProducerStreams(self.connection.on_own_connection())
-
-    async def aclose(self) -> None:
-        """Give back the connection of `on_own_connection` (nothing to do for a copy without one)."""
-        await self.connection.aclose()
 
     async def enqueue(self, items: Sequence[Enqueue], max_queued: int) -> list[Placed]:
         """XADD items; sessions go to their pinned worker's stream. Returns where each went.

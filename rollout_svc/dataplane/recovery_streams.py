@@ -9,21 +9,18 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from rollout_svc.dataplane.streams import Enqueue, Entry, Placed, StreamConnection, entry_id_key, parse_entry
+from rollout_svc.dataplane.streams import Enqueue, Entry, Placed, StreamSide, entry_id_key, parse_entry
 from rollout_svc.keys import FREE_SUFFIX, PINNED_SUFFIX, WORKERS_GROUP, DeadLetterField
 from rollout_svc.protocol import ErrorCode, ErrorResult, encode, reply_address
 
 log = logging.getLogger("rollout_svc.dataplane")
 
 
-class RecoveryStreams:
+class RecoveryStreams(StreamSide):
     """The recovery side of the data plane (`dataplane.streams` says how the streams work), for the reaper, the dead
     letters, the control plane's sweeps, and a worker moving on what it cannot serve: what a consumer holds pending,
     what no consumer was delivered (undelivered, orphans), entries requeued through placement or dead-lettered, and
     a departed worker's consumer and load forgotten."""
-
-    def __init__(self, connection: StreamConnection) -> None:
-        self.connection, self.redis, self.keys = connection, connection.redis, connection.keys
 
     async def pending_of(self, stream: str, consumer: str, count: int = 1000) -> list[Entry]:
         """Entries delivered to `consumer` and not acked, with their delivery counts (XPENDING + XRANGE)."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
@@ -263,6 +263,22 @@ class StreamConnection:
                 stream = self.keys.requests
             placed.append(Placed(stream, entry_id))
         return placed
+
+
+class StreamSide:
+    """A side of the data plane: its calls over a `StreamConnection` (`connection`, its `redis` client and `keys`)."""
+
+    def __init__(self, connection: StreamConnection) -> None:
+        self.connection, self.redis, self.keys = connection, connection.redis, connection.keys
+
+    def on_own_connection(self) -> Self:
+        """A copy whose hot paths go over a connection of its own (`StreamConnection.on_own_connection`), for one
+        sequential user; `aclose()` gives it back."""
+        return type(self)(self.connection.on_own_connection())
+
+    async def aclose(self) -> None:
+        """Give back the connection of `on_own_connection` (nothing to do for a copy without one)."""
+        await self.connection.aclose()
 
 
 def parse_entry(stream: str, entry_id: bytes, fields: dict[bytes, bytes], delivered: int) -> Entry:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_svc.dataplane.direct import stream_records
-from rollout_svc.dataplane.streams import Enqueue, Entry, StreamConnection, parse_entry, script_fields
+from rollout_svc.dataplane.streams import Enqueue, Entry, StreamSide, parse_entry, script_fields
 from rollout_svc.keys import (
     COST_FIELD,
     EPOCH_FIELD,
@@ -34,7 +34,7 @@ class TakeOptions:
     share: bool = True
 
 
-class WorkerStreams:
+class WorkerStreams(StreamSide):
     """A worker's side of the data plane (`dataplane.streams` says how the streams work): its takes and blocking
     reads, its results published (acked, fenced), streaming chunks, session pins, straggler hand-overs, and its
     load in `Keys.loads`.
@@ -42,17 +42,11 @@ class WorkerStreams:
     `on_own_connection()` gives a copy for one sequential user of its hot paths (the take loop, the publisher):
     its takes, blocking reads and publishes then go over a `DirectConnection` of their own."""
 
-    def __init__(self, connection: StreamConnection) -> None:
-        self.connection, self.redis, self.keys = connection, connection.redis, connection.keys
-
-    def on_own_connection(self) -> WorkerStreams:
-        """A copy whose hot paths go over a connection of its own, for one sequential user; `aclose()` gives it
-        back."""
-        return WorkerStreams(self.connection.on_own_connection())
-
-    async def aclose(self) -> None:
-        """Give back the connection of `on_own_connection` (nothing to do for a copy without one)."""
-        await self.connection.aclose()
+    async def ensure_groups(self, worker_id: str) -> None:
+        """Create the consumer groups of the streams `worker_id` reads, if missing: the shared and token requests
+        streams and its pinned stream (`StreamConnection.ensure_group`)."""
+        for stream in (self.keys.requests, self.keys.pinned_requests(worker_id), self.keys.token_requests):
+            await self.connection.ensure_group(stream)
 
     async def take(
         self, options: TakeOptions, free: int, carried: tuple[int, int] = (0, 0), *, idle: bool = False
