@@ -148,7 +148,7 @@ class EngineSettings(BaseModel):
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
     def vllm_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of `workers.engine.vllm_engine_args` (all but `model`)."""
+        """Keyword arguments of `workers.vllm_args.vllm_engine_args` (all but `model`)."""
         kwargs: dict[str, Any] = {
             "dtype": self.dtype,
             "max_model_len": self.max_model_len,

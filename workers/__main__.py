@@ -53,7 +53,7 @@ def _engine(settings: Settings) -> Engine:
     if engine.engine == "sim":
         return build_sim_engine(engine)
     from rollout_svc.model import prepare_model
-    from workers.engine import VLLMEngine
+    from workers.vllm_engine import VLLMEngine
 
     model = engine.model or str(prepare_model(settings.cache_dir))
     return VLLMEngine(model, tool_call_parser=engine.tool_call_parser or None, **engine.vllm_kwargs())

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from rollout_svc.config import EngineSettings
-from workers.engine import sampled_logprobs, shutdown_llm, vllm_engine_args
+from workers.vllm_args import shutdown_llm, vllm_engine_args
+from workers.vllm_outputs import sampled_logprobs
 
 
 async def run_prompts(

@@ -5,7 +5,7 @@ environment holding the `gpu` extra: PyPI's CUDA build of vLLM, which installs w
 
 1. every name the workers and the service import from vLLM (read from their source: each `from vllm... import`)
    imports, so a release that moved or dropped one fails here, not at a worker's first request;
-2. the engine arguments of every engine we start build (`workers.engine.vllm_engine_args`, with tensor parallelism:
+2. the engine arguments of every engine we start build (`workers.vllm_args.vllm_engine_args`, with tensor parallelism:
    a multiprocess executor) and name our worker extension, which resolves to a class;
 3. the method the extension calls on vLLM's worker (`reload_weights`) exists on the worker class of the platform
    checked (`--platform cuda`: `vllm.v1.worker.gpu_worker.Worker`; `cpu`: `vllm.v1.worker.cpu_worker.CPUWorker`),
@@ -53,7 +53,7 @@ def check(platform: str) -> list[str]:
             failures.append(f"from {module} import {name}: {exc}")
     print(f"{len(names) - len(failures)} of {len(names)} names the workers import from vLLM import")
 
-    from workers.engine import vllm_engine_args
+    from workers.vllm_args import vllm_engine_args
     from workers.weight_extension import WORKER_EXTENSION
 
     try:

@@ -192,7 +192,7 @@ async def test_sleep_frees_gpu_memory(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: vLLM sleep mode frees memory only there")
     from rollout_svc.protocol import SamplingParams
-    from workers.engine import VLLMEngine
+    from workers.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(str(prepare_model(Settings().cache_dir)), dtype="float32", max_num_seqs=8)
     await engine.start()

@@ -15,7 +15,7 @@ from rollout_svc.errors import InvalidRequestError
 from rollout_svc.model import prepare_model
 from rollout_svc.protocol import SamplingParams
 from tests.e2e.conftest import PROMPT_SETS, REFERENCE_MAX_TOKENS, REFERENCE_SETTINGS, Reference, cpu_env
-from workers.engine import VLLMEngine
+from workers.vllm_engine import VLLMEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 

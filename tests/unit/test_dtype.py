@@ -69,7 +69,7 @@ def test_vllm_engine_args_runs_the_choice(monkeypatch: pytest.MonkeyPatch):
     pytest.importorskip("vllm")
     from vllm.platforms import current_platform
 
-    from workers.engine import vllm_engine_args
+    from workers.vllm_args import vllm_engine_args
 
     monkeypatch.setattr(engine_dtypes, "read_cpu_flags", lambda: AVX2_ONLY)
     assert vllm_engine_args("/no/model", dtype="auto").dtype == ("float32" if current_platform.is_cpu() else "auto")

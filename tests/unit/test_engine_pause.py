@@ -1,5 +1,5 @@
 """The vLLM engine's pause returns once vLLM's output handler has processed every output of the steps before it
-(workers/engine.py `_outputs_processed`, in place of vLLM's fixed 20 ms sleep): a weight sync reads each kept
+(workers/vllm_engine.py `_outputs_processed`, in place of vLLM's fixed 20 ms sleep): a weight sync reads each kept
 request's token count right after the pause, and a count short by the outputs still queued would put tokens made
 under the old weights in the new version's span. Here the engine-core client's queue and the output handler are
 stand-ins shaped as in vLLM 0.32 (an `asyncio.Queue` the handler awaits); tests/e2e/test_weight_sync_vllm.py runs
@@ -11,8 +11,8 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-import workers.engine
-from workers.engine import _outputs_processed
+import workers.vllm_engine
+from workers.vllm_engine import _outputs_processed
 
 
 def test_the_pause_returns_once_every_queued_output_is_processed_not_before():
@@ -76,7 +76,7 @@ def test_before_the_first_request_there_is_no_output_handler_and_nothing_to_wait
 
 
 def test_a_handler_that_never_goes_idle_holds_the_pause_only_for_the_bound(monkeypatch, caplog):
-    monkeypatch.setattr(workers.engine, "OUTPUTS_DRAIN_MAX_S", 0.2)
+    monkeypatch.setattr(workers.vllm_engine, "OUTPUTS_DRAIN_MAX_S", 0.2)
 
     async def run() -> float:
         queue: asyncio.Queue[int] = asyncio.Queue()

@@ -17,7 +17,7 @@ PARALLEL = {"tensor_parallel_size": 3, "pipeline_parallel_size": 2, "data_parall
 
 @pytest.mark.imports_vllm
 def test_parallel_sizes_reach_vllms_engine_arguments():
-    from workers.engine import vllm_engine_args
+    from workers.vllm_args import vllm_engine_args
 
     engine = EngineSettings(max_num_seqs=8, **PARALLEL)
     args = vllm_engine_args("/no/model", **engine.vllm_kwargs())
@@ -33,7 +33,7 @@ def test_parallel_sizes_reach_vllms_engine_arguments():
 
 @pytest.mark.imports_vllm
 def test_the_vllm_engine_reports_its_ranks_and_capacity():
-    from workers.engine import VLLMEngine
+    from workers.vllm_engine import VLLMEngine
 
     engine = VLLMEngine("/no/model", **EngineSettings(max_num_seqs=8, **PARALLEL).vllm_kwargs())
     assert (engine.parallel.tensor, engine.parallel.pipeline, engine.parallel.data) == (3, 2, 2)

@@ -159,7 +159,7 @@ def run_fit_bench(
         # as many tokens as the real engine's cache holds: the sim's SmolLM2 keeps its KV in bf16
         kv_cache_memory_bytes=engine.kv_cache_memory_bytes * SMOLLM2_135M.dtype_bytes // figures.dtype_bytes,
         max_model_len=engine.max_model_len,
-        # The real engine's budget: vLLM 0.32 without chunked prefill (off on CPU, workers/engine.py) takes the
+        # The real engine's budget: vLLM 0.32 without chunked prefill (off on CPU, workers/vllm_args.py) takes the
         # larger of max_model_len and SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS (2048) tokens a step.
         sim_max_num_batched_tokens=2048,
     )
