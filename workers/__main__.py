@@ -92,8 +92,13 @@ async def serve(args: argparse.Namespace) -> None:
         for i, worker_id in enumerate(replica_ids(args.worker_id, settings.engine))
     ]
     loop = asyncio.get_running_loop()
+
+    def stop_all() -> None:
+        for worker in workers:
+            worker.stop()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: [worker.stop() for worker in workers])
+        loop.add_signal_handler(sig, stop_all)
     loop.add_signal_handler(signal.SIGUSR1, log_tasks)
     results = await asyncio.gather(*(worker.run() for worker in workers), return_exceptions=True)
     for result in results:

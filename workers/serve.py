@@ -276,7 +276,7 @@ class RequestServer:
             prompt_token_ids=prompt,
             completion_token_ids=tokens,
             logprobs=logprobs,
-            finish_reason=completion.finish_reason,  # type: ignore[arg-type]
+            finish_reason=completion.finish_reason,
             text=text,
             weight_version=spans[-1][0],
             weight_versions=spans,

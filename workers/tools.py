@@ -33,7 +33,7 @@ def parse_tool_calls(
         raise InvalidRequestError(f"unknown tool call parser {parser_name!r}; vLLM has: {known}") from exc
     request = ChatCompletionRequest(
         model="", messages=[{"role": "user", "content": ""}], tools=tools, tool_choice="auto"
-    )  # type: ignore[arg-type]
+    )
     parser = parser_cls(tokenizer, request.tools)  # type: ignore[arg-type]  # vLLM widened the type in 0.32
     info = parser.extract_tool_calls(text, request)
     if not info.tools_called:

@@ -41,6 +41,8 @@ class WeightSyncExtension:
     _rollout_jobs: dict[str, dict[str, Any]] | None = None  # each job's outcome, complete once it ended (`_ended`)
     _rollout_spin: Any = None  # vLLM's SpinCondition this process reads its RPCs on (False: none found)
     _rollout_spin_s: float = 1.0  # its own busy_loop_s, restored once no job runs
+    # What vLLM's worker, into which this class is mixed, provides (an annotation only: no attribute of this class).
+    reload_weights: Callable[..., None]
 
     def _rollout_rank(self) -> int:
         """This process's rank among its engine's: data-parallel replica x (tensor x pipeline ranks) + its rank in
@@ -142,14 +144,14 @@ class WeightSyncExtension:
             tensors = outcome["tensors"]
             end = self._rollout_end if job == "receive" else self._rollout_peer_end
         started = time.perf_counter()
-        self.reload_weights(weights_iterator=iter(tensors))  # type: ignore[attr-defined]
+        self.reload_weights(weights_iterator=iter(tensors))
         loads.switched(end, job)
         return {"load_s": time.perf_counter() - started}
 
     def rollout_load_checkpoint(self, path: str) -> dict[str, float]:
         """Load the safetensors under the directory `path` (already checked against the checkpoint root)."""
         started = time.perf_counter()
-        self.reload_weights(weights_path=path)  # type: ignore[attr-defined]
+        self.reload_weights(weights_path=path)
         self._rollout_loaded().checkpoint_loaded()  # nothing received is loaded now: nothing to serve
         return {"load_s": time.perf_counter() - started}
 
