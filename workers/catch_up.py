@@ -118,10 +118,15 @@ class PeerCatchUp:
         timeout_s = self.settings.weight_sync.weight_sync_timeout_s
         store = await asyncio.to_thread(transfer.open_store, self.host, 1 + self.engine.weight_ranks, self.ttl_s)
         group = TransferGroup(
-            group_id=catch_up_id, master_addr=self.host, master_port=int(store.port), token=secrets.token_hex(16),
-            world_size=1 + self.engine.weight_ranks, timeout_s=timeout_s, join_timeout_s=self.ttl_s,
+            group_id=catch_up_id,
+            master_addr=self.host,
+            master_port=int(store.port),
+            token=secrets.token_hex(16),
+            world_size=1 + self.engine.weight_ranks,
+            timeout_s=timeout_s,
+            join_timeout_s=self.ttl_s,
             ranks={peer: 0, worker_id: 1},
-        )  # fmt: skip
+        )
         started = time.monotonic()
         order = CatchUpOrder(catch_up_id=catch_up_id, version=version, learner=worker_id, peer=peer, group=group)
         await self.plane.order_catch_up(order)
@@ -169,10 +174,15 @@ class PeerCatchUp:
         registry = self.plane.registry
         statuses = await registry.statuses(await registry.live_ids())
         peers = [
-            s for w, s in statuses.items()
-            if s is not None and w != self.state.worker_id and w not in self._avoid and s.state in SERVABLE
-            and s.weight_version == version and s.model == self.engine.model_name
-        ]  # fmt: skip
+            s
+            for w, s in statuses.items()
+            if s is not None
+            and w != self.state.worker_id
+            and w not in self._avoid
+            and s.state in SERVABLE
+            and s.weight_version == version
+            and s.model == self.engine.model_name
+        ]
         if not peers:
             return None
         return min(peers, key=lambda s: (s.in_flight / max(1, s.capacity), s.worker_id)).worker_id

@@ -93,9 +93,13 @@ class StragglerMover:
             log.info(
                 "moving %s to idle worker %s: %d tokens made in %.1f s beside %d other generations here; expected "
                 "rest about as many, against a re-prefill of %d tokens there",
-                record.request.request_id, target, made[id(record)], now - record.entered_at, len(running) - 1,
+                record.request.request_id,
+                target,
+                made[id(record)],
+                now - record.entered_at,
+                len(running) - 1,
                 len(record.request.prompt_token_ids or ()) + made[id(record)],
-            )  # fmt: skip
+            )
             await self.index.cancel(record, "migrate")
         return len(moves)
 

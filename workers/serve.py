@@ -165,9 +165,13 @@ class RequestServer:
 
     async def _dead_letter(self, entry: Entry, code: ErrorCode, message: str) -> None:
         await self.recovery.dead_letter(
-            entry, code, message, self.state.worker_id, maxlen=self.settings.worker.dead_letter_maxlen,
+            entry,
+            code,
+            message,
+            self.state.worker_id,
+            maxlen=self.settings.worker.dead_letter_maxlen,
             results_ttl_s=self.settings.results_ttl_s,
-        )  # fmt: skip
+        )
 
     async def _refuse(self, record: InFlight, message: str) -> None:
         address = reply_address(record.entry.payload)

@@ -105,8 +105,11 @@ class WeightReceiver:
                 self._abandoned = order.sync_id
                 log.warning(
                     "weight sync %s loaded version %d here but ended without committing it (its trainer died or gave "
-                    "up): back to the committed version %d", order.sync_id, order.version, desired.weight_version,
-                )  # fmt: skip
+                    "up): back to the committed version %d",
+                    order.sync_id,
+                    order.version,
+                    desired.weight_version,
+                )
         if self.state.weight_version == desired.weight_version:
             return
         if desired.weight_checkpoint:
@@ -185,8 +188,10 @@ class WeightReceiver:
             if not await self.plane.load_ordered(order.sync_id, timeout_s + self.settings.client.control_timeout_s):
                 log.warning(
                     "weight sync %s: received, but its load was never ordered (the trainer died or gave up): "
-                    "nothing loaded, version %d kept", order.sync_id, self.state.weight_version,
-                )  # fmt: skip
+                    "nothing loaded, version %d kept",
+                    order.sync_id,
+                    self.state.weight_version,
+                )
                 return
         before: tuple[WeightManifest, str, ReceivedFrom] | None = None
         if self.peers.held is not None:

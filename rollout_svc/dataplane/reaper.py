@@ -112,8 +112,9 @@ class Reaper:
                 # Held by an earlier process under this id, not by a reaper, and no process lives under it: that
                 # one is gone (it died holding it, or a Redis restart lost its release: a 10-minute chaos soak saw a
                 # replacement wait out the 60 s TTL so). Its lock is let go, and taken again at the loop's top.
-                log.info("the reap lock of %s was held by its earlier process (%s), now gone: taken over", worker_id,
-                         current)  # fmt: skip
+                log.info(
+                    "the reap lock of %s was held by its earlier process (%s), now gone: taken over", worker_id, current
+                )
                 await self.registry.release_reap_lock(worker_id, current)
                 continue
             if time.monotonic() > deadline:
@@ -199,8 +200,10 @@ class Reaper:
         if entries:
             log.warning(
                 "Redis holds %d requests pending on %s that it no longer has in flight (answered before a restart "
-                "that lost the acknowledgement): requeued", len(entries), worker_id,
-            )  # fmt: skip
+                "that lost the acknowledgement): requeued",
+                len(entries),
+                worker_id,
+            )
         return moved
 
     async def requeue(self, entries: list[Entry]) -> int:
