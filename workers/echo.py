@@ -12,7 +12,7 @@ from typing import Any
 
 from rollout_svc.errors import InvalidRequestError
 from rollout_svc.protocol import PauseMode, PromptLogprob, SamplingParams, TransferGroup, WeightManifest
-from workers.engine import Completion, OnDelta, ParallelSizes
+from workers.engine import ChatMessages, Completion, Generation, OnDelta, ParallelSizes, ToolSpecs
 
 
 class _EchoRun:
@@ -72,17 +72,11 @@ class EchoEngine:
         if self.preload_weight_transfer:  # before the worker registers: no heartbeat yet to stall
             await asyncio.to_thread(importlib.import_module, "rollout_svc.weightsync.transfer")
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prior: Sequence[int] = (),
-        on_delta: OnDelta | None = None,
-        lora_id: int | None = None,
-    ) -> Completion:
-        if lora_id is not None and lora_id not in self.adapters:
-            raise InvalidRequestError(f"no adapter was loaded under id {lora_id}")
+    async def generate(self, generation: Generation, on_delta: OnDelta | None = None) -> Completion:
+        request_id, params, prior = generation.request_id, generation.params, generation.prior
+        prompt_token_ids = generation.prompt_token_ids
+        if generation.lora_id is not None and generation.lora_id not in self.adapters:
+            raise InvalidRequestError(f"no adapter was loaded under id {generation.lora_id}")
         if len(prompt_token_ids) + len(prior) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(prompt_token_ids) + len(prior)} tokens; this model's context is {self.max_model_len}"
@@ -203,10 +197,7 @@ class EchoEngine:
         return True
 
     async def chat_prompt(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        self, messages: ChatMessages, tools: ToolSpecs | None = None, chat_template_kwargs: dict[str, Any] | None = None
     ) -> list[int]:
         """`<|role|>content` a line per message, then `<|assistant|>`; `chat_template_kwargs`'
         `add_generation_prompt: False` leaves that out, `continue_final_message: True` also leaves the last message
@@ -219,7 +210,7 @@ class EchoEngine:
             rendered += "<|assistant|>"
         return await self.tokenize(rendered, add_special_tokens=False)
 
-    def parse_tool_calls(self, text: str, tools: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
+    def parse_tool_calls(self, text: str, tools: ToolSpecs) -> tuple[str | None, list[dict[str, Any]]]:
         return text, []  # the echo model calls no tools
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:

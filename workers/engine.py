@@ -18,6 +18,8 @@ from rollout_svc.protocol import (
 )
 
 ReceivedFrom = Literal["trainer", "peer", "held", "previous"]
+ChatMessages = list[dict[str, Any]]  # OpenAI's chat messages: {"role": ..., "content": ...} each
+ToolSpecs = list[dict[str, Any]]  # OpenAI's tools: {"type": "function", "function": {...}} each
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,20 @@ class Completion:
 
 
 OnDelta = Callable[[Completion], Awaitable[None]]
+
+
+@dataclass(slots=True)  # not frozen: one is made per request served, and a frozen one takes ~1 us more to make
+class Generation:
+    """What an engine is asked to generate: one request's new tokens after `prompt_token_ids + prior`.
+
+    `prior`: what an interrupted attempt of the request generated (a retry goes on after it). `lora_id`: with the
+    LoRA adapter `Engine.add_adapter` loaded under that id (None: the base model)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prior: Sequence[int] = ()
+    lora_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -76,19 +92,10 @@ class Engine(Protocol):
 
     async def start(self) -> None: ...
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prior: Sequence[int] = (),
-        on_delta: OnDelta | None = None,
-        lora_id: int | None = None,
-    ) -> Completion:
-        """Generate after `prompt_token_ids + prior` (`prior`: what an interrupted attempt generated); the
-        Completion holds the new tokens only. `on_delta`, if given, is awaited with each batch of new tokens as the
-        engine makes them (vLLM's delta outputs), before the final Completion is returned. `lora_id`: with the
-        LoRA adapter `add_adapter` loaded under that id (None: the base model)."""
+    async def generate(self, generation: Generation, on_delta: OnDelta | None = None) -> Completion:
+        """Generate after `generation.prompt_token_ids + generation.prior`; the Completion holds the new tokens only.
+        `on_delta`, if given, is awaited with each batch of new tokens as the engine makes them (vLLM's delta outputs),
+        before the final Completion is returned."""
         ...
 
     async def add_adapter(self, name: str, lora_id: int, path: str) -> None:
@@ -113,13 +120,10 @@ class Engine(Protocol):
     async def reset_prefix_cache(self, reset_running_requests: bool) -> bool: ...
 
     async def chat_prompt(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        self, messages: ChatMessages, tools: ToolSpecs | None = None, chat_template_kwargs: dict[str, Any] | None = None
     ) -> list[int]: ...
 
-    def parse_tool_calls(self, text: str, tools: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
+    def parse_tool_calls(self, text: str, tools: ToolSpecs) -> tuple[str | None, list[dict[str, Any]]]:
         """Split model output into its content and OpenAI-shaped tool calls (none found: `(text, [])`)."""
         ...
 

@@ -32,7 +32,7 @@ from rollout_svc.protocol import (
     reply_address,
     unrun_trajectory,
 )
-from workers.engine import Completion, Engine, joined
+from workers.engine import Completion, Engine, Generation, joined
 from workers.inflight import AbortRules, InFlight, InFlightIndex
 from workers.lora_table import AdapterRef
 from workers.metrics import WorkerMetrics
@@ -244,7 +244,8 @@ class RequestServer:
         chunks = ChunkSender(self, request, len(prior_ids)) if request.stream else None
         try:
             lora_id = None if adapter is None else adapter.lora_id
-            completion = await self.engine.generate(request.request_id, prompt, params, prior_ids, chunks, lora_id)
+            generation = Generation(request.request_id, prompt, params, prior_ids, lora_id)
+            completion = await self.engine.generate(generation, chunks)
         finally:
             record.in_engine = False
             if adapter is not None:

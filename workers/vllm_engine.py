@@ -9,14 +9,22 @@ import logging
 import os
 import tempfile
 import uuid
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollout_svc.errors import EngineDeadError, InvalidRequestError
-from rollout_svc.protocol import EngineWeightOpName, PauseMode, SamplingParams, TransferGroup, WeightManifest
-from workers.engine import Completion, OnDelta, ParallelSizes, ReceivedFrom, joined
+from rollout_svc.protocol import EngineWeightOpName, PauseMode, TransferGroup, WeightManifest
+from workers.engine import (
+    ChatMessages,
+    Completion,
+    Generation,
+    OnDelta,
+    ParallelSizes,
+    ReceivedFrom,
+    ToolSpecs,
+    joined,
+)
 from workers.vllm_args import shutdown_llm, vllm_engine_args
 from workers.vllm_outputs import completion_of, finish_reason_of, vllm_sampling_params
 
@@ -75,7 +83,7 @@ class VLLMEngine:
         engine = VLLMEngine(str(prepare_model(cache_dir)), dtype="float32")
         await engine.start()                       # ~15 s on CPU
         ids = await engine.chat_prompt([{"role": "user", "content": "Hi"}])
-        done = await engine.generate("r1", ids, SamplingParams(temperature=0, max_tokens=32))
+        done = await engine.generate(Generation("r1", ids, SamplingParams(temperature=0, max_tokens=32)))
         await engine.close()                       # joins the engine-core process
 
     `capacity` is `max_num_seqs` per data-parallel replica; the remaining arguments are those of `vllm_engine_args`
@@ -122,15 +130,7 @@ class VLLMEngine:
 
         await asyncio.to_thread(build)
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prior: Sequence[int] = (),
-        on_delta: OnDelta | None = None,
-        lora_id: int | None = None,
-    ) -> Completion:
+    async def generate(self, generation: Generation, on_delta: OnDelta | None = None) -> Completion:
         """Run one request to completion, after `prompt_token_ids + prior`; the Completion holds the new tokens.
         `lora_id`: with that adapter (`add_adapter`), vLLM's `lora_request`.
 
@@ -149,15 +149,16 @@ class VLLMEngine:
         from vllm.v1.engine.exceptions import EngineGenerateError
 
         llm = self._running()
+        request_id, params = generation.request_id, generation.params
         sampling = vllm_sampling_params(params, delta=on_delta is not None)
-        prompt = [*prompt_token_ids, *prior]
+        prompt = [*generation.prompt_token_ids, *generation.prior]
         final: RequestOutput | None = None
         parts: list[Completion] = []
         try:
             # FINAL_ONLY: the stream yields once, at the end (an abort's final output holds the tokens so far);
             # DELTA: once per step, each output holding that step's new tokens. On cancellation vLLM's generator
             # aborts the request.
-            lora = None if lora_id is None else self._adapters[lora_id]
+            lora = None if generation.lora_id is None else self._adapters[generation.lora_id]
             async for output in llm.generate(tokens_input(prompt), sampling, request_id, lora_request=lora):
                 final = output
                 if on_delta is not None:
@@ -229,10 +230,7 @@ class VLLMEngine:
         return bool(await self._running().reset_prefix_cache(reset_running_requests=reset_running_requests))
 
     async def chat_prompt(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        self, messages: ChatMessages, tools: ToolSpecs | None = None, chat_template_kwargs: dict[str, Any] | None = None
     ) -> list[int]:
         """Token ids of `messages` rendered by the model's chat template, ending with the assistant's turn opener
         (unless `chat_template_kwargs` says `add_generation_prompt: False`, or `continue_final_message: True`, which
@@ -254,7 +252,7 @@ class VLLMEngine:
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         return self._running().get_tokenizer().encode(text, add_special_tokens=add_special_tokens)
 
-    def parse_tool_calls(self, text: str, tools: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
+    def parse_tool_calls(self, text: str, tools: ToolSpecs) -> tuple[str | None, list[dict[str, Any]]]:
         """vLLM's tool-call parser named by `tool_call_parser` (see `workers.tools`); none configured: no calls."""
         from workers.tools import parse_tool_calls
 

@@ -46,10 +46,10 @@ from rollout_svc.connections.urls import next_message, retry_while_away
 from rollout_svc.control.commands import SLEEP_TAGS, Command
 from rollout_svc.control.lora import AdapterSpec
 from rollout_svc.control.scripts import CANCEL_LUA, COMMIT_LUA, ISSUE_LUA, RENEW_LEASE_LUA, RESEED_LUA
-from rollout_svc.dataplane.producer_streams import ProducerStreams
+from rollout_svc.dataplane.producer_streams import ProducerStreams, Sweep
 from rollout_svc.dataplane.recovery_streams import RecoveryStreams
 from rollout_svc.dataplane.registry import Registry
-from rollout_svc.dataplane.streams import Entry, Placed, StreamConnection, Sweep
+from rollout_svc.dataplane.streams import Entry, Placed, StreamConnection
 from rollout_svc.errors import (
     AccessDeniedError,
     ControlCommandError,

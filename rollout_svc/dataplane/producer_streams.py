@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from rollout_svc.dataplane.direct import stream_records
-from rollout_svc.dataplane.streams import STALE_RETRIES, Enqueue, Placed, StreamSide, Sweep
+from rollout_svc.dataplane.streams import STALE_RETRIES, Enqueue, Placed, StreamSide
 from rollout_svc.errors import ProtocolError, QueueFullError
 from rollout_svc.keys import FREE_SUFFIX, PAYLOAD_FIELD, PINNED_SUFFIX, WORKERS_GROUP, ScriptReply, StateField
 from rollout_svc.protocol import decode
 
 ENQUEUE_CHUNK = 1000  # entries per script call: bounds how long one call blocks Redis
+
+
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    """An entry to delete if still undelivered, and the answer (results stream, payload) to send its producer."""
+
+    entry_id: bytes
+    reply: tuple[str, bytes] | None = None
 
 
 class ProducerStreams(StreamSide):

@@ -106,14 +106,6 @@ class Placed:
     entry_id: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Sweep:
-    """An entry to delete if still undelivered, and the answer (results stream, payload) to send its producer."""
-
-    entry_id: bytes
-    reply: tuple[str, bytes] | None = None
-
-
 class StreamConnection:
     """What the three sides of the data plane share on one Redis client: its registered scripts, the hot paths'
     connection, consumer groups, and the registered worker ids the placement scripts declare (cached; a `stale`

@@ -192,6 +192,7 @@ async def test_sleep_frees_gpu_memory(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: vLLM sleep mode frees memory only there")
     from rollout_svc.protocol import SamplingParams
+    from workers.engine import Generation
     from workers.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(str(prepare_model(Settings().cache_dir)), dtype="float32", max_num_seqs=8)
@@ -199,12 +200,12 @@ async def test_sleep_frees_gpu_memory(tmp_path: Path) -> None:
     try:
         assert engine.memory_released
         params = SamplingParams(temperature=0.0, max_tokens=16)
-        before = await engine.generate("a", [1, 2, 3, 4], params)
+        before = await engine.generate(Generation("a", [1, 2, 3, 4], params))
         free_awake = torch.cuda.mem_get_info()[0]
         await engine.sleep(1, "abort")
         assert torch.cuda.mem_get_info()[0] > free_awake + 64 * MiB
         assert await engine.wake_up(None)
-        after = await engine.generate("b", [1, 2, 3, 4], params)
+        after = await engine.generate(Generation("b", [1, 2, 3, 4], params))
         assert after.completion_token_ids == before.completion_token_ids
     finally:
         await engine.close()

@@ -15,6 +15,7 @@ from rollout_svc.errors import InvalidRequestError
 from rollout_svc.model import prepare_model
 from rollout_svc.protocol import SamplingParams
 from tests.e2e.conftest import PROMPT_SETS, REFERENCE_MAX_TOKENS, REFERENCE_SETTINGS, Reference, cpu_env
+from workers.engine import Generation
 from workers.vllm_engine import VLLMEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
@@ -57,7 +58,7 @@ async def test_greedy_float32_is_token_identical_to_direct_vllm(
     engine: VLLMEngine, prompts: list[list[int]], direct_reference: Reference
 ) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    ours = [await engine.generate(f"greedy-{i}", prompt, params) for i, prompt in enumerate(prompts)]
+    ours = [await engine.generate(Generation(f"greedy-{i}", prompt, params)) for i, prompt in enumerate(prompts)]
     direct = direct_reference.outputs["questions"]
 
     assert prompts == direct_reference.prompts["questions"], "the engine's chat template renders as Hugging Face's"
@@ -78,9 +79,9 @@ async def test_prompt_longer_than_context_is_invalid_and_engine_serves_on(
     engine: VLLMEngine, prompts: list[list[int]]
 ) -> None:
     with pytest.raises(InvalidRequestError, match="maximum model length"):
-        await engine.generate("too-long", [42] * 3000, SamplingParams(max_tokens=4))
+        await engine.generate(Generation("too-long", [42] * 3000, SamplingParams(max_tokens=4)))
 
-    completion = await engine.generate("after", prompts[0], SamplingParams(temperature=0.0, max_tokens=4))
+    completion = await engine.generate(Generation("after", prompts[0], SamplingParams(temperature=0.0, max_tokens=4)))
     assert completion.finish_reason == "length"
     assert len(completion.completion_token_ids) == 4
 
@@ -90,15 +91,17 @@ async def test_seeded_requests_among_long_prompts_do_not_kill_the_engine(engine:
     # died rewinding a seeded request's generator ("CPU Generator does not use offset").
     long_prompts = [[100 + (i * 7 + j) % 5000 for j in range(900)] for i in range(8)]
     params = SamplingParams(temperature=0.7, max_tokens=4, seed=0)
-    done = await asyncio.gather(*(engine.generate(f"seeded-{i}", p, params) for i, p in enumerate(long_prompts)))
+    done = await asyncio.gather(
+        *(engine.generate(Generation(f"seeded-{i}", p, params)) for i, p in enumerate(long_prompts))
+    )
     assert all(len(c.completion_token_ids) == 4 for c in done)
-    after = await engine.generate("seeded-after", long_prompts[0], params)  # the engine lives on
+    after = await engine.generate(Generation("seeded-after", long_prompts[0], params))  # the engine lives on
     assert len(after.completion_token_ids) == 4
 
 
 async def test_cancelling_generate_aborts_the_request_in_vllm(engine: VLLMEngine, prompts: list[list[int]]) -> None:
     params = SamplingParams(max_tokens=1500, ignore_eos=True)
-    task = asyncio.create_task(engine.generate("cancelled", prompts[1], params))
+    task = asyncio.create_task(engine.generate(Generation("cancelled", prompts[1], params)))
     async with asyncio.timeout(30):
         while engine.num_unfinished_requests() == 0:  # vLLM offers no event for "request admitted"
             await asyncio.sleep(0.01)
@@ -109,7 +112,9 @@ async def test_cancelling_generate_aborts_the_request_in_vllm(engine: VLLMEngine
 
 
 async def test_abort_ends_generate_with_finish_reason_abort(engine: VLLMEngine, prompts: list[list[int]]) -> None:
-    task = asyncio.create_task(engine.generate("aborted", prompts[2], SamplingParams(max_tokens=1500, ignore_eos=True)))
+    task = asyncio.create_task(
+        engine.generate(Generation("aborted", prompts[2], SamplingParams(max_tokens=1500, ignore_eos=True)))
+    )
     async with asyncio.timeout(30):
         while engine.num_unfinished_requests() == 0:
             await asyncio.sleep(0.01)
@@ -122,8 +127,8 @@ async def test_abort_ends_generate_with_finish_reason_abort(engine: VLLMEngine, 
 async def test_a_repeated_prompt_reports_its_prefix_cache_hit(engine: VLLMEngine, prompts: list[list[int]]) -> None:
     prompt = [t for p in prompts for t in p] * 4  # a few hundred tokens: several KV blocks
     params = SamplingParams(max_tokens=4, temperature=0.0)
-    first = await engine.generate("cached-1", prompt, params)
-    second = await engine.generate("cached-2", prompt, params)
+    first = await engine.generate(Generation("cached-1", prompt, params))
+    second = await engine.generate(Generation("cached-2", prompt, params))
     assert first.cached_tokens < second.cached_tokens <= len(prompt)  # vLLM's num_cached_tokens, passed on
     assert second.cached_tokens >= len(prompt) // 2
 

@@ -11,6 +11,7 @@ import pytest
 
 from rollout_svc.errors import InvalidRequestError
 from rollout_svc.protocol import SamplingParams
+from workers.engine import Generation
 from workers.sim.blocks import BlockPool
 from workers.sim.cost import StepCost
 from workers.sim.engine import MAX_LAG_S, SimEngine
@@ -116,17 +117,19 @@ def test_a_shared_prefix_is_served_from_the_cache():
 
 async def test_a_continuation_goes_on_token_for_token():
     engine = SimEngine(H100_SXM, QWEN25_7B, time_scale=FAST)
-    whole = await engine.generate("whole", [5, 6, 7], SamplingParams(max_tokens=50))
+    whole = await engine.generate(Generation("whole", [5, 6, 7], SamplingParams(max_tokens=50)))
     assert whole.finish_reason == "length" and len(whole.completion_token_ids) == 50
     part = await engine.generate(
-        "retry", [5, 6, 7], SamplingParams(max_tokens=30), prior=whole.completion_token_ids[:20]
+        Generation("retry", [5, 6, 7], SamplingParams(max_tokens=30), prior=whole.completion_token_ids[:20])
     )
     assert part.prompt_token_ids == [5, 6, 7, *whole.completion_token_ids[:20]]
     assert part.completion_token_ids == whole.completion_token_ids[20:]
     assert whole.text and whole.text.isprintable()
     # Other samples of the same prompt: a sample's first token is one of 95, drawn from a hash of its request id
     # (randomized per process), so one other sample matches it 1 time in 95 (a CI run saw it); four all do ~1e-8.
-    others = [await engine.generate(f"other-{i}", [5, 6, 7], SamplingParams(max_tokens=50)) for i in range(4)]
+    others = [
+        await engine.generate(Generation(f"other-{i}", [5, 6, 7], SamplingParams(max_tokens=50))) for i in range(4)
+    ]
     assert any(o.completion_token_ids != whole.completion_token_ids for o in others)
 
 
@@ -135,7 +138,8 @@ async def test_output_lengths_are_long_tailed_alike_within_a_group_and_end_with_
     engine = SimEngine(H100_SXM, QWEN25_7B, time_scale=FAST, lengths=lengths)
     params = SamplingParams(max_tokens=40000)
     groups = [
-        await asyncio.gather(*[engine.generate(f"p{p}-{i}", [p + 1] * 64, params) for i in range(8)]) for p in range(24)
+        await asyncio.gather(*[engine.generate(Generation(f"p{p}-{i}", [p + 1] * 64, params)) for i in range(8)])
+        for p in range(24)
     ]
     sizes = [[len(c.completion_token_ids) for c in group] for group in groups]
     flat = sorted(n for group in sizes for n in group)
@@ -144,14 +148,14 @@ async def test_output_lengths_are_long_tailed_alike_within_a_group_and_end_with_
     within = sum(max(g) / min(g) for g in sizes) / len(sizes)
     across = max(max(g) for g in sizes) / min(min(g) for g in sizes)
     assert within < across / 4  # a group's samples are far more alike than the fleet's
-    capped = await engine.generate("capped", [1] * 64, SamplingParams(max_tokens=40000, ignore_eos=True))
+    capped = await engine.generate(Generation("capped", [1] * 64, SamplingParams(max_tokens=40000, ignore_eos=True)))
     assert len(capped.completion_token_ids) == 40000 and capped.finish_reason == "length"
 
 
 async def test_time_passes_as_the_cost_model_says_scaled():
     engine = SimEngine(H100_SXM, QWEN25_7B, time_scale=10.0)
     started = time.monotonic()
-    await engine.generate("r", [1] * 16, SamplingParams(max_tokens=200))
+    await engine.generate(Generation("r", [1] * 16, SamplingParams(max_tokens=200)))
     wall_s = time.monotonic() - started
     cost = StepCost(H100_SXM, QWEN25_7B)
     expected_s = sum(cost.decode_s(1, 16 + k) for k in range(199)) + cost.prefill_s(16)
@@ -197,7 +201,9 @@ def _run_beside_a_neighbour(hold_s: float) -> tuple[float, float]:
 
         busy = asyncio.create_task(neighbour())
         started = loop.time()
-        runs = [engine.generate(f"r{i}", [1] * 16, SamplingParams(max_tokens=40 + 8 * i)) for i in range(40)]
+        runs = [
+            engine.generate(Generation(f"r{i}", [1] * 16, SamplingParams(max_tokens=40 + 8 * i))) for i in range(40)
+        ]
         await asyncio.gather(*runs)
         elapsed_s = loop.time() - started
         stop = True
@@ -233,13 +239,13 @@ def test_an_engine_over_max_lag_behind_starts_again_from_now():
 
 async def test_keep_pause_freezes_abort_pause_cuts_and_resume_continues():
     engine = SimEngine(H100_SXM, QWEN25_7B, time_scale=100.0)  # ~7 ms a step: 0.07 ms of wall clock
-    task = asyncio.create_task(engine.generate("r", [1] * 16, SamplingParams(max_tokens=100_000)))
+    task = asyncio.create_task(engine.generate(Generation("r", [1] * 16, SamplingParams(max_tokens=100_000))))
     await asyncio.sleep(0.05)
     await engine.pause("keep")
     frozen = engine.output_tokens("r")
     await asyncio.sleep(0.05)
     assert frozen and engine.output_tokens("r") == frozen  # nothing generated while paused
-    late = asyncio.create_task(engine.generate("late", [2] * 16, SamplingParams(max_tokens=4)))
+    late = asyncio.create_task(engine.generate(Generation("late", [2] * 16, SamplingParams(max_tokens=4))))
     await asyncio.sleep(0.02)
     assert not late.done()  # added while paused: waits for resume
     await engine.resume()
@@ -253,11 +259,11 @@ async def test_keep_pause_freezes_abort_pause_cuts_and_resume_continues():
 
 async def test_wait_pause_lets_running_requests_finish_and_holds_new_ones():
     engine = SimEngine(H100_SXM, QWEN25_7B, time_scale=100.0)
-    running = asyncio.create_task(engine.generate("r", [1] * 16, SamplingParams(max_tokens=2000)))
+    running = asyncio.create_task(engine.generate(Generation("r", [1] * 16, SamplingParams(max_tokens=2000))))
     await asyncio.sleep(0.01)
     await engine.pause("wait")
     assert running.done() and (await running).finish_reason == "length"
-    held = asyncio.create_task(engine.generate("held", [1] * 16, SamplingParams(max_tokens=4)))
+    held = asyncio.create_task(engine.generate(Generation("held", [1] * 16, SamplingParams(max_tokens=4))))
     await asyncio.sleep(0.02)
     assert not held.done()
     await engine.resume()
@@ -266,7 +272,7 @@ async def test_wait_pause_lets_running_requests_finish_and_holds_new_ones():
 
 async def test_an_abort_returns_the_tokens_so_far_and_frees_the_blocks():
     engine = SimEngine(H100_SXM, QWEN25_7B, time_scale=100.0)
-    task = asyncio.create_task(engine.generate("r", [1] * 16, SamplingParams(max_tokens=100_000)))
+    task = asyncio.create_task(engine.generate(Generation("r", [1] * 16, SamplingParams(max_tokens=100_000))))
     await asyncio.sleep(0.05)
     await engine.abort("r")
     cut = await task
@@ -278,8 +284,9 @@ async def test_an_abort_returns_the_tokens_so_far_and_frees_the_blocks():
 async def test_bad_input_and_bad_profiles_say_what_to_do(tmp_path):
     engine = SimEngine(H100_SXM, QWEN25_7B, max_model_len=1024, time_scale=FAST)
     with pytest.raises(InvalidRequestError, match="context is 1024"):
-        await engine.generate("long", [1] * 2000, SamplingParams(max_tokens=4))
-    assert len((await engine.generate("after", [1] * 10, SamplingParams(max_tokens=4))).completion_token_ids) == 4
+        await engine.generate(Generation("long", [1] * 2000, SamplingParams(max_tokens=4)))
+    after = await engine.generate(Generation("after", [1] * 10, SamplingParams(max_tokens=4)))
+    assert len(after.completion_token_ids) == 4
     with pytest.raises(ValueError, match="leaves no KV cache"):
         SimEngine(H100_SXM, QWEN25_32B.__class__(**{**QWEN25_32B.__dict__, "params": 40e9}))
     with pytest.raises(ValueError, match="choose one of"):

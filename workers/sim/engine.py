@@ -12,7 +12,7 @@ from rollout_svc.config import EngineSettings
 from rollout_svc.errors import InvalidRequestError
 from rollout_svc.protocol import PauseMode, SamplingParams
 from workers.echo import EchoEngine, _bytes_text, _prompt_logprobs, _tops
-from workers.engine import Completion, OnDelta
+from workers.engine import Completion, Generation, OnDelta
 from workers.sim.blocks import BlockPool
 from workers.sim.cost import StepCost
 from workers.sim.lengths import OutputLengths
@@ -109,17 +109,11 @@ class SimEngine(EchoEngine):
     def kv_cache_tokens(self) -> int:
         return self.scheduler.pool.num_blocks * self.scheduler.pool.block_size
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prior: Seq[int] = (),
-        on_delta: OnDelta | None = None,
-        lora_id: int | None = None,
-    ) -> Completion:
-        if lora_id is not None and lora_id not in self.adapters:
-            raise InvalidRequestError(f"no adapter was loaded under id {lora_id}")
+    async def generate(self, generation: Generation, on_delta: OnDelta | None = None) -> Completion:
+        request_id, params, prior = generation.request_id, generation.params, generation.prior
+        prompt_token_ids = generation.prompt_token_ids
+        if generation.lora_id is not None and generation.lora_id not in self.adapters:
+            raise InvalidRequestError(f"no adapter was loaded under id {generation.lora_id}")
         prompt = [*prompt_token_ids, *prior]
         if len(prompt) >= min(self.max_model_len, self.kv_cache_tokens):
             raise InvalidRequestError(

@@ -106,6 +106,7 @@ async def _send_all(
 async def _serve(ports: list[int], settings: EngineSettings) -> None:
     from aiohttp import web
 
+    from workers.engine import Generation
     from workers.sim.engine import sim_engine
 
     numbers = itertools.count()
@@ -124,7 +125,7 @@ async def _serve(ports: list[int], settings: EngineSettings) -> None:
             )
             request_id = f"cmpl-{name}-{next(numbers)}"
             started = time.time()
-            completion = await engine.generate(request_id, list(body["prompt"]), params, [], None)
+            completion = await engine.generate(Generation(request_id, list(body["prompt"]), params))
             generation_s = time.time() - started
             choice = {
                 "index": 0,
