@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +17,14 @@ from rollout_svc import RolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.errors import InvalidRequestError, WeightSyncError
 from rollout_svc.integrations.skyrl import BASE, skyrl_module
-from tests.integration.test_skyrl_client import PROMPT, SKYRL_PARAMS
+from tests.integration.test_skyrl_client import (
+    HELD_TOKENS,
+    PROMPT,
+    SKYRL_PARAMS,
+    TOKEN_DELAY_S,
+    assert_held,
+    hold_pause,
+)
 from tests.support import ROOT, async_wait_until
 
 
@@ -24,7 +32,7 @@ from tests.support import ROOT, async_wait_until
 async def engine(settings: Settings, echo_workers) -> AsyncIterator[Any]:
     from rollout_svc.integrations.skyrl import RolloutServiceEngine
 
-    echo_workers(2, "--echo-token-delay-s", "0.01")
+    echo_workers(2, "--echo-token-delay-s", str(TOKEN_DELAY_S))
     engine = RolloutServiceEngine(RolloutClient(settings), model_name="echo")
     yield engine
     await engine.teardown()
@@ -102,19 +110,32 @@ async def test_sessions_stay_on_one_worker(engine, settings):
 
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])
-async def test_a_pause_with_100_generates_in_flight_loses_nothing(engine, settings, mode):
-    prompt, params = PROMPT * 4, {**SKYRL_PARAMS, "max_tokens": 200}
+async def test_a_pause_with_100_generates_in_flight_holds_them_until_the_resume(engine, settings, mode):
+    """100 generates in flight, one prompt each (as SkyRL's generators call): no answer arrives between the pause's
+    acknowledgment and the resume, though the pause is held longer than a request takes unpaused; each arrives after
+    the resume, whole."""
+    prompt, params = PROMPT * 4, {**SKYRL_PARAMS, "max_tokens": HELD_TOKENS}
+    arrived: list[float] = []  # when each generate returned (monotonic s)
+
+    async def generate() -> dict[str, Any]:
+        out = await engine.generate({"prompt_token_ids": [prompt], "sampling_params": params})
+        arrived.append(time.monotonic())
+        return out
+
     async with RolloutClient(settings) as rollout:
-        batch = asyncio.ensure_future(engine.generate({"prompt_token_ids": [prompt] * 100, "sampling_params": params}))
+        batch = asyncio.gather(*(generate() for _ in range(100)))
 
         async def in_flight() -> bool:
             return sum(w.in_flight for w in await rollout.workers()) >= 100
 
         await async_wait_until(in_flight, 20, "100 generates in flight on the workers")
         await engine.pause(mode)
+        paused_at = time.monotonic()
         assert set((await rollout.is_paused(per_worker=True)).values()) == {True}
-        await asyncio.sleep(0.3)
-        assert not batch.done(), "generation went on through the pause"
+        await hold_pause(paused_at)
+        resumed_at = time.monotonic()
         await engine.resume_generation()
-        out = await batch
-    assert out["response_ids"] == [prompt[:200]] * 100 and out["stop_reasons"] == ["length"] * 100
+        outs = await batch
+    assert_held(arrived, paused_at, resumed_at, 100)
+    assert [out["response_ids"] for out in outs] == [[prompt[:HELD_TOKENS]]] * 100
+    assert [out["stop_reasons"] for out in outs] == [["length"]] * 100

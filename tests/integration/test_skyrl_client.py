@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,12 +40,17 @@ SKYRL_PARAMS = {
     "logprobs": 1,
     "stop": None,
 }
+TOKEN_DELAY_S = 0.01  # the echo workers' pace (`--echo-token-delay-s`)
+# A pause held with 100 requests of HELD_TOKENS in flight lasts HELD_S from its acknowledgment: longer than a whole
+# request takes unpaused (2 s), so a pause that did not hold lets every one of them finish inside it.
+HELD_TOKENS = 200
+HELD_S = HELD_TOKENS * TOKEN_DELAY_S + 0.5
 
 
 @pytest.fixture
 def fleet(settings: Settings, echo_workers, tmp_path: Path) -> Iterator[tuple[str, Any]]:
     """2 echo workers (10 ms a token), `serve --open-control`, and SkyRL's client on it."""
-    echo_workers(2, "--echo-token-delay-s", "0.01")
+    echo_workers(2, "--echo-token-delay-s", str(TOKEN_DELAY_S))
     with serve(settings, tmp_path / "serve.log", "--open-control", env={"ROLLOUT_ADMIN_TOKEN": ADMIN}) as base:
         client = skyrl_module(CLIENT).RemoteInferenceClient(
             proxy_url=base, server_urls=[base], data_parallel_size=1, model_name="echo"
@@ -175,28 +181,58 @@ def test_a_batch_of_generates_keeps_each_session_on_one_worker(fleet):
 
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])
-def test_a_pause_with_100_generates_in_flight_loses_nothing(fleet, settings, mode):
+def test_a_pause_with_100_generates_in_flight_holds_them_until_the_resume(fleet, settings, mode):
+    """SkyRL's `pause` with 100 generates in flight: no answer arrives between the pause's acknowledgment and the
+    resume, though the pause is held longer than a request takes unpaused; each arrives after the resume, whole."""
     base, client = fleet
-    params = {**SKYRL_PARAMS, "max_tokens": 200}  # 2 s each at 10 ms a token: all 100 are in flight at once
+    params = {**SKYRL_PARAMS, "max_tokens": HELD_TOKENS}  # 2 s each at 10 ms a token: all 100 are in flight at once
     prompt = PROMPT * 4
+    arrived: list[float] = []  # when each generate's answer came back (monotonic s)
 
-    async def main() -> dict[str, Any]:
+    async def main() -> tuple[dict[str, Any], float, float]:
+        post = client._post
+
+        async def timed(url: str, json: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+            body = await post(url, json=json, headers=headers)  # SkyRL's own call, timed as its answer arrives
+            if url.endswith("/generate"):
+                arrived.append(time.monotonic())
+            return body
+
+        client._post = timed
         async with RolloutClient(settings) as rollout:
             batch = asyncio.ensure_future(
                 client.generate({"prompt_token_ids": [prompt] * 100, "sampling_params": params})
             )
             await async_wait_until(lambda: _in_flight(rollout), 20, "100 generates in flight on the workers")
             paused = await client.pause(mode=mode)
+            paused_at = time.monotonic()
             assert paused[base]["body"] == {"status": "paused"}
             assert set((await rollout.is_paused(per_worker=True)).values()) == {True}  # acknowledged by every worker
-            await asyncio.sleep(0.3)
-            assert not batch.done(), "generation went on through the pause"
+            await hold_pause(paused_at)
+            resumed_at = time.monotonic()
             await client.resume()
-            return await _teardown(client, batch)
+            return await _teardown(client, batch), paused_at, resumed_at
 
-    out = run(main())
-    assert out["response_ids"] == [prompt[:200]] * 100  # whole: a kept request resumed, an aborted one was retried
+    out, paused_at, resumed_at = run(main())
+    assert_held(arrived, paused_at, resumed_at, 100)
+    assert out["response_ids"] == [prompt[:HELD_TOKENS]] * 100  # whole: a kept one resumed, an aborted one retried
     assert out["stop_reasons"] == ["length"] * 100
+
+
+async def hold_pause(paused_at: float) -> None:
+    """Keep the fleet paused until `HELD_S` after `paused_at` (monotonic s, when the pause was acknowledged)."""
+    await asyncio.sleep(max(0.0, paused_at + HELD_S - time.monotonic()))
+
+
+def assert_held(arrived: list[float], paused_at: float, resumed_at: float, count: int) -> None:
+    """The pause held: of `count` requests, none answered (`arrived`, monotonic s) between the pause's acknowledgment
+    (`paused_at`) and the resume's issue (`resumed_at`), a window longer than a request takes unpaused; each came
+    after the resume but those answered before the pause landed (a few at most, on a machine that stalled)."""
+    assert len(arrived) == count and resumed_at - paused_at >= HELD_S
+    during = sorted(round(t - paused_at, 3) for t in arrived if paused_at <= t < resumed_at)
+    assert not during, f"{len(during)} of {count} answered while paused, at {during[:10]} s into the pause"
+    after = sum(t >= resumed_at for t in arrived)
+    assert after >= 0.9 * count, f"only {after} of {count} were in flight when the pause landed"
 
 
 async def _in_flight(rollout: RolloutClient) -> bool:
