@@ -6,6 +6,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -19,13 +20,22 @@ VLLM_TIMEOUT_S = 900  # a vLLM test module starts its engines inside its first t
 VLLM_IMPORT_TIMEOUT_S = 300
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "vllm_fleet(spec): the module runs on the session's vLLM fleet of this FleetSpec (tests/e2e/conftest.py)",
+    )
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The default per-test timeout is 30 s (pyproject); tests on the real engine, or importing it, get longer.
 
     Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) a module's tests run on one worker, so module
     fixtures start once; every test on the real engine runs on one worker, one engine at a time (each binds both
-    cores); and the two that start a local Ray cluster run one after the other."""
+    cores); and the two that start a local Ray cluster run one after the other. The tests on the real engine run
+    grouped by the fleet they ask for (`by_fleet`)."""
+    by_fleet(items)
     for item in items:
         vllm = item.get_closest_marker("vllm") is not None
         if not item.get_closest_marker("timeout"):
@@ -36,6 +46,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         module = item.nodeid.split("::")[0]
         group = "vllm" if vllm else "ray" if "ray" in Path(module).stem.split("_") else module
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+def by_fleet(items: list[pytest.Item]) -> None:
+    """Reorder the real-engine tests, in place among their own positions: the modules asking for one fleet spec (their
+    `vllm_fleet` mark, tests/e2e/conftest.py) one after the other, in the order each spec is first asked for, the
+    modules within a spec and the tests within a module in their order. A fleet then starts once and stops after its
+    last module, before the next spec's start. A real-engine module without the mark is a group of its own."""
+    slots = [i for i, item in enumerate(items) if item.get_closest_marker("vllm") is not None]
+    first: dict[Any, int] = {}
+
+    def group(item: pytest.Item) -> Any:
+        mark = item.get_closest_marker("vllm_fleet")
+        return mark.args[0] if mark is not None else item.nodeid.split("::")[0]
+
+    engine_items = [items[i] for i in slots]
+    for order, item in enumerate(engine_items):
+        first.setdefault(group(item), order)
+    engine_items.sort(key=lambda item: first[group(item)])  # stable: each group keeps its order
+    for slot, item in zip(slots, engine_items, strict=True):
+        items[slot] = item
 
 
 ENGINE_NICE = 10  # the real engine's tests, beside the others under xdist: they yield the CPU
@@ -81,7 +111,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     failure in CI is then readable from CI's output alone)."""
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
-    procs = getattr(item, "funcargs", {}).get("workers")
+    funcargs = getattr(item, "funcargs", {})
+    procs = funcargs.get("workers") or getattr(funcargs.get("vllm_fleet"), "procs", None)  # a real-engine fleet's
     if report.when == "call" and report.failed and isinstance(procs, WorkerProcs):
         for worker_id in procs.procs:
             with contextlib.suppress(OSError):

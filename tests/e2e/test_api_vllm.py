@@ -20,10 +20,10 @@ from openai import OpenAI
 from rollout_svc import SyncRolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.model import prepare_model
-from tests.e2e.conftest import Fleet
+from tests.e2e.conftest import TWO_FLOAT32, Fleet
 from tests.integration.test_api import KEY, serve
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_fleet(TWO_FLOAT32)]
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +32,11 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet(two_vllm_workers: Fleet) -> Iterator[tuple[Settings, OpenAI]]:
+def fleet(vllm_fleet: Fleet) -> Iterator[tuple[Settings, OpenAI]]:
     """The session's two float32 vLLM workers (tests/e2e/conftest.py), behind a `serve` of this module's (its data-plane
     key and admin token)."""
-    settings = two_vllm_workers.settings
-    with serve(settings, two_vllm_workers.logs / "serve-api.log") as base:
+    settings = vllm_fleet.settings
+    with serve(settings, vllm_fleet.logs / "serve-api.log") as base:
         yield settings, OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=600)
 
 

@@ -1,7 +1,8 @@
 """The control plane on the real engine: pauses with 100 generations in flight, token-exact retries, sleep.
 
-On the session's fleet (`two_vllm_workers`): two float32 vLLM workers (one CPU core each, 64 sequences), so greedy
-outputs are comparable. Every test leaves the fleet serving, unpaused and awake, for the modules that share it.
+On the session's `TWO_FLOAT32` fleet (tests/e2e/conftest.py): two float32 vLLM workers (one CPU core each, 64
+sequences), so greedy outputs are comparable. Every test leaves the fleet serving, unpaused and awake, for the modules
+that share it.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from rollout_svc.keys import PAYLOAD_FIELD
 from rollout_svc.model import prepare_model
 from rollout_svc.protocol import decode
 from rollout_svc.tools import dataset
-from tests.e2e.conftest import Fleet
+from tests.e2e.conftest import TWO_FLOAT32, Fleet
 from tests.support import Streaming, async_wait_until
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_fleet(TWO_FLOAT32)]
 
 MiB = 2**20
 BATCH = 100
@@ -36,9 +37,9 @@ ONE_PARAMS = {"temperature": 0.0, "max_tokens": 128, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def vllm_fleet(two_vllm_workers: Fleet) -> Settings:
+def fleet(vllm_fleet: Fleet) -> Settings:
     """The session's two float32 vLLM workers (tests/e2e/conftest.py), on a Redis of their own."""
-    return two_vllm_workers.settings
+    return vllm_fleet.settings
 
 
 async def prompts(client: RolloutClient, count: int) -> list[list[int]]:
@@ -67,8 +68,8 @@ async def submitted_at(settings: Settings) -> dict[str, float]:
     return stamps
 
 
-async def test_keep_pause_with_100_in_flight_loses_and_starts_nothing(vllm_fleet):
-    async with RolloutClient(vllm_fleet) as client:
+async def test_keep_pause_with_100_in_flight_loses_and_starts_nothing(fleet):
+    async with RolloutClient(fleet) as client:
         batch = await prompts(client, BATCH)
         run = Streaming(client, batch, BATCH_PARAMS)
         await async_wait_until(lambda: _all_in_flight(client), 120, "all 100 in flight")
@@ -77,8 +78,8 @@ async def test_keep_pause_with_100_in_flight_loses_and_starts_nothing(vllm_fleet
         paused_at = time.monotonic()
         assert not run.arrived and max(run.tokens) < BATCH_PARAMS["max_tokens"]  # none finished before the pause
         probe = asyncio.create_task(client.generate(batch[:4], {"max_tokens": 4}))
-        await async_wait_until(lambda: queued(vllm_fleet, 4), 30, "the probe queued")
-        submitted = await submitted_at(vllm_fleet)  # each probe request's, as its queued entry says
+        await async_wait_until(lambda: queued(fleet, 4), 30, "the probe queued")
+        submitted = await submitted_at(fleet)  # each probe request's, as its queued entry says
         await asyncio.sleep(2.0)  # time passes while paused: a fleet taking work would answer the probe meanwhile
         assert await in_flight(client) == BATCH and not run.arrived  # frozen, kept, not finished
         resume_issued, resumed_at = time.time(), time.monotonic()
@@ -94,8 +95,8 @@ async def test_keep_pause_with_100_in_flight_loses_and_starts_nothing(vllm_fleet
         assert submitted[trajectory.request_id] + trajectory.queue_time_s >= resume_issued
 
 
-async def test_abort_pause_with_100_in_flight_returns_100_whole_trajectories(vllm_fleet):
-    async with RolloutClient(vllm_fleet) as client:
+async def test_abort_pause_with_100_in_flight_returns_100_whole_trajectories(fleet):
+    async with RolloutClient(fleet) as client:
         batch = await prompts(client, BATCH)
         run = Streaming(client, batch, BATCH_PARAMS)
         await async_wait_until(lambda: _all_in_flight(client), 120, "all 100 in flight")
@@ -117,8 +118,8 @@ async def test_abort_pause_with_100_in_flight_returns_100_whole_trajectories(vll
     assert len(cut) > BATCH // 2, f"only {len(cut)} of {BATCH} were cut by the abort"
 
 
-async def test_greedy_output_through_keep_and_abort_pauses_equals_an_uninterrupted_run(vllm_fleet):
-    async with RolloutClient(vllm_fleet) as client:
+async def test_greedy_output_through_keep_and_abort_pauses_equals_an_uninterrupted_run(fleet):
+    async with RolloutClient(fleet) as client:
         [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Tell me a long story."}]])
         [base] = await client.generate([prompt], ONE_PARAMS, session_ids=["story"])
         total = ONE_PARAMS["max_tokens"]
@@ -148,8 +149,8 @@ async def test_greedy_output_through_keep_and_abort_pauses_equals_an_uninterrupt
                 assert t.generation_time_s > resumed_at - paused_at
 
 
-async def test_sleep_wake_up_and_prefix_cache_reset_on_the_real_engine(vllm_fleet):
-    async with RolloutClient(vllm_fleet) as client:
+async def test_sleep_wake_up_and_prefix_cache_reset_on_the_real_engine(fleet):
+    async with RolloutClient(fleet) as client:
         [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Name three rivers."}]])
         params = {"temperature": 0.0, "max_tokens": 24}
         [base] = await client.generate([prompt], params)
@@ -158,9 +159,9 @@ async def test_sleep_wake_up_and_prefix_cache_reset_on_the_real_engine(vllm_flee
         assert {w.state for w in workers} == {"sleeping"} and {w.sleep_level for w in workers} == {1}
         assert {w.memory_released for w in workers} == {False}  # vLLM on CPU frees nothing
         probe = asyncio.create_task(client.generate([prompt], params))
-        await async_wait_until(lambda: queued(vllm_fleet, 1), 30, "the probe queued")
+        await async_wait_until(lambda: queued(fleet, 1), 30, "the probe queued")
         await asyncio.sleep(1.0)  # time passes: a worker taking work while asleep would answer it meanwhile
-        assert not probe.done() and await queued(vllm_fleet, 1)  # a sleeping fleet takes no requests
+        assert not probe.done() and await queued(fleet, 1)  # a sleeping fleet takes no requests
         await client.wake_up()
         assert {w.state for w in await client.workers()} == {"serving"}
         [after] = await probe

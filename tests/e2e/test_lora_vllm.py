@@ -12,7 +12,6 @@ A new version while 100 requests run on the old one (a long run, ~1-2 min): test
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -20,19 +19,20 @@ import pytest
 import torch
 
 from rollout_svc import RolloutClient
-from rollout_svc.config import Settings
+from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.errors import ModelNotFoundError
-from rollout_svc.model import prepare_model
-from tests.e2e.conftest import run_direct
-from tests.support import WorkerProcs, serve
-
-pytestmark = pytest.mark.vllm
+from tests.e2e.conftest import Fleet, WorkerSpec, fleet_spec, run_direct
+from tests.support import serve
 
 MiB = 2**20
-ENGINE = ["--dtype", "float32", "--max-num-seqs", "128", "--kv-cache-memory-bytes", str(768 * MiB)]
-LORA = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
+ENGINE = {"dtype": "float32", "max_num_seqs": 128, "kv_cache_memory_bytes": 768 * MiB}
+LORA = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
+# One worker, on every core (this environment's binding, as `direct` runs vLLM).
+LORA_WORKER = fleet_spec(WorkerSpec("lora-0"), **ENGINE, **LORA)
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
 SENTENCES = {"v1": "The capital of France is Marseille, said the parrot.", "v2": "Bananas grow on the moon at night."}
+
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_fleet(LORA_WORKER)]
 
 
 def train_adapter(model_dir: Path, sentence: str, out: Path, steps: int = 20) -> Path:
@@ -58,45 +58,36 @@ def train_adapter(model_dir: Path, sentence: str, out: Path, steps: int = 20) ->
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return prepare_model(Settings().cache_dir)
+def model_dir(vllm_fleet: Fleet) -> Path:
+    return vllm_fleet.model_dir
 
 
 @pytest.fixture(scope="module")
-def root(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def root(vllm_fleet: Fleet) -> Path:
     """The workers' checkpoint root, holding adapter version v1."""
-    return adapter_root(model_dir, tmp_path_factory, ["v1"])
+    return adapter_root(vllm_fleet, ["v1"])
 
 
-def adapter_root(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, versions: list[str]) -> Path:
-    """A checkpoint root holding the adapter `versions` of `SENTENCES` (each trained on its own sentence)."""
-    root = tmp_path_factory.mktemp("adapters")
+def adapter_root(fleet: Fleet, versions: list[str]) -> Path:
+    """The fleet's checkpoint root, holding the adapter `versions` of `SENTENCES` (each trained on its own sentence)."""
+    root = fleet.settings.weight_sync.checkpoint_root
+    assert root is not None
     for version in versions:
-        train_adapter(model_dir, SENTENCES[version], root / version)
+        if not (root / version).exists():  # trained once a session: the same sentence, seed and steps every time
+            train_adapter(fleet.model_dir, SENTENCES[version], root / version)
     return root
 
 
 @pytest.fixture(scope="module")
-def fleet(
-    redis_url: str, model_dir: Path, root: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Settings, WorkerProcs]]:
-    settings = Settings(
-        redis_url=redis_url, key_prefix="e2e-lora", heartbeat_ttl_s=60, request_timeout_s=600, control_timeout_s=180,
-        checkpoint_root=root,
-    )  # fmt: skip
-    procs = WorkerProcs(settings, tmp_path_factory.mktemp("lora-workers"))
-    procs.start("lora-0", "--engine", "vllm", "--model", str(model_dir), *ENGINE, *LORA)
-    try:
-        procs.wait_live("lora-0", timeout_s=600)
-        procs.wait_converged("lora-0", timeout_s=120)
-        yield settings, procs
-    finally:
-        procs.stop_all()
+def fleet(vllm_fleet: Fleet, root: Path) -> tuple[Settings, Path]:
+    """The worker's settings (a client's calls wait up to 10 min and its control commands 3), and its logs."""
+    return vllm_fleet.settings.copy_with(request_timeout_s=600, control_timeout_s=180), vllm_fleet.logs
 
 
 def direct(model_dir: Path, prompts: list[list[int]], lora_path: Path, tmp_path: Path) -> list[list[int]]:
     """Greedy completions from vLLM called directly (no queue), with the worker's engine settings and adapter."""
-    args = [*ENGINE, *LORA, "--max-tokens", str(GREEDY["max_tokens"]), "--lora-path", str(lora_path)]
+    args = [*EngineSettings(**ENGINE, **LORA).to_args(), "--max-tokens", str(GREEDY["max_tokens"])]
+    args += ["--lora-path", str(lora_path)]
     result = run_direct(model_dir, prompts, tmp_path, args, env=dict(os.environ))  # the worker's thread binding
     return [o["completion_token_ids"] for o in result["outputs"]]
 

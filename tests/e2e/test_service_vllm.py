@@ -1,47 +1,34 @@
-"""The service end to end on the real model: RolloutClient -> Redis Streams -> a vLLM worker -> back."""
+"""The service end to end on the real model: RolloutClient -> Redis Streams -> a vLLM worker -> back.
+
+On the session's `TWO_FLOAT32` fleet (tests/e2e/conftest.py): float32 as the reference is, one request at a time, so
+greedy outputs equal vLLM's called directly.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from rollout_svc import RolloutClient
 from rollout_svc.config import Settings
-from rollout_svc.model import prepare_model
-from tests.e2e.conftest import REFERENCE_ARGS, REFERENCE_MAX_TOKENS, Reference, cpu_env
-from tests.support import WorkerProcs
+from tests.e2e.conftest import REFERENCE_MAX_TOKENS, TWO_FLOAT32, Fleet, Reference
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_fleet(TWO_FLOAT32)]
 
-# The reference's settings (tests/e2e/conftest.py): float32, one request at a time, the same settings both ways.
-ENGINE_ARGS = REFERENCE_ARGS
 GREEDY = {"temperature": 0.0, "max_tokens": REFERENCE_MAX_TOKENS}
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return prepare_model(Settings().cache_dir)
-
-
-@pytest.fixture(scope="module")
-def vllm_service(redis_url: str, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    """One float32 vLLM worker for the module, under a key prefix of its own (other tests flush the db)."""
-    settings = Settings(redis_url=redis_url, key_prefix="e2e", heartbeat_ttl_s=30, request_timeout_s=300)
-    procs = WorkerProcs(settings, tmp_path_factory.mktemp("vllm-worker"))
-    procs.start("vllm-0", "--engine", "vllm", "--model", str(model_dir), *ENGINE_ARGS, env=cpu_env())
-    try:
-        procs.wait_live("vllm-0", timeout_s=300)
-        yield settings
-    finally:
-        procs.stop_all()
+def vllm_service(vllm_fleet: Fleet) -> Settings:
+    return vllm_fleet.settings
 
 
 async def test_greedy_generate_is_token_identical_to_direct_vllm(vllm_service, direct_reference: Reference):
     conversations = direct_reference.conversations["sharegpt"]  # one at a time: ~8 s each here
     async with RolloutClient(vllm_service) as client:
+        workers = await client.workers()  # another module on the fleet may have synced (and restored) its weights
+        [version] = {w.weight_version for w in workers}
         prompts = await client.apply_chat_template(conversations)
         trajectories, elapsed_s = [], []
         for prompt in prompts:  # one at a time
@@ -54,8 +41,8 @@ async def test_greedy_generate_is_token_identical_to_direct_vllm(vllm_service, d
         assert trajectory.prompt_token_ids == prompt
         assert trajectory.completion_token_ids == reference["completion_token_ids"]
         assert trajectory.logprobs == pytest.approx(reference["logprobs"], abs=1e-4)
-        assert trajectory.finish_reason in ("stop", "length") and trajectory.worker_id == "vllm-0"
-        assert trajectory.text.strip() and trajectory.weight_version == 0
+        assert trajectory.finish_reason in ("stop", "length") and trajectory.worker_id in {w.worker_id for w in workers}
+        assert trajectory.text.strip() and trajectory.weight_version == version
         # Both within the call: queued after it was submitted, generated before it returned (one host's clock).
         assert trajectory.generation_time_s > 0 and trajectory.queue_time_s + trajectory.generation_time_s < call_s
 

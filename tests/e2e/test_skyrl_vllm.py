@@ -32,21 +32,21 @@ from rollout_svc import RolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.integrations.skyrl import skyrl_module
 from rollout_svc.model import prepare_model
-from tests.e2e.conftest import Fleet, perturb_weights
+from tests.e2e.conftest import TWO_FLOAT32, Fleet, perturb_weights
 from tests.integration.test_metrics import parse
 from tests.integration.test_skyrl_client import CLIENT
 from tests.support import serve
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_fleet(TWO_FLOAT32)]
 
 
 @pytest.fixture(scope="module")
-def fleet(two_vllm_workers: Fleet) -> Iterator[tuple[Settings, str, str]]:
+def fleet(vllm_fleet: Fleet) -> Iterator[tuple[Settings, str, str]]:
     """The session's two float32 vLLM workers (tests/e2e/conftest.py), behind a `serve` of this module's that serves
     SkyRL's control routes without a token (`--open-control`, as SkyRL's client sends none)."""
-    settings = two_vllm_workers.settings
-    with serve(settings, two_vllm_workers.logs / "serve-skyrl.log", "--open-control") as base:
-        yield settings, base, two_vllm_workers.model_dir.name
+    settings = vllm_fleet.settings
+    with serve(settings, vllm_fleet.logs / "serve-skyrl.log", "--open-control") as base:
+        yield settings, base, vllm_fleet.model_dir.name
 
 
 def skyrl(base: str, model: str) -> Any:
@@ -214,7 +214,7 @@ def test_fetch_weights_from_a_checkpoint_changes_the_output_and_restores_it(flee
     assert greedy() == base_ids, "the original checkpoint did not restore the output"
 
 
-def test_skyrls_own_generator_runs_a_multi_turn_gsm8k_episode(fleet, two_vllm_workers):
+def test_skyrls_own_generator_runs_a_multi_turn_gsm8k_episode(fleet, vllm_fleet):
     """SkyRL's `SkyRLGymGenerator.agent_loop` (unmodified: skyrl 0.3.0 with skyrl-gym 0.4.0) runs a multi-turn episode
     of skyrl-gym's own `gsm8k_multi_turn` env on the real model, once through `serve` (SkyRL's `RemoteInferenceClient`)
     and once in-process (`RolloutServiceEngine`), with the sampling params SkyRL's trainer builds from its config
@@ -231,7 +231,7 @@ def test_skyrls_own_generator_runs_a_multi_turn_gsm8k_episode(fleet, two_vllm_wo
 
     from rollout_svc.integrations.skyrl import RolloutServiceEngine
 
-    tokenizer = AutoTokenizer.from_pretrained(two_vllm_workers.model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(vllm_fleet.model_dir)
     sampling = config.SamplingParams(max_generate_length=20, temperature=0.0)
     generator_cfg = config.GeneratorConfig(max_turns=3, sampling_params=sampling)
     prompt = [{"role": "user", "content": "What is 123456 times 789? End with '#### ANSWER'."}]
@@ -279,7 +279,7 @@ def _requests_by_route(base: str) -> Counter[tuple[str, str]]:
     return Counter({(labels["route"], labels["status"]): v for labels, v in by_label})
 
 
-def test_skyrls_fully_async_trainer_sim_trains_on_serve(fleet, two_vllm_workers):
+def test_skyrls_fully_async_trainer_sim_trains_on_serve(fleet, vllm_fleet):
     """SkyRL's `FullyAsyncTrainerSim` (unmodified) through examples/skyrl_trainer_sim.py: 4 simulated steps of 2 prompts
     x 2 samples from skyrl-gym's `gsm8k` env, `serve` as its external inference layer. SkyRL's calls, counted by
     `serve`'s own request metrics, are exactly those it should make: 16 `generate` and 16 `finish_session` (one per
@@ -290,7 +290,7 @@ def test_skyrls_fully_async_trainer_sim_trains_on_serve(fleet, two_vllm_workers)
     example = Path(__file__).parents[2] / "examples" / "skyrl_trainer_sim.py"
     command = [
         sys.executable, str(example), "--url", base, "--steps", "4", "--batch-size", "2",
-        "--samples-per-prompt", "2", "--model", str(two_vllm_workers.model_dir), "--served-model-name", model,
+        "--samples-per-prompt", "2", "--model", str(vllm_fleet.model_dir), "--served-model-name", model,
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]

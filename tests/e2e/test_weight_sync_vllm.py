@@ -1,12 +1,12 @@
 """Weight sync on the real engine: two float32 vLLM workers, the trainer sends SmolLM2's own tensors.
 
-On the session's fleet (`two_vllm_workers`): two workers (one CPU core each) under a checkpoint root. Greedy float32
-outputs are compared token for token: perturbed weights change them on both workers, the original weights restore
-them, a checkpoint of the perturbed weights gives the same output as their broadcast, and a keep-pause across a sync
-splits a generation exactly at the token it was frozen at; a checkpoint or a broadcast loaded but never committed
-gives way to the committed broadcast version the engines still hold. The last test restarts one worker after a sync
-it missed: it catches up from its peer and generates exactly what the peer generates. Every test ends on the model's
-own weights, for the modules that share the fleet.
+On the session's `TWO_FLOAT32` fleet (tests/e2e/conftest.py): two workers (one CPU core each) under a checkpoint root.
+Greedy float32 outputs are compared token for token: perturbed weights change them on both workers, the original weights
+restore them, a checkpoint of the perturbed weights gives the same output as their broadcast, and a keep-pause across a
+sync splits a generation exactly at the token it was frozen at; a checkpoint or a broadcast loaded but never committed
+gives way to the committed broadcast version the engines still hold. The last test restarts one worker after a sync it
+missed: it catches up from its peer and generates exactly what the peer generates. Every test ends on the model's own
+weights, for the modules that share the fleet.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from safetensors.torch import load_file, save_file
 
 from rollout_svc import RolloutClient
 from rollout_svc.client.weight_sender import WeightSender
-from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.config import Settings
 from rollout_svc.protocol import WeightSyncOrder
-from tests.e2e.conftest import Fleet, perturb_weights
-from tests.support import Streaming, WorkerProcs, async_wait_until
+from tests.e2e.conftest import TWO_FLOAT32, Fleet, perturb_weights
+from tests.support import Streaming, async_wait_until
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_fleet(TWO_FLOAT32)]
 
 MiB = 2**20
 GREEDY = {"temperature": 0.0, "max_tokens": 16}
@@ -33,22 +33,16 @@ SESSIONS = [f"s{i}" for i in range(4)]  # least-loaded placement spreads 4 sessi
 
 
 @pytest.fixture(scope="module")
-def fleet_procs(two_vllm_workers: Fleet) -> tuple[Settings, EngineSettings, WorkerProcs]:
+def fleet(vllm_fleet: Fleet) -> Settings:
     """The session's two float32 vLLM workers (tests/e2e/conftest.py), under its checkpoint root; a sync's pause
     lease outlasts a minute's freeze of this shared machine, as the fleet's heartbeat TTL does."""
-    settings = two_vllm_workers.settings.copy_with(request_timeout_s=300, pause_lease_s=240)
-    return settings, two_vllm_workers.engine, two_vllm_workers.procs
+    return vllm_fleet.settings.copy_with(request_timeout_s=300, pause_lease_s=240)
 
 
 @pytest.fixture(scope="module")
-def fleet(fleet_procs: tuple[Settings, EngineSettings, WorkerProcs]) -> Settings:
-    return fleet_procs[0]
-
-
-@pytest.fixture(scope="module")
-def weights(two_vllm_workers: Fleet) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def weights(vllm_fleet: Fleet) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The model's own tensors, and the same perturbed (`perturb_weights`, as SkyRL's module perturbs them)."""
-    original = load_file(str(two_vllm_workers.model_dir / "model.safetensors"))
+    original = load_file(str(vllm_fleet.model_dir / "model.safetensors"))
     return original, perturb_weights(original)
 
 
@@ -177,8 +171,10 @@ async def test_a_broadcast_never_committed_gives_way_to_the_version_received_bef
         await sender.update(original.items(), version=version + 1)
 
 
-async def test_a_late_worker_caught_up_from_its_peer_generates_exactly_what_its_peer_generates(fleet_procs, weights):
-    settings, engine, procs = fleet_procs
+async def test_a_late_worker_caught_up_from_its_peer_generates_exactly_what_its_peer_generates(
+    fleet, vllm_fleet, weights
+):
+    settings, procs = fleet, vllm_fleet.procs
     original, perturbed = weights
     rds = redis.Redis.from_url(settings.redis_url)
     procs.kill("vllm-1", signal.SIGTERM)  # it drains and deregisters: the sync goes on without it
@@ -192,7 +188,7 @@ async def test_a_late_worker_caught_up_from_its_peer_generates_exactly_what_its_
         assert {t.worker_id for t in peer} == {"vllm-0"}
         assert peer[0].completion_token_ids == peer[1].completion_token_ids
         # Restarted, it loads SmolLM2's own weights from disk (version 0), is stale, and catches up from vllm-0.
-        procs.start("vllm-1", *engine.to_args(), env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+        vllm_fleet.start_worker("vllm-1")
         await async_wait_until(
             lambda: rds.hmget(settings.keys.worker("vllm-1"), "state", "weight_version", "weight_digest")
             == [b"serving", str(version).encode(), report.digest.encode()], 600, "vllm-1 caught up and serving",

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from rollout_svc import RolloutClient
-from tests.e2e.test_lora_vllm import GREEDY, adapter_root, fleet, model_dir  # noqa: F401 - fixtures
+from tests.e2e.conftest import Fleet, vllm_fleet, vllm_fleets  # noqa: F401 - fixtures
+from tests.e2e.test_lora_vllm import GREEDY, LORA_WORKER, adapter_root, fleet, model_dir  # noqa: F401 - fixtures
 from tests.support import async_wait_until
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_fleet(LORA_WORKER)]
 
 # The 100 requests run 64 tokens, so all of them are in flight for seconds (at 12, the first ones finished before the
 # last were taken on a loaded CI machine); their first 12 tokens are what is compared.
@@ -24,9 +25,9 @@ LONG = {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def root(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811 - the fleet's, with v2
+def root(vllm_fleet: Fleet) -> Path:  # noqa: F811 - the fleet's, with v2
     """The workers' checkpoint root, holding adapter versions v1 and v2."""
-    return adapter_root(model_dir, tmp_path_factory, ["v1", "v2"])
+    return adapter_root(vllm_fleet, ["v1", "v2"])
 
 
 async def test_a_new_version_while_100_requests_run_on_the_old_one_pauses_and_aborts_nothing(fleet, root):  # noqa: F811
@@ -54,3 +55,4 @@ async def test_a_new_version_while_100_requests_run_on_the_old_one_pauses_and_ab
         assert after.completion_token_ids != first, "the new version changed nothing"
         state = await client.fleet_state()
         assert state.epoch == epoch + 1 and not state.paused and state.adapters["policy"].version == new
+        await client.unload_adapter("policy")  # the fleet as it found it, for a module after
