@@ -32,9 +32,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The default per-test timeout is 30 s (pyproject); tests on the real engine, or importing it, get longer.
 
     Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) a module's tests run on one worker, so module
-    fixtures start once; every test on the real engine runs on one worker, one engine at a time (each binds both
-    cores); and the two that start a local Ray cluster run one after the other. The tests on the real engine run
-    grouped by the fleet they ask for (`by_fleet`)."""
+    fixtures start once; every test on the real engine runs on one worker, grouped by the fleet it asks for
+    (`by_fleet`), one fleet at a time; and the two that start a local Ray cluster run one after the other."""
     by_fleet(items)
     for item in items:
         vllm = item.get_closest_marker("vllm") is not None

@@ -53,9 +53,12 @@ PROMPT_SETS: dict[str, Callable[[], list[list[dict[str, str]]]]] = {
 
 
 def cpu_env() -> dict[str, str]:
-    """An engine's environment: on CPU, vLLM's default thread binding leaves a 2-core host half idle."""
+    """An engine's environment: its threads bound to one core (the first this process may run on), as each fleet
+    worker's are, unless `VLLM_CPU_OMP_THREADS_BIND` says otherwise. On two cores, each step waits at the barriers for
+    a thread that the machine's other work preempted: beside one busy process, test_vllm_engine.py took 165 s on both
+    cores and 119 s on one (alone: 117 and 122 s); make test keeps the other xdist worker busy beside it."""
     cpus = sorted(os.sched_getaffinity(0))
-    return {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}-{cpus[-1]}")}
+    return {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", str(cpus[0]))}
 
 
 def perturb_weights(weights: dict[str, Any]) -> dict[str, Any]:

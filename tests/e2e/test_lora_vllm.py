@@ -48,11 +48,18 @@ def train_adapter(model_dir: Path, sentence: str, out: Path, steps: int = 20) ->
     batch = tokenizer([sentence], return_tensors="pt")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     model.train()
-    for _ in range(steps):
-        loss = model(**batch, labels=batch["input_ids"]).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    # One thread: with two, each step waits at torch's barriers for a thread the machine's other work has preempted
+    # (20 steps: 8 s alone, 71 s beside one busy process, minutes under make test's load; one thread: 10-13 s).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(steps):
+            loss = model(**batch, labels=batch["input_ids"]).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
     model.save_pretrained(out)
     return out
 
