@@ -464,7 +464,10 @@ async def test_a_sync_during_a_catch_up_wins_and_neither_waits_for_the_other(ws_
     await wait_serving(
         rds, ws_settings, "late", 15, "the late worker serving version 2", version=2, digest=report.digest
     )
-    await asyncio.sleep(1.0)  # a catch-up of version 1 that ends now is dropped, not loaded over version 2
+    ended = ("weight version 1 came from", "catching up to weight version 1 from", "caught up to weight version 1")
+    await async_wait_until(
+        lambda: any(line in procs.log("late") for line in ended), 15, "the catch-up of version 1 to end"
+    )  # dropped, not loaded over version 2 (or failed): its 128 MiB may arrive after version 2 was committed
     assert heartbeat(rds, ws_settings, "late", "weight_version", "weight_digest") == ["2", report.digest]
 
 
