@@ -78,6 +78,12 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return {**os.environ, **cluster.settings_env(settings)}
 
 
+def fresh_python(code: str) -> str:
+    """What `code` prints, run by a fresh interpreter at the project root: what an import pulls in, or what a second
+    process computes, free of anything this test process imported. Raises `CalledProcessError` if it fails."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+
+
 def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.02) -> Any:
     """Poll `predicate` until it returns something truthy (returned); AssertionError naming `what` after timeout."""
     deadline = time.monotonic() + timeout_s

@@ -5,8 +5,6 @@ tests/integration/test_skyrl_client.py, without the hop."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,7 +23,7 @@ from tests.integration.test_skyrl_client import (
     assert_held,
     hold_pause,
 )
-from tests.support import ROOT, async_wait_until
+from tests.support import async_wait_until, fresh_python
 
 
 @pytest.fixture
@@ -44,8 +42,8 @@ def test_the_adapter_imports_without_skyrl_and_says_how_to_install_it():
         "import rollout_svc.integrations.skyrl as adapter\n"
         "try:\n    adapter.RolloutServiceEngine\nexcept ImportError as exc:\n    print(exc)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
-    assert "SkyRL is not installed: pip install" in out.stdout, out.stdout + out.stderr
+    said = fresh_python(code)
+    assert "SkyRL is not installed: pip install" in said, said
 
 
 async def test_it_is_skyrls_interface_and_serves_every_call_in_process(engine, settings):

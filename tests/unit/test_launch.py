@@ -23,7 +23,7 @@ from rollout_svc.deploy.ray import (
     placement_strategy,
     worker_bundles,
 )
-from tests.support import ROOT, wait_until
+from tests.support import ROOT, fresh_python, wait_until
 
 
 def test_bundles_leave_out_zero_resources():
@@ -86,8 +86,7 @@ def test_loopback_redis_urls_are_recognized():
 
 def test_importing_the_package_and_the_cli_does_not_import_ray():
     code = "import sys, rollout_svc, rollout_svc.cli, rollout_svc.deploy.ray; print('ray' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.strip() == "False"
+    assert fresh_python(code).strip() == "False"
 
 
 def sleeper(worker_id: str) -> list[str]:

@@ -10,7 +10,7 @@ import sys
 import tokenize
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT, fresh_python
 
 
 def test_import_rollout_svc_pulls_in_neither_vllm_nor_torch():
@@ -18,8 +18,7 @@ def test_import_rollout_svc_pulls_in_neither_vllm_nor_torch():
         "import sys, rollout_svc, rollout_svc.cli, rollout_svc.api, rollout_svc.batch, rollout_svc.integrations.skyrl; "
         "rollout_svc.WeightSender, rollout_svc.SyncReport; print(sorted({'vllm', 'torch'} & set(sys.modules)))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.strip() == "[]"
+    assert fresh_python(code).strip() == "[]"
 
 
 def test_workers_and_the_weight_sender_import_torch_only_to_transfer_tensors():
@@ -28,8 +27,7 @@ def test_workers_and_the_weight_sender_import_torch_only_to_transfer_tensors():
         "from rollout_svc import WeightSender; import rollout_svc.weightsync.transfer; "
         "print(before, WeightSender.__module__, 'torch' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.split() == ["False", "rollout_svc.client.weight_sender", "True"]
+    assert fresh_python(code).split() == ["False", "rollout_svc.client.weight_sender", "True"]
 
 
 def test_no_pickle_in_service_code():
