@@ -4,7 +4,6 @@ earlier turns in its prefix cache; the same sessions without stickiness find few
 from __future__ import annotations
 
 import io
-import shutil
 from pathlib import Path
 
 import pytest
@@ -12,10 +11,7 @@ from rich.console import Console
 
 from rollout_svc.tools.bench.simsessions import SessionsPlan, render_sessions, run_sessions_bench
 
-pytestmark = [
-    pytest.mark.timeout(240),
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH"),
-]
+pytestmark = pytest.mark.timeout(240)
 
 
 def test_sessions_bench_tiny(tmp_path: Path) -> None:

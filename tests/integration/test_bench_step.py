@@ -4,7 +4,6 @@ FIFO, placement by cost, with moves, expected lengths and partial rollouts, agai
 from __future__ import annotations
 
 import io
-import shutil
 from pathlib import Path
 
 import pytest
@@ -12,10 +11,7 @@ from rich.console import Console
 
 from rollout_svc.tools.bench.simstep import TIMELINE_ROWS, StepPlan, draw_timeline, render_step, run_step_bench
 
-pytestmark = [
-    pytest.mark.timeout(180),
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH"),
-]
+pytestmark = pytest.mark.timeout(180)
 
 
 def test_step_bench_tiny(tmp_path: Path) -> None:

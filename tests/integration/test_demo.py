@@ -4,7 +4,6 @@ session stays on one worker. The same run on vLLM served 44 and 44 (docs/simulat
 
 from __future__ import annotations
 
-import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -13,10 +12,7 @@ import pytest
 from rollout_svc.config import EngineSettings
 from rollout_svc.tools.demo import run_demo
 
-pytestmark = [
-    pytest.mark.timeout(240),
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH"),
-]
+pytestmark = pytest.mark.timeout(240)
 
 
 def test_the_demo_splits_its_work_evenly_over_two_workers(tmp_path: Path, monkeypatch) -> None:
