@@ -69,9 +69,13 @@ def test_streaming_arrives_while_the_model_generates(fleet):
     model = client.models.list().data[0].id
     started, arrivals, pieces = time.monotonic(), [], []
     stream = client.chat.completions.create(
-        model=model, messages=user("Write a long story about a dragon."), max_tokens=128, temperature=0, stream=True,
+        model=model,
+        messages=user("Write a long story about a dragon."),
+        max_tokens=128,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             arrivals.append(time.monotonic() - started)
@@ -115,9 +119,13 @@ def test_tool_calls_and_json_schema(fleet):
         },
     }
     r = client.chat.completions.create(
-        model=model, messages=user("What is the weather in Paris?"), tools=[weather], max_tokens=48, temperature=0,
+        model=model,
+        messages=user("What is the weather in Paris?"),
+        tools=[weather],
+        max_tokens=48,
+        temperature=0,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-    )  # fmt: skip
+    )
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Tokyo")
     r = client.chat.completions.create(
@@ -137,9 +145,12 @@ def test_tool_calls_and_json_schema(fleet):
         "properties": {"capital": {"type": "string", "enum": ["Paris", "Rome"]}, "is_large": {"type": "boolean"}},
     }
     r = client.chat.completions.create(
-        model=model, messages=user("Give the capital of France as JSON."), max_tokens=64, temperature=0,
+        model=model,
+        messages=user("Give the capital of France as JSON."),
+        max_tokens=64,
+        temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
-    )  # fmt: skip
+    )
     answer = json.loads(r.choices[0].message.content)
     assert answer["capital"] in ("Paris", "Rome") and isinstance(answer["is_large"], bool)
 

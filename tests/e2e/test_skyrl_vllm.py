@@ -62,6 +62,11 @@ async def _with(client: Any, coro: Any) -> Any:
         await client.teardown()
 
 
+def _sample_body(tokens: list[int], **fields: Any) -> dict[str, Any]:
+    """The request of SkyRL's `sample` (Tinker's): one sample of a prompt of `tokens`, with `fields` besides."""
+    return {"json": {"prompt": {"chunks": [{"tokens": tokens}]}, "num_samples": 1, **fields}}
+
+
 def test_skyrls_sample_scores_a_prompt_as_the_model_sampled_it(fleet):
     """SkyRL's `sample` with prompt logprobs (Tinker's scoring call): sample a completion at temperature 1, then
     score prompt + completion; the prompt logprobs at the completion's positions are the logprobs it was sampled
@@ -75,15 +80,12 @@ def test_skyrls_sample_scores_a_prompt_as_the_model_sampled_it(fleet):
             [prompt] = await rollout.tokenize(["The capital of France is"])
         client = skyrl(base, model)
         params = {"temperature": 1.0, "max_tokens": 8, "seed": 11, "logprobs": 0}
-        sampled = await _with(client, client.sample({"json": {
-            "prompt": {"chunks": [{"tokens": prompt}]}, "num_samples": 1, "sampling_params": params,
-        }}))  # fmt: skip
+        sampled = await _with(client, client.sample(_sample_body(prompt, sampling_params=params)))
         scored_prompt = prompt + sampled["sequences"][0]["tokens"]
-        scored = await _with(client, client.sample({"json": {
-            "prompt": {"chunks": [{"tokens": scored_prompt}]}, "num_samples": 1,
-            "sampling_params": {"max_tokens": 1, "temperature": 0.0},
-            "include_prompt_logprobs": True, "topk_prompt_logprobs": k,
-        }}))  # fmt: skip
+        scoring = {"max_tokens": 1, "temperature": 0.0}
+        prompt_logprobs = {"include_prompt_logprobs": True, "topk_prompt_logprobs": k}
+        body = _sample_body(scored_prompt, sampling_params=scoring, **prompt_logprobs)
+        scored = await _with(client, client.sample(body))
         return prompt, sampled, scored
 
     prompt, sampled, scored = asyncio.run(main())
@@ -240,10 +242,14 @@ def test_skyrls_own_generator_runs_a_multi_turn_gsm8k_episode(fleet, vllm_fleet)
     async def episode(engine: Any, instance: str) -> Any:
         generator = generators.SkyRLGymGenerator(generator_cfg, config.SkyRLGymConfig(), engine, tokenizer)
         return await generator.agent_loop(
-            prompt, "gsm8k_multi_turn", dict(extras), max_tokens=20, max_input_length=2048,
+            prompt,
+            "gsm8k_multi_turn",
+            dict(extras),
+            max_tokens=20,
+            max_input_length=2048,
             sampling_params=engine_utils.get_vllm_sampling_params(sampling),
             trajectory_id=generators.TrajectoryID(instance_id=instance, repetition_id=0),
-        )  # fmt: skip
+        )
 
     async def main() -> tuple[Any, Any, Any, str | None]:
         client = skyrl(base, model)
@@ -289,17 +295,33 @@ def test_skyrls_fully_async_trainer_sim_trains_on_serve(fleet, vllm_fleet):
     before = _requests_by_route(base)
     example = Path(__file__).parents[2] / "examples" / "skyrl_trainer_sim.py"
     command = [
-        sys.executable, str(example), "--url", base, "--steps", "4", "--batch-size", "2",
-        "--samples-per-prompt", "2", "--model", str(vllm_fleet.model_dir), "--served-model-name", model,
-    ]  # fmt: skip
+        sys.executable,
+        str(example),
+        "--url",
+        base,
+        "--steps",
+        "4",
+        "--batch-size",
+        "2",
+        "--samples-per-prompt",
+        "2",
+        "--model",
+        str(vllm_fleet.model_dir),
+        "--served-model-name",
+        model,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 4 and summary["prompts"] == 8, summary
     made = _requests_by_route(base) - before
     made.pop(("/metrics", "200"), None)  # the count of this test's own reads
-    assert made == Counter({
-        ("/inference/v1/generate", "200"): 16, ("/finish_session", "200"): 16,
-        ("/pause", "200"): 5, ("/resume", "200"): 5,
-    }), made  # fmt: skip
+    assert made == Counter(
+        {
+            ("/inference/v1/generate", "200"): 16,
+            ("/finish_session", "200"): 16,
+            ("/pause", "200"): 5,
+            ("/resume", "200"): 5,
+        }
+    ), made
     assert httpx.get(f"{base}/is_paused", timeout=30).json() == {"is_paused": False}

@@ -36,9 +36,12 @@ def gpu_worker(request: pytest.FixtureRequest, redis_url: str, rds, tmp_path: Pa
     settings = Settings(redis_url=redis_url, key_prefix="gpu-weights", heartbeat_ttl_s=30, control_timeout_s=120)
     native = "nccl" if request.node.get_closest_marker("native_transfer") else "none"
     engine = EngineSettings(
-        model=str(model), dtype="float32", max_num_seqs=8, kv_cache_memory_bytes=512 * MiB,
+        model=str(model),
+        dtype="float32",
+        max_num_seqs=8,
+        kv_cache_memory_bytes=512 * MiB,
         weight_transfer_backend=native,
-    )  # fmt: skip
+    )
     procs = WorkerProcs(settings, tmp_path)
     device = str(cuda_devices() - 1)
     procs.start("gpu-0", *engine.to_args(), env={"CUDA_VISIBLE_DEVICES": device})

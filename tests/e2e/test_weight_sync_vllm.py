@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rollout_svc import RolloutClient
-from rollout_svc.client.weight_sender import WeightSender
+from rollout_svc.client.weight_sender import SyncReport, WeightSender
 from rollout_svc.config import Settings
 from rollout_svc.protocol import WeightSyncOrder
 from tests.e2e.conftest import TWO_FLOAT32, Fleet, perturb_weights
@@ -63,6 +63,15 @@ async def outputs(client: RolloutClient, prompt: list[int], version: int) -> lis
     assert len({t.worker_id for t in trajectories}) == 2, f"the sessions did not reach both workers: {placed}"
     assert all(t.weight_version >= version and t.weight_versions == [(version, 0)] for t in trajectories)
     return [t.completion_token_ids for t in trajectories]
+
+
+async def next_version(
+    sender: WeightSender, client: RolloutClient, tensors: dict[str, torch.Tensor], question: str
+) -> tuple[list[int], int, SyncReport]:
+    """Sync `tensors` as the next weight version: the chat prompt of `question`, that version and its sync report."""
+    [prompt] = await client.apply_chat_template([[{"role": "user", "content": question}]])
+    version = await sender.committed_version() + 1
+    return prompt, version, await sender.update(tensors.items(), version=version)
 
 
 async def test_updates_change_and_restore_greedy_output_by_broadcast_and_by_checkpoint(fleet, weights):
@@ -131,16 +140,19 @@ async def test_a_checkpoint_never_committed_gives_way_to_the_broadcast_version_t
     the bytes it kept) and generates exactly what that version generated; no peer or trainer is needed."""
     original, perturbed = weights
     async with WeightSender(settings=fleet) as sender, RolloutClient(fleet) as client:
-        [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Name a famous painter."}]])
-        version = await sender.committed_version() + 1
-        await sender.update(perturbed.items(), version=version)
+        prompt, version, _ = await next_version(sender, client, perturbed, "Name a famous painter.")
         committed = await outputs(client, prompt, version)
         checkpoint = fleet.weight_sync.checkpoint_root / "weight-sync-never-committed"
         checkpoint.mkdir()
         save_file(original, str(checkpoint / "model.safetensors"))
         await client.pause("keep", holder="weight-sync", lease_s=2.0, renew=False)  # the trainer's, then it dies
-        order = WeightSyncOrder(sync_id="never-committed", version=version + 1, transport="checkpoint",
-                                members=["vllm-0", "vllm-1"], path=str(checkpoint))  # fmt: skip
+        order = WeightSyncOrder(
+            sync_id="never-committed",
+            version=version + 1,
+            transport="checkpoint",
+            members=["vllm-0", "vllm-1"],
+            path=str(checkpoint),
+        )
         await sender.plane.publish(order)
         loaded = await sender.plane.await_barrier(order.sync_id, "loaded", order.members, 300)
         assert sorted(loaded.ok) == ["vllm-0", "vllm-1"], "both engines loaded the checkpoint over the version"
@@ -155,9 +167,7 @@ async def test_a_broadcast_never_committed_gives_way_to_the_version_received_bef
     exactly what that version generated."""
     original, perturbed = weights
     async with WeightSender(settings=fleet) as sender, RolloutClient(fleet) as client:
-        [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Name a large ocean."}]])
-        version = await sender.committed_version() + 1
-        await sender.update(perturbed.items(), version=version)
+        prompt, version, _ = await next_version(sender, client, perturbed, "Name a large ocean.")
         committed = await outputs(client, prompt, version)
 
         async def died(*_: object) -> None:
@@ -180,19 +190,18 @@ async def test_a_late_worker_caught_up_from_its_peer_generates_exactly_what_its_
     procs.kill("vllm-1", signal.SIGTERM)  # it drains and deregisters: the sync goes on without it
     procs.procs["vllm-1"].wait(timeout=120)
     async with WeightSender(settings=settings) as sender, RolloutClient(settings) as client:
-        [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Name three rivers in Europe."}]])
-        version = await sender.committed_version() + 1
-        report = await sender.update(perturbed.items(), version=version)
+        prompt, version, report = await next_version(sender, client, perturbed, "Name three rivers in Europe.")
         assert report.loaded == ["vllm-0"] and report.digest
         peer = await client.generate([prompt] * 2, GREEDY)
         assert {t.worker_id for t in peer} == {"vllm-0"}
         assert peer[0].completion_token_ids == peer[1].completion_token_ids
         # Restarted, it loads SmolLM2's own weights from disk (version 0), is stale, and catches up from vllm-0.
         vllm_fleet.start_worker("vllm-1")
+        caught_up = [b"serving", str(version).encode(), report.digest.encode()]
+        fields = ("state", "weight_version", "weight_digest")
         await async_wait_until(
-            lambda: rds.hmget(settings.keys.worker("vllm-1"), "state", "weight_version", "weight_digest")
-            == [b"serving", str(version).encode(), report.digest.encode()], 600, "vllm-1 caught up and serving",
-        )  # fmt: skip
+            lambda: rds.hmget(settings.keys.worker("vllm-1"), *fields) == caught_up, 600, "vllm-1 caught up and serving"
+        )
         assert f"caught up to weight version {version} from vllm-0" in procs.log("vllm-1")
         late = await outputs(client, prompt, version)  # both workers, two sessions each
         assert all(o == peer[0].completion_token_ids for o in late), "the caught-up worker generates otherwise"

@@ -83,7 +83,9 @@ def test_120_chats_that_list_the_models_first_ride_out_a_worker_killed_under_loa
         errors = [repr(f.exception()) for f in futures if f.exception() is not None]
         none_live_s = sum(later - at for (at, n), (later, _) in itertools.pairwise(live_log) if n == 0 and at > killed)
         gaps = {w: max((b - a for a, b in itertools.pairwise(ts)), default=0.0) for w, ts in beats.items()}
-        print(f"\nchats {CHATS - len(errors)}/{CHATS}; no live worker for {none_live_s:.1f} s after the kill; "
-              f"longest heartbeat gap per worker (s): {gaps}")  # fmt: skip
+        print(
+            f"\nchats {CHATS - len(errors)}/{CHATS}; no live worker for {none_live_s:.1f} s after the kill; "
+            f"longest heartbeat gap per worker (s): {gaps}"
+        )
         assert errors == [], errors[:5]
         assert none_live_s > 0, "the fleet never had a moment without a live worker: the test did not test that"

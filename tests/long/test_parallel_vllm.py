@@ -42,9 +42,13 @@ def fleet(
 ) -> Iterator[tuple[Settings, Path, EngineSettings, WorkerProcs]]:
     model_dir = prepare_model(Settings().cache_dir)
     settings = Settings(
-        redis_url=redis_url, key_prefix="e2e-parallel", heartbeat_ttl_s=60, request_timeout_s=300,
-        control_timeout_s=120, pause_lease_s=120,
-    )  # fmt: skip
+        redis_url=redis_url,
+        key_prefix="e2e-parallel",
+        heartbeat_ttl_s=60,
+        request_timeout_s=300,
+        control_timeout_s=120,
+        pause_lease_s=120,
+    )
     engine = EngineSettings(model=str(model_dir), dtype="float32", max_num_seqs=8, kv_cache_memory_bytes=128 * MiB)
     procs = WorkerProcs(settings, tmp_path_factory.mktemp("parallel-workers"))
     procs.start("tp1", *engine.to_args(), env=TP1_BIND)
@@ -119,9 +123,13 @@ async def test_a_sync_reaches_every_rank_and_a_single_rank_worker_catches_up_fro
         # Started again, the TP=1 worker loads SmolLM2's own weights (version 0), is stale, and catches up from tp3.
         procs.start("tp1", *engine.to_args(), env=TP1_BIND)
         await async_wait_until(
-            lambda: rds.hmget(settings.keys.worker("tp1"), "state", "weight_version", "weight_digest")
-            == [b"serving", str(version + 1).encode(), report.digest.encode()], 600, "tp1 caught up and serving",
-        )  # fmt: skip
+            lambda: (
+                rds.hmget(settings.keys.worker("tp1"), "state", "weight_version", "weight_digest")
+                == [b"serving", str(version + 1).encode(), report.digest.encode()]
+            ),
+            600,
+            "tp1 caught up and serving",
+        )
         assert f"caught up to weight version {version + 1} from tp3" in procs.log("tp1")
         late = await until_both(client, prompt, version + 1)
         assert late["tp1"] == changed["tp3"], "caught up from the TP=3 worker, the TP=1 worker generates otherwise"
