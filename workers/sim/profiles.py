@@ -77,73 +77,26 @@ class ModelProfile:
         return self.linear_flops(new_tokens) + self.attention_flops(attended)
 
 
-# The efficiencies and the overhead are assumptions, not measurements: decode as a sweep over the weights at 80% of
-# the HBM bandwidth, prefill at 60% of peak dense FLOPs, 1 ms of CPU time per step, none per sequence. BENCHMARKS.md
-# section m sets the H100 and H200 profiles beside published vLLM runs of an 8B model (within 7% of their TPOT at low
-# batch, 1.3x too fast at 320 requests at once); no single-GPU figure for a 32B model was found.
-H100_SXM = GPUProfile(
-    name="h100",
-    hbm_bytes_per_s=3.35e12,
-    peak_flops=989e12,
-    memory_bytes=80 * GB,
-    bandwidth_efficiency=0.8,
-    compute_efficiency=0.6,
-    step_overhead_s=1.0e-3,
-    source="NVIDIA H100 Tensor Core GPU datasheet (SXM5): 80 GB HBM3, 3.35 TB/s, 989 TFLOPS dense BF16",
-)
-H200 = GPUProfile(
-    name="h200",
-    hbm_bytes_per_s=4.8e12,
-    peak_flops=989e12,
-    memory_bytes=141 * GB,
-    bandwidth_efficiency=0.8,
-    compute_efficiency=0.6,
-    step_overhead_s=1.0e-3,
-    source="NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB HBM3e, 4.8 TB/s, 989 TFLOPS dense BF16",
-)
+def datasheet_gpu(name: str, hbm_bytes_per_s: float, peak_flops: float, memory_bytes: float, source: str) -> GPUProfile:
+    """A GPU from its datasheet's bandwidth, dense bf16 FLOP/s and memory, with the serving step's assumed
+    efficiencies: assumptions, not measurements. Decode is a sweep over the weights at 80% of the HBM bandwidth,
+    prefill runs at 60% of peak dense FLOPs, a step costs 1 ms of CPU time and a sequence nothing more. BENCHMARKS.md
+    section m sets the H100 and H200 profiles beside published vLLM runs of an 8B model (within 7% of their TPOT at
+    low batch, 1.3x too fast at 320 requests at once); no single-GPU figure for a 32B model was found."""
+    return GPUProfile(name, hbm_bytes_per_s, peak_flops, memory_bytes, 0.8, 0.6, 1.0e-3, source)
 
-QWEN25_7B = ModelProfile(
-    name="qwen2.5-7b",
-    params=7.62e9,
-    layers=28,
-    heads=28,
-    kv_heads=4,
-    head_dim=128,
-    dtype_bytes=2,
-    source="Qwen/Qwen2.5-7B-Instruct config.json: 28 layers, hidden 3584, 28 heads, 4 KV heads; 7.61B parameters",
-)
-QWEN25_32B = ModelProfile(
-    name="qwen2.5-32b",
-    params=32.76e9,
-    layers=64,
-    heads=40,
-    kv_heads=8,
-    head_dim=128,
-    dtype_bytes=2,
-    source="Qwen/Qwen2.5-32B-Instruct config.json: 64 layers, hidden 5120, 40 heads, 8 KV heads; 32.8B parameters",
-)
-SMOLLM2_135M = ModelProfile(
-    name="smollm2-135m",
-    params=134.5e6,
-    layers=30,
-    heads=9,
-    kv_heads=3,
-    head_dim=64,
-    dtype_bytes=2,
-    source="HuggingFaceTB/SmolLM2-135M-Instruct config.json: 30 layers, hidden 576, 9 heads, 3 KV heads",
-)
 
-LLAMA3_8B = ModelProfile(
-    name="llama3-8b",
-    params=8.03e9,
-    layers=32,
-    heads=32,
-    kv_heads=8,
-    head_dim=128,
-    dtype_bytes=2,
-    source="meta-llama/Meta-Llama-3-8B-Instruct config.json: 32 layers, hidden 4096, 32 heads, 8 KV heads; 8.03B "
-    "parameters (Llama-3.1-8B's are the same); the model of the published runs BENCHMARKS.md (m) compares with",
-)
+#                     name,   HBM B/s, dense bf16 FLOP/s, memory, source
+H100_SXM = datasheet_gpu("h100", 3.35e12, 989e12, 80 * GB, "NVIDIA H100 Tensor Core GPU datasheet (SXM5): HBM3")
+H200 = datasheet_gpu("h200", 4.8e12, 989e12, 141 * GB, "NVIDIA H200 Tensor Core GPU datasheet (SXM): HBM3e")
+
+# Each model's shape as its config.json gives it (head dim = hidden_size / num_attention_heads), in bf16. Llama-3.1-8B
+# has Meta-Llama-3-8B's shape: the model of the published runs BENCHMARKS.md (m) compares with.
+#                          name,           params,  layers, heads, KV heads, head dim, bytes, source
+QWEN25_7B = ModelProfile("qwen2.5-7b", 7.62e9, 28, 28, 4, 128, 2, "Qwen/Qwen2.5-7B-Instruct config.json")
+QWEN25_32B = ModelProfile("qwen2.5-32b", 32.76e9, 64, 40, 8, 128, 2, "Qwen/Qwen2.5-32B-Instruct config.json")
+SMOLLM2_135M = ModelProfile("smollm2-135m", 134.5e6, 30, 9, 3, 64, 2, "HuggingFaceTB/SmolLM2-135M-Instruct config.json")
+LLAMA3_8B = ModelProfile("llama3-8b", 8.03e9, 32, 32, 8, 128, 2, "meta-llama/Meta-Llama-3-8B-Instruct config.json")
 
 GPUS = {gpu.name: gpu for gpu in (H100_SXM, H200)}
 MODELS = {model.name: model for model in (QWEN25_7B, QWEN25_32B, SMOLLM2_135M, LLAMA3_8B)}

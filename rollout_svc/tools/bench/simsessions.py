@@ -135,8 +135,7 @@ def render_sessions(f: SessionsFigures) -> str:
     lines = [
         f"{HEADING}\n",
         f"Command: `{f.command}`.\n" if f.command else "",
-        f"{p.sessions} agent sessions of {p.turns} turns at once on {p.gpus} simulated {p.gpu.upper()}s serving the "
-        f"{p.model} profile (`--engine sim`; a simulated second lasts 1/{p.time_scale:g} s here): a ShareGPT first "
+        f"{p.sessions} agent sessions of {p.turns} turns at once on {p.gpus} {p.fleet_words}: a ShareGPT first "
         f"turn, then after each model turn (log-normal length, median {p.length_median}, p99 {p.length_p99} tokens) "
         f"a tool result of {p.tool_tokens} tokens after a {p.tool_wait_s:g} s tool wait; each prompt is the whole "
         "conversation so far. Sticky: every turn carries its session id; off: none (each turn placed by cost). Hit "

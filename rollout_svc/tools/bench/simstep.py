@@ -69,6 +69,14 @@ class SimFleetPlan:
             max_model_len=max_model_len,
         )
 
+    @property
+    def fleet_words(self) -> str:
+        """The simulated fleet as a report describes it."""
+        return (
+            f"simulated {self.gpu.upper()}s serving the {self.model} profile (`--engine sim`, workers/sim; a simulated "
+            f"second lasts 1/{self.time_scale:g} s here)"
+        )
+
 
 @dataclass(frozen=True)
 class StepPlan(SimFleetPlan):
@@ -300,9 +308,8 @@ def render_step(f: StepFigures) -> str:
         f"Command: `{f.command}`.\n" if f.command else "",
         f"One GRPO-shaped step: {p.prompts} prompts x n={p.samples} (`RolloutClient.sample`, seeded: every row the "
         f"same workload), ShareGPT first-turn prompt lengths, output lengths log-normal with median {p.length_median} "
-        f"and p99 {p.length_p99} tokens (a prompt's samples alike; capped at {p.max_tokens}), on simulated "
-        f"{p.gpu.upper()}s serving the {p.model} profile (`--engine sim`, workers/sim; a simulated second lasts "
-        f"1/{p.time_scale:g} s here). Each row is a fresh fleet. Busy: some request of the worker's running. The "
+        f"and p99 {p.length_p99} tokens (a prompt's samples alike; capped at {p.max_tokens}), on {p.fleet_words}. "
+        "Each row is a fresh fleet. Busy: some request of the worker's running. The "
         "oracle is the lower bound: the longer of the longest request run alone and the step's work at the fleet's "
         "peak throughput. `+moves`: a GPU running several generations hands the one that has made the most tokens "
         f"to a GPU that holds no work (cut, continued token-exact there) once it has run {p.move_after_s:g} "
