@@ -42,11 +42,9 @@ class Generation:
             sessions,
             chunks=plan.stream and plan.chunks,
             group_ids=plan.group_ids,
-            tools=plan.tools,
-            parse_tool_calls=plan.parse_tool_calls,
-            chat_template_kwargs=plan.chat_template_kwargs,
             adapter=plan.adapter,
             timeout_s=self.timeout_s,
+            **plan.template_options(),
         )
 
     async def respond(self, request: Request, plan: Plan) -> Response:

@@ -51,6 +51,15 @@ class Plan:
     adapter: str | None = None  # the LoRA adapter the request's `model` names (None: the base model)
     model_name: str = ""  # the named model (`Settings.model_name`) whose workers run it ("": the default model)
 
+    def template_options(self) -> dict[str, Any]:
+        """How the workers template this plan's chats and read their answers, as `RolloutClient.stream` takes it:
+        OpenAI's function `tools`, `chat_template_kwargs`, and whether to parse tool calls out of the output."""
+        return {
+            "tools": self.tools,
+            "parse_tool_calls": self.parse_tool_calls,
+            "chat_template_kwargs": self.chat_template_kwargs,
+        }
+
 
 def sampling_params(
     body: _Sampling, max_tokens: int, logprobs: int | None, structured: StructuredOutputs | None
