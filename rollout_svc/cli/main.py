@@ -611,11 +611,11 @@ def bench(
     only: Annotated[
         str | None,
         typer.Option(
-            help="Measure one section alone (hop: beside vllm-router; skyrl: SkyRL's client path; step: an RL step on "
-            "a simulated GPU fleet; simfit: the simulator fitted to and checked against the real engine; sessions: "
-            "multi-turn agent sessions on a simulated fleet, sticky and not; published: the simulator's GPU profiles "
-            "beside published vLLM figures; weights: weight sync into two vLLM workers, the transfer outside the "
-            "pause and inside it) and replace it in --output."
+            help="Measure one section alone (queue: the queue overhead on echo workers; hop: beside vllm-router; "
+            "skyrl: SkyRL's client path; step: an RL step on a simulated GPU fleet; simfit: the simulator fitted to "
+            "and checked against the real engine; sessions: multi-turn agent sessions on a simulated fleet, sticky "
+            "and not; published: the simulator's GPU profiles beside published vLLM figures; weights: weight sync "
+            "into two vLLM workers, the transfer outside the pause and inside it) and replace it in --output."
         ),
     ] = None,
 ) -> None:
@@ -629,7 +629,7 @@ def bench(
     if only is not None:
         if only not in SECTIONS:
             raise typer.BadParameter(f"choose from {', '.join(sorted(SECTIONS))}", param_hint="--only")
-        run_section(redis_url, output, only, " ".join(["rollout-svc", *sys.argv[1:]]))
+        run_section(redis_url, output, only, " ".join(["rollout-svc", *sys.argv[1:]]), requests)
         return
     if not skip_vllm and model is None:
         with Progress(None, "preparing the model"):

@@ -115,6 +115,7 @@ def run_bench(
 
 # what `--only` can measure alone: the heading starting its section
 SECTIONS = {
+    "queue": "## (a) ",
     "hop": "## (h) ",
     "skyrl": "## (i) ",
     "step": "## (j) ",
@@ -125,14 +126,17 @@ SECTIONS = {
 }
 
 
-def run_section(redis_url: str | None, output: Path, section: str, command: str) -> None:
+def run_section(redis_url: str | None, output: Path, section: str, command: str, requests: int = 20_000) -> None:
     """Measure one section (`SECTIONS`) and put it in `output` in place of the same section (or after the last one),
     keeping every other section as it was; the section names its own command, and a line under it names the date and
     commit of this run. Raises `ValueError` for an unknown section."""
     if section not in SECTIONS:
         raise ValueError(f"unknown section {section!r}: choose from {', '.join(sorted(SECTIONS))}")
     console = Console()
-    if section == "hop":
+    if section == "queue":  # `requests` per throughput run, as in the whole report
+        queue = [_queue_overhead(redis_url, workers, requests, console) for workers in (1, 2)]
+        body = "\n".join(queue_section(queue, requests, command)) + "\n"
+    elif section == "hop":
         body = bench_hop.render_hop(bench_hop.run_hop_bench(redis_url, console, _log_dir(), command=command))
     elif section == "step":
         step = bench_step.run_step_bench(redis_url, console, _log_dir(), command=command)
@@ -320,6 +324,29 @@ def _commit() -> str:
     return commit or "unknown"
 
 
+def queue_section(queue: list[QueueFigures], requests: int, command: str = "") -> list[str]:
+    """Section (a) of BENCHMARKS.md, as lines; `command` is named when the section was measured alone."""
+    lines = ["## (a) Queue overhead, EchoEngine", ""]
+    if command:
+        lines.append(f"Command: `{command}`.")
+    lines += [
+        f"Throughput: one `RolloutClient.generate` call of {requests} requests (16 tokens in, 16 out), best of 3,",
+        "client, workers and a private redis-server on this machine. Added latency: end-to-end latency minus the",
+        f"engine's generation time, single-request calls sent open-loop at {LATENCY_RATE_PER_S} requests/s for"
+        f" {LATENCY_DURATION_S:g} s.",
+        "Goals: >= 20,000 requests/s with 2 workers; p50 added latency < 1 ms at 1k requests/s.",
+        "",
+        "| workers | requests/s | p50 added latency (ms) | p99 added latency (ms) | offered rate (req/s) |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for f in queue:
+        lines.append(
+            f"| {f.workers} | {f.requests_per_s:,.0f} | {f.latency_p50_ms:.2f} | {f.latency_p99_ms:.2f} |"
+            f" {f.latency_rate_per_s:,.0f} |"
+        )
+    return lines
+
+
 def _report(
     command: str,
     queue: list[QueueFigures],
@@ -336,22 +363,8 @@ def _report(
         f"on {platform.machine()} with {os.cpu_count()} CPUs, Python {platform.python_version()}. Every figure",
         "below comes from that one run; compare them as ratios within it (the machine is shared and noisy).",
         "",
-        "## (a) Queue overhead, EchoEngine",
-        "",
-        f"Throughput: one `RolloutClient.generate` call of {requests} requests (16 tokens in, 16 out), best of 3,",
-        "client, workers and a private redis-server on this machine. Added latency: end-to-end latency minus the",
-        f"engine's generation time, single-request calls sent open-loop at {LATENCY_RATE_PER_S} requests/s for"
-        f" {LATENCY_DURATION_S:g} s.",
-        "Goals: >= 20,000 requests/s with 2 workers; p50 added latency < 1 ms at 1k requests/s.",
-        "",
-        "| workers | requests/s | p50 added latency (ms) | p99 added latency (ms) | offered rate (req/s) |",
-        "|---:|---:|---:|---:|---:|",
     ]
-    for f in queue:
-        lines.append(
-            f"| {f.workers} | {f.requests_per_s:,.0f} | {f.latency_p50_ms:.2f} | {f.latency_p99_ms:.2f} |"
-            f" {f.latency_rate_per_s:,.0f} |"
-        )
+    lines += queue_section(queue, requests)
     if generation:
         lines += [
             "",
