@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -15,11 +17,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rollout_svc.keys import DEFAULT_SHARD, Keys
 
 MiB = 1024 * 1024
+VLLM_ARGS_ENV = "ROLLOUT_VLLM_ARGS"  # EngineSettings.vllm_args of every command that starts workers
 
 
 def default_cache_dir() -> Path:
-    import os
-
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "rollout-svc"
 
@@ -112,6 +113,12 @@ class EngineSettings(BaseModel):
         4, ge=1, description="vLLM: LoRA adapters (versions count apiece) in one batch; more wait for a slot"
     )
     max_lora_rank: int = Field(16, ge=1, description="vLLM: the largest LoRA rank an adapter may have")
+    vllm_args: str = Field(
+        "",
+        description="vLLM's own engine flags, as `vllm serve` takes them, in one string (env ROLLOUT_VLLM_ARGS; "
+        "on a command line also everything after --), e.g. '--gpu-memory-utilization 0.85 --quantization fp8'",
+    )
+    vllm_config: str = Field("", description="a YAML file of vLLM engine flags, the file `vllm serve --config` takes")
     weight_transfer_backend: Literal["none", "nccl"] = Field(
         "none",
         description="vLLM's native weight transfer, for a trainer-led broadcast (SkyRL's /init_weight_transfer_engine"
@@ -148,7 +155,8 @@ class EngineSettings(BaseModel):
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
     def vllm_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of `workers.vllm_args.vllm_engine_args` (all but `model`)."""
+        """Keyword arguments of `workers.vllm_args.vllm_engine_args` (all but `model`); `vllm_flags`: vLLM's own
+        flags, verbatim (`vllm_config`'s file as `vllm serve --config` reads it, then `vllm_args`)."""
         kwargs: dict[str, Any] = {
             "dtype": self.dtype,
             "max_model_len": self.max_model_len,
@@ -165,6 +173,10 @@ class EngineSettings(BaseModel):
             kwargs |= {"enable_lora": True, "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank}
         if self.weight_transfer_backend != "none":
             kwargs["weight_transfer_config"] = {"backend": self.weight_transfer_backend}
+        if self.vllm_args or self.vllm_config:
+            kwargs["vllm_flags"] = (["--config", self.vllm_config] if self.vllm_config else []) + shlex.split(
+                self.vllm_args
+            )
         return kwargs
 
     def to_args(self) -> list[str]:
@@ -174,6 +186,8 @@ class EngineSettings(BaseModel):
             flag = "--" + name.replace("_", "-")
             if isinstance(value, bool):
                 args.append(flag if value else "--no-" + flag[2:])
+            elif name == "vllm_args":  # one word, which argparse would read as an option if it began with one
+                args.append(f"{flag}={value}")
             else:
                 args += [flag, str(value)]
         return args
@@ -195,11 +209,14 @@ class EngineSettings(BaseModel):
                 kind = {int: int, float: float}.get(type(info.default), str)
                 if name == "max_num_seqs":
                     kind = int
-                parser.add_argument(flag, type=kind, default=info.default, help=help_text)
+                default = os.environ.get(VLLM_ARGS_ENV, "") if name == "vllm_args" else info.default
+                parser.add_argument(flag, type=kind, default=default, help=help_text)
 
     @classmethod
     def from_args(cls, namespace: argparse.Namespace) -> EngineSettings:
-        return cls.model_validate({k: v for k, v in vars(namespace).items() if k in cls.model_fields})
+        """The settings `add_arguments`' options gave; only those given are set (`model_fields_set`)."""
+        given = {k: v for k, v in vars(namespace).items() if k in cls.model_fields and v != cls.model_fields[k].default}
+        return cls.model_validate(given)
 
 
 class _Concern(BaseSettings):

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import io
 import logging
+import shlex
 import signal
 import sys
 
@@ -28,7 +29,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: none)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics server binds")
     EngineSettings.add_arguments(p)
-    return p.parse_args(argv)
+    p.epilog = "Everything after -- goes to vLLM as its engine flags, as `vllm serve` takes them."
+    argv = sys.argv[1:] if argv is None else argv
+    ours, flags = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    args = p.parse_args(ours)
+    if flags:
+        args.vllm_args = " ".join(part for part in (args.vllm_args, shlex.join(flags)) if part)
+    return args
+
+
+def engine_settings(args: argparse.Namespace) -> EngineSettings:
+    """The engine `args` describe, its vLLM flags checked by vLLM's parser and folded into the fields they stand
+    for (`workers.vllm_flags.resolve`); exits with status 2 and vLLM's message for a flag vLLM does not take."""
+    engine = EngineSettings.from_args(args)
+    if not (engine.vllm_args or engine.vllm_config):
+        return engine
+    from workers.vllm_flags import resolve
+
+    try:
+        return resolve(engine)
+    except ValueError as exc:  # VLLMFlagError among them
+        print(f"python -m workers: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -75,9 +97,9 @@ def start_metrics(port: int, host: str) -> WorkerMetrics | None:
     return metrics
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, engine: EngineSettings) -> None:
     settings = Settings(
-        engine=EngineSettings.from_args(args),
+        engine=engine,
         **({"redis_url": args.redis_url} if args.redis_url else {}),
         **({"model_name": args.model_name} if args.model_name else {}),
     )
@@ -127,8 +149,9 @@ def replica_ids(worker_id: str | None, engine: EngineSettings) -> list[str | Non
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = engine_settings(args)
     try:
-        asyncio.run(serve(args))
+        asyncio.run(serve(args, engine))
     except EngineDeadError as exc:
         logging.getLogger("rollout_svc.worker").error("engine died: %s; its requests were requeued", exc)
         return 1

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from workers.dtype import engine_dtype
+from workers.vllm_flags import engine_args
 from workers.weight_extension import WORKER_EXTENSION
 
 if TYPE_CHECKING:  # vllm is imported lazily: a worker running EchoEngine must not pay its import
@@ -23,6 +25,7 @@ def vllm_engine_args(
     enforce_eager: bool = True,
     seed: int = 0,
     enable_sleep_mode: bool | None = None,
+    vllm_flags: Sequence[str] = (),
     **extra: Any,
 ) -> AsyncEngineArgs:
     """The `AsyncEngineArgs` of every engine we start, so VLLMEngine and `workers.direct` run identical settings.
@@ -35,13 +38,14 @@ def vllm_engine_args(
     `logprobs_mode="processed_logprobs"`: a sampled token's logprob is taken under the distribution it was
     sampled from (after temperature, penalties, top-k/top-p), which is what an RL importance ratio needs;
     vLLM's default would give the raw model logprob. `enable_sleep_mode` (None: where the platform supports
-    it, that is on GPUs) lets `sleep` free memory. `extra` is passed to `AsyncEngineArgs` and wins.
+    it, that is on GPUs) lets `sleep` free memory. `extra` is passed to `AsyncEngineArgs` and wins; `vllm_flags`,
+    vLLM's own flags as `vllm serve` takes them (`workers.vllm_flags`), win over both. Raises `VLLMFlagError` for a
+    flag vLLM refuses.
 
     On CPU, chunked prefill is off: vLLM 0.32's CPU runner rewinds the per-request generator of a request
     whose prefill was chunked (`Generator.set_offset`), which CPU generators do not support, so one
     request with a `seed` among long prompts killed the whole engine ("CPU Generator does not use offset").
     """
-    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
 
     settings: dict[str, Any] = {
@@ -66,7 +70,7 @@ def vllm_engine_args(
         # Processes of its own, not Ray's actors: a worker is one process tree wherever it runs (`up`, compose, a
         # Ray actor holding a bundle of TP x PP GPUs); vLLM would pick Ray whenever Ray is initialized.
         settings["distributed_executor_backend"] = "mp"
-    return AsyncEngineArgs(**(settings | extra))
+    return engine_args(settings | extra, list(vllm_flags))
 
 
 def shutdown_llm(llm: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import shlex
 from collections.abc import Callable
 from enum import StrEnum
 from typing import Annotated, Any, Literal, get_args, get_origin
@@ -11,7 +12,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 import pydantic
 import typer
 
-from rollout_svc.config import EngineSettings
+from rollout_svc.config import VLLM_ARGS_ENV, EngineSettings
 
 PANEL = "Engine (each worker's; the options of python -m workers)"
 
@@ -23,7 +24,8 @@ def _option(name: str, info: Any) -> inspect.Parameter:
     if get_origin(annotation) is Literal:  # typer offers the choices of an Enum
         choices = StrEnum(name, {choice: choice for choice in get_args(annotation)})  # type: ignore[misc]
         annotation, default = choices, choices(default)
-    option = typer.Option(help=f"{info.description}.", rich_help_panel=PANEL)
+    envvar = VLLM_ARGS_ENV if name == "vllm_args" else None
+    option = typer.Option(help=f"{info.description}.", rich_help_panel=PANEL, envvar=envvar)
     parameter = Annotated[annotation, option]
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=parameter)
 
@@ -40,6 +42,8 @@ def engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
     def run(**kwargs: Any) -> Any:
         values = {name: kwargs.pop(name) for name in EngineSettings.model_fields}
         values = {name: v.value if isinstance(v, StrEnum) else v for name, v in values.items()}
+        # only what was given, so a value also given as a vLLM flag is told apart from a default (workers.vllm_flags)
+        values = {name: v for name, v in values.items() if v != EngineSettings.model_fields[name].default}
         try:
             engine = EngineSettings.model_validate(values)
         except pydantic.ValidationError as exc:
@@ -51,3 +55,24 @@ def engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
     run.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
     run.__annotations__ = {p.name: p.annotation for p in parameters} | {"return": signature.return_annotation}
     return run
+
+
+def with_vllm_flags(engine: EngineSettings, flags: list[str] | None, command: str) -> EngineSettings:
+    """`engine` with `flags` (a command line's words after `--`) added to its vLLM flags, all of them checked by
+    the installed vLLM's parser and those our fields stand for folded in (`workers.vllm_flags.resolve`). A flag vLLM
+    does not take, or a field and a flag that disagree, exits with status 2 and vLLM's message, as `vllm serve`
+    would, before `command` starts anything."""
+    if flags:
+        joined = " ".join(part for part in (engine.vllm_args, shlex.join(flags)) if part)
+        engine = EngineSettings.model_validate(engine.model_dump(exclude_unset=True) | {"vllm_args": joined})
+    if not (engine.vllm_args or engine.vllm_config):
+        return engine
+    from workers.vllm_flags import VLLMFlagError, resolve
+
+    try:
+        return resolve(engine)
+    except VLLMFlagError as exc:
+        typer.echo(f"rollout-svc {command}: vLLM: {exc}", err=True)
+    except ValueError as exc:
+        typer.echo(f"rollout-svc {command}: {exc}", err=True)
+    raise typer.Exit(2)

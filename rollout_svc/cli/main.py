@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 from rollout_svc.cli.batch import batch_app, batch_worker
 from rollout_svc.cli.common import DEFAULT_REDIS_URL, RedisUrl, TimeoutS, run_on_fleet
 from rollout_svc.cli.dead_letters import dead_letters_app
-from rollout_svc.cli.engine_options import engine_options
+from rollout_svc.cli.engine_options import engine_options, with_vllm_flags
 from rollout_svc.cli.lora_commands import adapter_app
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.control import commands
@@ -145,6 +145,15 @@ def up(
     placement: Annotated[
         Placement, typer.Option(help="With --ray: pack the workers onto few nodes, or spread them over many.")
     ] = Placement.pack,
+    vllm_flags: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="-- VLLM_FLAGS",
+            help="vLLM's own engine flags, as `vllm serve` takes them, after --: e.g. -- --gpu-memory-utilization "
+            "0.85 --quantization fp8 (checked by the installed vLLM's parser before anything starts).",
+            show_default=False,
+        ),
+    ] = None,
     *,
     engine: EngineSettings,
 ) -> None:
@@ -152,6 +161,10 @@ def up(
 
     With --ray the workers run as Ray actors on a placement group (one bundle per worker), restarted if they die;
     Redis and the API still run here.
+
+    Everything after -- goes to vLLM as its engine flags, as `vllm serve` takes them (also --vllm-args, --vllm-config
+    and ROLLOUT_VLLM_ARGS); a flag the installed vLLM does not take exits with status 2 and vLLM's message before
+    anything starts.
 
     With --acl (a private Redis only) anonymous connections can do nothing: workers connect as `worker`, the API as
     `admin`, and the three users' URLs are written to --acl-file (mode 0600). Ctrl-C or SIGTERM stops everything,
@@ -167,6 +180,7 @@ def up(
     from rollout_svc.deploy.local import ACL_NEEDS_PRIVATE_REDIS, LocalCluster, redis_answers
 
     _logging()
+    engine = with_vllm_flags(engine, vllm_flags, "up")
     groups = _model_groups(model_group or [], workers, model_name, ray_address)
     workers = workers or 2
     _check_redis_cluster(redis_url, redis_cluster, acl, ray_address)

@@ -14,7 +14,7 @@ import typer
 import yaml
 
 from rollout_svc.cli.main import app as cli_app
-from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.config import VLLM_ARGS_ENV, EngineSettings, Settings
 from rollout_svc.connections.urls import is_loopback
 from workers.__main__ import parse_args as worker_parse_args
 
@@ -207,7 +207,9 @@ def test_every_rollout_variable_is_a_settings_field():
     names = {k for s in services().values() for k in (s.get("environment") or {}) if k.startswith("ROLLOUT_")}
     names |= set(re.findall(r"\b(ROLLOUT_\w+)=", (ROOT / "Dockerfile").read_text()))
     assert names
-    assert {n for n in names if n.removeprefix("ROLLOUT_").lower() not in Settings().flat()} == set()
+    read = {*Settings().flat(), "vllm_args"}  # ROLLOUT_VLLM_ARGS: the default of `python -m workers --vllm-args`
+    assert {n for n in names if n.removeprefix("ROLLOUT_").lower() not in read} == set()
+    assert VLLM_ARGS_ENV in names
 
 
 def test_the_vendored_schema_is_the_compose_specification():
