@@ -17,6 +17,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rollout_svc.keys import DEFAULT_SHARD, Keys
 
 MiB = 1024 * 1024
+# vLLM's defaults on the CPU (workers.vllm_args.CPU_DEFAULTS: why each), the context also the echo and sim engines'
+DEFAULT_MAX_MODEL_LEN = 2048
+CPU_KV_CACHE_BYTES = 512 * MiB
+CPU_MAX_NUM_SEQS = 64
 VLLM_ARGS_ENV = "ROLLOUT_VLLM_ARGS"  # EngineSettings.vllm_args of every command that starts workers
 
 
@@ -46,10 +50,13 @@ def tune_gc(young_threshold: int = GC_YOUNG_THRESHOLD) -> None:
 class EngineSettings(BaseModel):
     """The engine one worker runs: the one model shared by `python -m workers`, `workers.direct` and `up`.
 
-    `max_num_seqs` is the engine's batch size and the worker's capacity (default 64 for vLLM, 1024 for echo).
+    `max_num_seqs` is the engine's batch size and the worker's capacity (default: vLLM's on a GPU, read from the
+    engine once it started; 64 for vLLM on the CPU, 1024 for echo). `max_model_len`, `max_num_seqs` and
+    `kv_cache_memory_bytes` left None are the platform's: vLLM's own defaults on GPUs, as `vllm serve` runs them;
+    on the CPU `workers.vllm_args.CPU_DEFAULTS` (vLLM's default KV cache, a share of memory, fails on small hosts).
     `dtype="float32"` is what greedy token-equality checks need (bf16 and batching change the numerics).
-    `kv_cache_memory_bytes` is explicit because vLLM's default (a fraction of device memory) fails on small
-    CPU hosts. `enable_sleep_mode` (vLLM sleep mode, GPU only) defaults to on where the platform supports it.
+    `enable_sleep_mode` (vLLM sleep mode, GPU only) defaults to on where the platform supports it. `vllm_args` and
+    `vllm_config`: vLLM's own flags (`workers.vllm_flags`).
     `echo_token_delay_s`: the echo engine's seconds per generated token (it stands in for a long generation).
     `sim_*`: the simulated GPU engine's profile, time scale, step token budget and output lengths (workers/sim;
     docs/simulator.md); with a fitted profile (a JSON path) its KV cache is `kv_cache_memory_bytes`.
@@ -69,9 +76,23 @@ class EngineSettings(BaseModel):
         description="vLLM dtype: auto, bfloat16, float16, float32 (auto on CPU: bfloat16 only where the CPU has "
         "avx512_bf16 or amx_bf16, else float32)",
     )
-    max_model_len: int = Field(2048, ge=16, description="context length in tokens")
-    max_num_seqs: int | None = Field(None, ge=1, description="engine batch size = worker capacity")
-    kv_cache_memory_bytes: int = Field(512 * MiB, ge=MiB, description="KV cache size in bytes")
+    max_model_len: int | None = Field(
+        None,
+        ge=16,
+        description="context length in tokens (default: the model's on GPUs; 2048 on the CPU and the echo and sim "
+        "engines)",
+    )
+    max_num_seqs: int | None = Field(
+        None,
+        ge=1,
+        description="engine batch size = worker capacity (default: vLLM's on GPUs, by the device; 64 on the CPU)",
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=MiB,
+        description="KV cache size in bytes (default: vLLM's on GPUs, a share of the device's memory; 512 MiB on the "
+        "CPU)",
+    )
     seed: int = Field(0, description="engine seed")
     enable_sleep_mode: bool | None = Field(None, description="vLLM sleep mode (default: where supported)")
     echo_token_delay_s: float = Field(0.0, ge=0, description="echo engine: seconds per generated token")
@@ -144,9 +165,15 @@ class EngineSettings(BaseModel):
         return self
 
     @property
+    def context_len(self) -> int:
+        """`max_model_len`, or the echo and sim engines' (and the CPU's) default where it is None."""
+        return self.max_model_len or DEFAULT_MAX_MODEL_LEN
+
+    @property
     def capacity(self) -> int:
-        """Sequences the worker runs at once: `max_num_seqs` per data-parallel replica (vLLM schedules each)."""
-        per_replica = self.max_num_seqs or (64 if self.engine == "vllm" else 1024)  # sim: vLLM's on H100
+        """Sequences the worker runs at once: `max_num_seqs` per data-parallel replica (vLLM schedules each). A vLLM
+        engine on a GPU reports what vLLM chose once it started (`VLLMEngine.capacity`)."""
+        per_replica = self.max_num_seqs or (CPU_MAX_NUM_SEQS if self.engine == "vllm" else 1024)  # sim: vLLM's on H100
         return per_replica * self.data_parallel_size
 
     @property
@@ -157,13 +184,10 @@ class EngineSettings(BaseModel):
     def vllm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `workers.vllm_args.vllm_engine_args` (all but `model`); `vllm_flags`: vLLM's own
         flags, verbatim (`vllm_config`'s file as `vllm serve --config` reads it, then `vllm_args`)."""
-        kwargs: dict[str, Any] = {
-            "dtype": self.dtype,
-            "max_model_len": self.max_model_len,
-            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
-            "max_num_seqs": self.max_num_seqs or 64,
-            "seed": self.seed,
-        }
+        kwargs: dict[str, Any] = {"dtype": self.dtype, "seed": self.seed}
+        for name in ("max_model_len", "kv_cache_memory_bytes", "max_num_seqs"):  # None: the platform's default
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) > 1:
                 kwargs[name] = getattr(self, name)
@@ -206,9 +230,8 @@ class EngineSettings(BaseModel):
             elif name == "enable_sleep_mode" or isinstance(info.default, bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=info.default, help=help_text)
             else:
-                kind = {int: int, float: float}.get(type(info.default), str)
-                if name == "max_num_seqs":
-                    kind = int
+                types = {info.annotation, *get_args(info.annotation)}  # int | None: int
+                kind = int if int in types else float if float in types else str
                 default = os.environ.get(VLLM_ARGS_ENV, "") if name == "vllm_args" else info.default
                 parser.add_argument(flag, type=kind, default=default, help=help_text)
 

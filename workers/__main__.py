@@ -67,7 +67,7 @@ def _engine(settings: Settings) -> Engine:
     if engine.engine == "echo":
         return EchoEngine(
             capacity=engine.capacity,
-            max_model_len=engine.max_model_len,
+            max_model_len=engine.context_len,
             token_delay_s=engine.echo_token_delay_s,
             load_delay_s=engine.echo_load_delay_s,
             preload_weight_transfer=engine.echo_preload_weight_transfer,

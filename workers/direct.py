@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_svc.config import EngineSettings
-from workers.vllm_args import shutdown_llm, vllm_engine_args
+from workers.vllm_args import shutdown_llm, usage_context, vllm_engine_args
 from workers.vllm_outputs import sampled_logprobs
 
 
@@ -103,7 +103,7 @@ async def run_direct(
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
     # Built on the loop, blocking it for the ~15 s startup: nothing else runs here, and elapsed_s starts later.
-    llm = AsyncLLM.from_engine_args(vllm_engine_args(model, **engine_settings))
+    llm = AsyncLLM.from_engine_args(vllm_engine_args(model, **engine_settings), usage_context=usage_context())
     try:
         if warmup:
             await run_prompts(llm, prompts[:2], sampling_params.clone(), sequential=False, max_tokens=4)

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollout_svc.config import CPU_MAX_NUM_SEQS
 from rollout_svc.errors import EngineDeadError, InvalidRequestError
 from rollout_svc.protocol import EngineWeightOpName, PauseMode, TransferGroup, WeightManifest
 from workers.engine import (
@@ -25,7 +26,7 @@ from workers.engine import (
     ToolSpecs,
     joined,
 )
-from workers.vllm_args import shutdown_llm, vllm_engine_args
+from workers.vllm_args import shutdown_llm, usage_context, vllm_engine_args
 from workers.vllm_outputs import completion_of, finish_reason_of, vllm_sampling_params
 
 if TYPE_CHECKING:  # vllm is imported lazily: a worker running EchoEngine must not pay its import
@@ -92,7 +93,12 @@ class VLLMEngine:
     """
 
     def __init__(
-        self, model: str, *, max_num_seqs: int = 64, tool_call_parser: str | None = None, **engine_settings: Any
+        self,
+        model: str,
+        *,
+        max_num_seqs: int | None = None,
+        tool_call_parser: str | None = None,
+        **engine_settings: Any,
     ) -> None:
         self.model_name = Path(model).name
         self.tool_call_parser = tool_call_parser
@@ -101,12 +107,13 @@ class VLLMEngine:
             int(engine_settings.get("pipeline_parallel_size", 1)),
             int(engine_settings.get("data_parallel_size", 1)),
         )
-        self.capacity = max_num_seqs * self.parallel.data
+        self.capacity = (max_num_seqs or CPU_MAX_NUM_SEQS) * self.parallel.data  # until started: then vLLM's
         self.memory_released = False  # known once started: sleep frees memory only where sleep mode is on
         self.weight_ranks = self.parallel.ranks
         # vLLM's native weight transfer (`engine_weight_op`): `weight_transfer_config={"backend": "nccl"}`, or none
         self.weight_transfer_backend = str((engine_settings.get("weight_transfer_config") or {}).get("backend", ""))
         self._engine_kwargs: dict[str, Any] = {"max_num_seqs": max_num_seqs, **engine_settings}
+        self.max_model_len = 0  # the engine's context in tokens, once started (`_read_config`)
         self._model = model
         self._llm: AsyncLLM | None = None
         self._adapters: dict[int, Any] = {}  # lora_id -> vLLM's LoRARequest
@@ -125,10 +132,26 @@ class VLLMEngine:
             # Stored, not returned: the executor's futures keep a returned AsyncLLM alive after close(), and its
             # __del__ then runs again at interpreter exit, when vLLM's module globals are already gone.
             args = vllm_engine_args(self._model, **self._engine_kwargs)
-            self._llm = AsyncLLM.from_engine_args(args)
+            self._llm = AsyncLLM.from_engine_args(args, usage_context=usage_context())
             self.memory_released = bool(args.enable_sleep_mode)
 
         await asyncio.to_thread(build)
+        self._read_config()
+
+    def _read_config(self) -> None:
+        """What the started engine holds, as vLLM resolved it (on a GPU, its defaults for the device): the capacity
+        (`max_num_seqs` per data-parallel replica) and the context; a context shorter than the model's is logged."""
+        config = self._running().vllm_config
+        self.capacity = config.scheduler_config.max_num_seqs * self.parallel.data
+        self.max_model_len = config.model_config.max_model_len
+        model_len = getattr(config.model_config.hf_text_config, "max_position_embeddings", None)
+        if isinstance(model_len, int) and model_len > self.max_model_len:
+            log.info(
+                "engine context %d tokens; the model holds %d (pass --max-model-len %d for all of it)",
+                self.max_model_len,
+                model_len,
+                model_len,
+            )
 
     async def generate(self, generation: Generation, on_delta: OnDelta | None = None) -> Completion:
         """Run one request to completion, after `prompt_token_ids + prior`; the Completion holds the new tokens.

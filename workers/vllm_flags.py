@@ -61,7 +61,7 @@ def flag_list(vllm_args: str, vllm_config: str = "") -> list[str]:
     if not vllm_config:
         return flags
     try:
-        return _parser().load_config_file(vllm_config) + flags
+        return parser().load_config_file(vllm_config) + flags
     except (OSError, ValueError) as exc:
         raise VLLMFlagError(f"--vllm-config {vllm_config}: {exc}") from None
 
@@ -75,10 +75,10 @@ def given_flags(flags: list[str]) -> dict[str, Any]:
 
     if not flags:
         return {}
-    parser = _parser()
-    for action in parser._actions:  # only what is given: argparse leaves a dest with a SUPPRESS default unset
+    engine_parser = parser()
+    for action in engine_parser._actions:  # only what is given: argparse leaves a dest with a SUPPRESS default unset
         action.default = argparse.SUPPRESS
-    given = vars(parser.parse_args(flags))
+    given = vars(engine_parser.parse_args(flags))
     fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     if unknown := sorted(set(given) - fields):
         raise VLLMFlagError(f"not an engine flag (a `vllm serve` server option?): {', '.join(unknown)}")
@@ -127,7 +127,7 @@ def engine_args(settings: dict[str, Any], flags: list[str]) -> AsyncEngineArgs:
     return AsyncEngineArgs(**(settings | given_flags(flags)))
 
 
-def _parser() -> Any:
+def parser() -> Any:
     """vLLM's `FlexibleArgumentParser` with `AsyncEngineArgs`' flags, raising `VLLMFlagError` where argparse would
     print its message and exit."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -137,5 +137,5 @@ def _parser() -> Any:
         def error(self, message: str) -> NoReturn:
             raise VLLMFlagError(message)
 
-    parser = Parser(prog="vllm", usage="... -- [vLLM engine flags, as `vllm serve` takes them]", add_help=False)
-    return AsyncEngineArgs.add_cli_args(parser)
+    built = Parser(prog="vllm", usage="... -- [vLLM engine flags, as `vllm serve` takes them]", add_help=False)
+    return AsyncEngineArgs.add_cli_args(built)

@@ -9,7 +9,9 @@ environment holding the `gpu` extra: PyPI's CUDA build of vLLM, which installs w
    a multiprocess executor) and name our worker extension, which resolves to a class;
 3. the method the extension calls on vLLM's worker (`reload_weights`) exists on the worker class of the platform
    checked (`--platform cuda`: `vllm.v1.worker.gpu_worker.Worker`; `cpu`: `vllm.v1.worker.cpu_worker.CPUWorker`),
-   and none of the extension's own method names collides with one of that class (vLLM refuses such an extension).
+   and none of the extension's own method names collides with one of that class (vLLM refuses such an extension);
+4. vLLM's parser takes the flags users pass on GPUs (`FLAGS_USERS_PASS`: fp8, prefix caching, expert parallelism,
+   speculative decoding, ...) and has a flag for each of our shorthands (`workers.vllm_flags.SHORTHANDS`).
 
 Prints what it checked; exits 1 naming each failure.
 """
@@ -64,6 +66,8 @@ def check(platform: str) -> list[str]:
     except Exception as exc:
         return [*failures, f"engine arguments: {type(exc).__name__}: {exc}"]
 
+    failures += check_flags()
+
     try:
         worker = resolve(WORKER_CLASSES[platform])
     except Exception as exc:
@@ -75,6 +79,33 @@ def check(platform: str) -> list[str]:
     if clashes:
         failures.append(f"the extension's {clashes} collide with {WORKER_CLASSES[platform]}'s")
     print(f"vLLM's {platform} worker {WORKER_CLASSES[platform]}: reload_weights, no clash with {len(own)} names")
+    return failures
+
+
+# vLLM flags users of `vllm serve` pass on GPUs (docs/gpu.md), each as it is written there
+FLAGS_USERS_PASS = [
+    *("--gpu-memory-utilization", "0.85", "--quantization", "fp8", "--kv-cache-dtype", "fp8"),
+    *("--enable-prefix-caching", "--max-num-batched-tokens", "8192", "--enable-expert-parallel", "-tp", "2"),
+    *("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'),
+]
+
+
+def check_flags() -> list[str]:
+    """vLLM's parser takes the flags users pass (`FLAGS_USERS_PASS`) and has a flag for each of our shorthands
+    (`workers.vllm_flags.SHORTHANDS`: a renamed one would no longer fold into our field)."""
+    from workers.vllm_flags import SHORTHANDS, VLLMFlagError, given_flags, parser
+
+    failures = []
+    try:
+        given = given_flags(FLAGS_USERS_PASS)
+        print(f"vLLM's parser takes {len(given)} flags users pass: {', '.join(sorted(given))}")
+    except VLLMFlagError as exc:
+        failures.append(f"vLLM flags {' '.join(FLAGS_USERS_PASS)}: {exc}")
+    dests = {action.dest for action in parser()._actions}
+    if missing := sorted(set(SHORTHANDS.values()) - dests):
+        failures.append(f"vLLM has no flag for our shorthands {missing}")
+    else:
+        print(f"vLLM has a flag for each of our {len(SHORTHANDS)} shorthands")
     return failures
 
 

@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from rollout_svc.config import EngineSettings
+from rollout_svc.config import CPU_KV_CACHE_BYTES, EngineSettings
 from rollout_svc.errors import InvalidRequestError
 from rollout_svc.protocol import PauseMode, SamplingParams
 from workers.echo import EchoEngine, _bytes_text, _prompt_logprobs, _tops
@@ -107,6 +107,7 @@ class SimEngine(EchoEngine):
 
     @property
     def kv_cache_tokens(self) -> int:
+        """Its paged KV cache in tokens: blocks x block size."""
         return self.scheduler.pool.num_blocks * self.scheduler.pool.block_size
 
     async def generate(self, generation: Generation, on_delta: OnDelta | None = None) -> Completion:
@@ -334,10 +335,10 @@ def sim_engine(engine: EngineSettings) -> SimEngine:
         gpu_profile(engine.sim_gpu),
         model_profile(engine.sim_model),
         capacity=engine.capacity,
-        max_model_len=engine.max_model_len,
+        max_model_len=engine.context_len,
         max_num_batched_tokens=engine.sim_max_num_batched_tokens,
         chunked_prefill=engine.sim_gpu in GPUS,  # a fitted CPU profile: off, as vLLM on CPU runs here
-        kv_cache_bytes=None if engine.sim_gpu in GPUS else engine.kv_cache_memory_bytes,
+        kv_cache_bytes=None if engine.sim_gpu in GPUS else engine.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES,
         time_scale=engine.sim_time_scale,
         lengths=lengths,
         load_delay_s=engine.echo_load_delay_s,

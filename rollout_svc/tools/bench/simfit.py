@@ -38,7 +38,7 @@ from pathlib import Path
 from rich.console import Console
 
 from rollout_svc.client.rollout_client import RolloutClient
-from rollout_svc.config import EngineSettings, Settings
+from rollout_svc.config import CPU_KV_CACHE_BYTES, EngineSettings, Settings
 from rollout_svc.deploy.local import LocalCluster
 from rollout_svc.tools import dataset
 from rollout_svc.tools.bench.simpublished import BLOCK_SIZE
@@ -72,7 +72,7 @@ class FitPlan:
     # Each fit point and each makespan is the median of this many rounds: one run of each moved 20-25% between two
     # runs here minutes apart (2026-11-27: the real engine's makespan 27.7 s, then 21.3 s).
     repeats: int = 3
-    kv_cache_memory_bytes: int = EngineSettings.model_fields["kv_cache_memory_bytes"].default
+    kv_cache_memory_bytes: int = CPU_KV_CACHE_BYTES
 
     def kv_tokens(self, dtype_bytes: int) -> int:
         """Tokens the real engine's KV cache holds, its KV in `dtype_bytes` an element (SmolLM2-135M's shape)."""
@@ -157,8 +157,8 @@ def run_fit_bench(
         sim_model="smollm2-135m",
         max_num_seqs=plan.capacity,
         # as many tokens as the real engine's cache holds: the sim's SmolLM2 keeps its KV in bf16
-        kv_cache_memory_bytes=engine.kv_cache_memory_bytes * SMOLLM2_135M.dtype_bytes // figures.dtype_bytes,
-        max_model_len=engine.max_model_len,
+        kv_cache_memory_bytes=plan.kv_cache_memory_bytes * SMOLLM2_135M.dtype_bytes // figures.dtype_bytes,
+        max_model_len=engine.context_len,
         # The real engine's budget: vLLM 0.32 without chunked prefill (off on CPU, workers/vllm_args.py) takes the
         # larger of max_model_len and SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS (2048) tokens a step.
         sim_max_num_batched_tokens=2048,
