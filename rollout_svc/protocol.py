@@ -539,6 +539,10 @@ class WorkerStatus(BaseModel):
     `tensor_parallel_size` x `pipeline_parallel_size` x `data_parallel_size` = `weight_ranks`: the devices (GPUs)
     its engine spans, each a rank of a weight transfer (1 for the echo and sim engines). `adapters`: the LoRA
     adapters it holds, newest version of each, as `name@version` joined by commas (`adapter_versions` parses it).
+    What its engine holds once started: `max_num_seqs` sequences at once per data-parallel replica (`capacity` in
+    all), `max_model_len` tokens each (prompt and output), `kv_cache_tokens` in its KV cache (vLLM's
+    num_gpu_blocks x block_size; the echo engine's: every sequence at full length), and `engine_config`, its settings
+    as vLLM resolved them (`dtype=bfloat16 quantization=none cuda_graphs=on prefix_caching=on speculative=none`).
     """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
@@ -568,6 +572,10 @@ class WorkerStatus(BaseModel):
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     adapters: str = ""
+    max_num_seqs: int = 0
+    max_model_len: int = 0
+    kv_cache_tokens: int = 0
+    engine_config: str = ""
 
     @property
     def adapter_versions(self) -> dict[str, int]:

@@ -43,6 +43,7 @@ class EchoEngine:
     memory_released = False
     weight_ranks = 1
     parallel = ParallelSizes()
+    engine_config = ""
 
     def __init__(
         self,
@@ -67,6 +68,11 @@ class EchoEngine:
         self._unpaused.set()
         self._idle = asyncio.Event()  # no run in progress
         self._idle.set()
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """No cache to run out of: every sequence it runs at once at full length."""
+        return self.capacity * self.max_model_len
 
     async def start(self) -> None:
         if self.preload_weight_transfer:  # before the worker registers: no heartbeat yet to stall

@@ -90,6 +90,17 @@ class Engine(Protocol):
     capacity: int  # how many requests it runs at once; the worker reads no more than its free capacity
     memory_released: bool  # whether `sleep` frees engine memory (vLLM on CPU: no)
 
+    # What it holds once started, as its heartbeat advertises it: tokens of one sequence (prompt and output), its KV
+    # cache in tokens (vLLM's num_gpu_blocks x block_size), and its settings as vLLM resolved them ("" where none).
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def kv_cache_tokens(self) -> int: ...
+
+    @property
+    def engine_config(self) -> str: ...
+
     async def start(self) -> None: ...
 
     async def generate(self, generation: Generation, on_delta: OnDelta | None = None) -> Completion:

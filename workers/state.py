@@ -111,6 +111,10 @@ class WorkerState:
             pipeline_parallel_size=engine.parallel.pipeline,
             data_parallel_size=engine.parallel.data,
             adapters=self.adapters.summary(),
+            max_num_seqs=engine.capacity // engine.parallel.data,
+            max_model_len=engine.max_model_len,
+            kv_cache_tokens=engine.kv_cache_tokens,
+            engine_config=engine.engine_config,
         )
 
     def fail(self, epoch: int, message: str) -> None:

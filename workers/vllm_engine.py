@@ -113,7 +113,8 @@ class VLLMEngine:
         # vLLM's native weight transfer (`engine_weight_op`): `weight_transfer_config={"backend": "nccl"}`, or none
         self.weight_transfer_backend = str((engine_settings.get("weight_transfer_config") or {}).get("backend", ""))
         self._engine_kwargs: dict[str, Any] = {"max_num_seqs": max_num_seqs, **engine_settings}
-        self.max_model_len = 0  # the engine's context in tokens, once started (`_read_config`)
+        self.max_model_len = self.kv_cache_tokens = 0  # once started (`_read_config`)
+        self.engine_config = ""
         self._model = model
         self._llm: AsyncLLM | None = None
         self._adapters: dict[int, Any] = {}  # lora_id -> vLLM's LoRARequest
@@ -144,6 +145,8 @@ class VLLMEngine:
         config = self._running().vllm_config
         self.capacity = config.scheduler_config.max_num_seqs * self.parallel.data
         self.max_model_len = config.model_config.max_model_len
+        self.kv_cache_tokens = (config.cache_config.num_gpu_blocks or 0) * config.cache_config.block_size
+        self.engine_config = engine_config(config)
         model_len = getattr(config.model_config.hf_text_config, "max_position_embeddings", None)
         if isinstance(model_len, int) and model_len > self.max_model_len:
             log.info(
@@ -416,3 +419,20 @@ class VLLMEngine:
         if self._llm.errored:
             raise EngineDeadError(f"the vLLM engine of {self.model_name} has died; restart the worker")
         return self._llm
+
+
+def engine_config(config: Any) -> str:
+    """A started engine's settings as vLLM resolved them (its `VllmConfig`), as the heartbeat carries them:
+    `dtype=bfloat16 quantization=fp8 cuda_graphs=on prefix_caching=on speculative=eagle3` ("none" where unset)."""
+    model = config.model_config
+    graphs = getattr(config.compilation_config.cudagraph_mode, "name", "NONE") != "NONE" and not model.enforce_eager
+    speculative = getattr(config.speculative_config, "method", None) or "none"
+    return " ".join(
+        [
+            f"dtype={str(model.dtype).removeprefix('torch.')}",
+            f"quantization={model.quantization or 'none'}",
+            f"cuda_graphs={'on' if graphs else 'off'}",
+            f"prefix_caching={'on' if config.cache_config.enable_prefix_caching else 'off'}",
+            f"speculative={speculative}",
+        ]
+    )

@@ -17,6 +17,7 @@ from tests.e2e.conftest import REFERENCE_MAX_TOKENS, TWO_FLOAT32, Fleet, Referen
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm_fleet(TWO_FLOAT32)]
 
 GREEDY = {"temperature": 0.0, "max_tokens": REFERENCE_MAX_TOKENS}
+TWO_FLOAT32_KV_BYTES = dict(TWO_FLOAT32.engine)["kv_cache_memory_bytes"]
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +65,14 @@ async def test_chat_tokens_and_errors_on_the_real_model(vllm_service):
         # Sampled logprobs are real log-probabilities.
         [sampled] = await client.generate([ids], {"temperature": 1.0, "max_tokens": 16, "seed": 1})
         assert len(sampled.logprobs) == len(sampled.completion_token_ids) and all(lp <= 0 for lp in sampled.logprobs)
+
+
+async def test_each_worker_advertises_what_its_started_engine_holds(vllm_service):
+    async with RolloutClient(vllm_service) as client:
+        workers = await client.workers()
+    # SmolLM2-135M's KV cache in float32: 2 (K and V) x 30 layers x 3 KV heads x 64 dims x 4 bytes a token
+    fits = TWO_FLOAT32_KV_BYTES // (2 * 30 * 3 * 64 * 4)
+    for worker in workers:
+        assert (worker.capacity, worker.max_num_seqs, worker.max_model_len) == (64, 64, 2048)
+        assert 0.9 * fits <= worker.kv_cache_tokens <= fits  # whole blocks of the 256 MiB vLLM was given
+        assert worker.engine_config.startswith("dtype=float32 quantization=none cuda_graphs=off"), worker.engine_config
