@@ -94,9 +94,14 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     @app.get("/v1/models", dependencies=data)
     async def models() -> dict[str, Any]:
         """OpenAI's model list: the served model names, then the LoRA adapters the fleet holds as vLLM lists them
-        (`parent`: the base model, `root`: the adapter's directory)."""
+        (`parent`: the base model, `root`: the adapter's directory). `max_model_len`, as vLLM adds it: the longest
+        context of a live worker serving the model (absent while none is live)."""
         names, created = await served.models(), int(time.time())
+        lens = await served.max_model_lens(names)
         data = [{"id": n, "object": "model", "created": created, "owned_by": "rollout-svc"} for n in names]
+        for entry in data:
+            if entry["id"] in lens:
+                entry["max_model_len"] = lens[entry["id"]]
         named = await served.named()
         default = next((n for n in names if n not in named), None)
         for name, (model_name, spec) in sorted((await served.adapters()).items()):

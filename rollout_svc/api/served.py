@@ -113,6 +113,18 @@ class ServedModels:
         await self.workers()
         return [*sorted(self._seen - set(named)), *named]
 
+    async def max_model_lens(self, names: list[str]) -> dict[str, int]:
+        """Per served name, the longest context (`max_model_len`, tokens) of a live worker serving it, as vLLM's
+        `/v1/models` reports it; a name whose workers are all away (or have not started an engine yet) is left
+        out. The default model's names share its workers' (every live worker not of a named model)."""
+        named = await self.named()
+        longest: dict[str, int] = {}
+        for worker in await self.workers():
+            key = worker.model if worker.model in named else ""
+            longest[key] = max(longest.get(key, 0), worker.max_model_len)
+        lens = {name: longest.get(name if name in named else "", 0) for name in names}
+        return {name: length for name, length in lens.items() if length}
+
     async def adapters(self) -> dict[str, tuple[str, AdapterSpec]]:
         """The LoRA adapters every model holds now, name -> (the named model holding it, "" for the default model;
         its spec). Read at every call: an unloaded one must answer 404 at once."""

@@ -51,7 +51,8 @@ def user(text: str) -> list[dict[str, str]]:
 
 def test_chat_and_completions_in_openai_shapes(api):
     _, client = api
-    assert [m.id for m in client.models.list().data] == ["echo"]
+    [model] = client.models.list().data
+    assert model.id == "echo" and model.model_extra["max_model_len"] == 2048  # vLLM's field: the workers' context
     chat = client.chat.completions.create(model="echo", messages=user("hello"), max_tokens=8, temperature=0)
     # The echo engine's chat template is "<|role|>content\n...<|assistant|>"; it echoes the first 8 bytes.
     assert chat.choices[0].message.content == "<|user|>" and chat.choices[0].finish_reason == "length"
