@@ -109,6 +109,9 @@ def run_bench(
     rendered = bench_hop.render_hop(hop) + bench_skyrl.render_skyrl(skyrl) + bench_shards.render_shards(shards)
     rendered += bench_step.render_step(step) + bench_sessions.render_sessions(sessions)
     rendered += bench_published.render_published(bench_published.run_published_bench(), command)
+    from rollout_svc.tools.bench import gpu as bench_gpu  # imports torch
+
+    rendered += bench_gpu.render_gpu(bench_gpu.run_gpu_bench(), command)
     output.write_text(text + rendered)
     console.print(f"wrote {output}")
 
@@ -123,6 +126,7 @@ SECTIONS = {
     "sessions": "## (l) ",
     "published": "## (m) ",
     "weights": "## (e) ",
+    "gpu": "## (n) ",
 }
 
 
@@ -154,6 +158,10 @@ def run_section(redis_url: str | None, output: Path, section: str, command: str,
         model = prepare_model(Settings().cache_dir)
         figures = bench_weights.weight_sync(redis_url, model, _log_dir(), console)
         body = "\n".join(bench_weights.report(figures, command)) + "\n"
+    elif section == "gpu":
+        from rollout_svc.tools.bench import gpu as bench_gpu  # imports torch
+
+        body = bench_gpu.render_gpu(bench_gpu.run_gpu_bench(), command)
     elif section == "simfit":
         from rollout_svc.model import prepare_model
         from rollout_svc.tools.bench import simfit as bench_simfit
