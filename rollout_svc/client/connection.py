@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from rollout_svc.client.calls import Call, ClientStats, GroupTarget, Position
+from rollout_svc.client.context_limit import ContextLimit, too_long
 from rollout_svc.client.lifecycle import Attempt, error_trajectory
 from rollout_svc.client.partial import continued_fields
 from rollout_svc.client.results import ResultRouter
@@ -68,6 +69,7 @@ class Connection:
         self.fleet = Fleet(settings)
         self.redis = self.fleet.router  # the keys outside every shard
         self.registry = FleetRegistry(self.fleet)
+        self.context = ContextLimit(self.registry.live_workers)
         self.control = FleetControl(self.fleet)
         self.named = producer_id is not None
         self.producer_id = producer_id or uuid.uuid4().hex
@@ -147,10 +149,17 @@ class Connection:
     async def submit(self, call: Call) -> None:
         """Await a call's requests' results from now on, and enqueue them (admission-checked, all or nothing).
 
+        A prompt longer than every live worker's context is answered at once, not enqueued (`context_limit`).
         Raises `QueueFullError`, or the Redis error if Redis is away. Whatever it raises, `cancel(call)` is safe
         (and needed, if a batch larger than a chunk was refused after its first chunks went in).
         """
-        attempts = [Attempt(call, i, position.request) for i, position in enumerate(call.positions)]
+        longest = await self.context.longest()
+        for i, position in enumerate(call.positions):
+            if (refused := too_long(position.request, longest)) is not None:
+                call.set(i, refused)
+        attempts = [Attempt(call, i, p.request) for i, p in enumerate(call.positions) if p.result is None]
+        if not attempts:
+            return
         try:
             await self.enqueue(attempts, self.settings.client.max_queued_requests)
         except QueueFullError:
