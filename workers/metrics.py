@@ -12,11 +12,20 @@ Names (counters are exposed with `_total`):
 - `rollout_worker_staleness` (histogram, weight versions): the committed version as this worker last read it
   minus the version of a trajectory's first token, the client's definition taken at the worker.
 - `rollout_worker_in_flight` (entries taken and not yet answered), `rollout_worker_weight_version` (its weights).
+
+Beside them, vLLM's own series (`vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, `vllm:prefix_cache_hits`,
+`vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`, spec-decode acceptance, ...), which vLLM's
+`PrometheusStatLogger` registers in this process's default registry when the engine logs stats (on GPUs by default;
+`--disable-log-stats` turns them off), each sample labelled with the worker's `worker_id` (`VLLMSeries`).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from collections.abc import Callable, Iterator
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from rollout_svc.dataplane.streams import Entry
 from rollout_svc.protocol import ErrorResult, Request, Result, RolloutRequest, Trajectory, staleness_at
@@ -25,6 +34,25 @@ from workers.state import WorkerState
 
 ENGINE_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 8, 16)
+
+
+class VLLMSeries(Collector):
+    """vLLM's own Prometheus series from `source` (the process's default registry, where vLLM's stat logger puts
+    them), each sample with a `worker_id` label added, so a fleet's scrapes tell the workers apart."""
+
+    def __init__(self, worker_id: Callable[[], str], source: CollectorRegistry = REGISTRY) -> None:
+        self.worker_id, self.source = worker_id, source
+
+    def collect(self) -> Iterator[Metric]:
+        worker_id = self.worker_id()
+        for family in self.source.collect():
+            if not family.name.startswith("vllm:"):
+                continue
+            relabelled = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                labels = {**sample.labels, "worker_id": worker_id}
+                relabelled.add_sample(sample.name, labels, sample.value, sample.timestamp, sample.exemplar)
+            yield relabelled
 
 
 class WorkerMetrics:
@@ -40,6 +68,7 @@ class WorkerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._state: WorkerState | None = None
+        self._vllm: VLLMSeries | None = None
         r = self.registry
         self.generations = Counter(
             "rollout_worker_generations", "Trajectories answered, by finish reason.", ["finish_reason"], registry=r
@@ -74,8 +103,12 @@ class WorkerMetrics:
         )
 
     def watch(self, state: WorkerState, index: InFlightIndex) -> None:
-        """Read the gauges (and the committed version for staleness) from the worker's own state at each scrape."""
+        """Read the gauges (and the committed version for staleness) from the worker's own state at each scrape, and
+        serve vLLM's own series beside them, labelled with its worker id."""
         self._state = state
+        if self._vllm is None:
+            self._vllm = VLLMSeries(lambda: state.worker_id)
+            self.registry.register(self._vllm)
         self.in_flight.set_function(lambda: len(index))
         self.weight_version.set_function(lambda: state.weight_version)
 

@@ -136,7 +136,9 @@ async def test_worker_metrics_count_what_it_served(settings, echo_workers):
     prompts = [list(range(1, 1 + n)) for n in (3, 5, 8, 13, 21)]  # echo: the completion is the prompt, cut
     async with RolloutClient(settings) as client:
         trajectories = await client.generate(prompts, {"max_tokens": 10})
-        [failed] = await client.generate([list(range(1, 100))], {"max_tokens": 10})  # over the context of 64
+        # the context's length: taken (the client refuses only longer ones, tests/integration/test_context_limit.py),
+        # and refused by the echo worker, which leaves no token to generate
+        [failed] = await client.generate([list(range(1, 65))], {"max_tokens": 10})
     assert failed.finish_reason == "error"
 
     def scrape_worker() -> Samples:
@@ -204,3 +206,26 @@ def prometheus_text(metrics: WorkerMetrics) -> str:
     from prometheus_client import generate_latest
 
     return generate_latest(metrics.registry).decode()
+
+
+def test_vllms_own_series_are_served_beside_ours_labelled_with_the_worker():
+    """What vLLM's PrometheusStatLogger registers in the process's default registry (its names: `vllm:...`, labels
+    model_name and engine) comes out of the worker's /metrics with its worker id; other default-registry series
+    (the Python process's own) do not."""
+    from prometheus_client import REGISTRY, Counter, Gauge
+
+    metrics = WorkerMetrics()
+    metrics.watch(WorkerState("w7"), InFlightIndex(engine=None))
+    running = Gauge("vllm:num_requests_running", "vLLM's.", ["model_name", "engine"], registry=REGISTRY)
+    hits = Counter("vllm:prefix_cache_hits", "vLLM's.", ["model_name", "engine"], registry=REGISTRY)
+    try:
+        running.labels("m", "0").set(5)
+        hits.labels("m", "0").inc(42)
+        samples = parse(prometheus_text(metrics))
+        assert value(samples, "vllm:num_requests_running", model_name="m", engine="0", worker_id="w7") == 5
+        assert value(samples, "vllm:prefix_cache_hits_total", model_name="m", engine="0", worker_id="w7") == 42
+        assert not any(name.startswith(("python_", "process_")) for name, _ in samples)
+    finally:
+        REGISTRY.unregister(running)
+        REGISTRY.unregister(hits)
+    assert not any(name.startswith("vllm:") for name, _ in parse(prometheus_text(metrics)))
