@@ -26,7 +26,7 @@ from rollout_svc.config import EngineSettings, Settings, settings_env
 from rollout_svc.connections.acl import Credentials, create_users
 from rollout_svc.connections.topology import probe_cluster, redis_router_sync
 from rollout_svc.connections.urls import is_loopback, redacted, redis_sync
-from rollout_svc.deploy.processes import cpu_sets, die_with_parent, signal_group
+from rollout_svc.deploy.processes import cpu_sets, die_with_parent, gpu_sets, signal_group, visible_gpus
 from rollout_svc.deploy.redis_cluster import RedisClusterServers, worker_shard
 from rollout_svc.keys import Keys
 
@@ -243,6 +243,7 @@ class LocalCluster:
         self.redis: PrivateRedis | None = None
         self.redis_servers: RedisClusterServers | None = None  # with `redis_cluster`, the one `start` started
         self.children: list[_Child] = []
+        self._devices: list[str] = []  # each worker's CUDA_VISIBLE_DEVICES (vLLM on GPUs), set by `start`
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
 
@@ -250,7 +251,10 @@ class LocalCluster:
         """Start Redis if none answers, then the workers and the API. Returns at once (see `wait_ready`).
 
         Raises `RuntimeError` if no Redis can be started, or, with `acl_file`, if a Redis already answers or there
-        is no `redis-server` (fakeredis enforces no ACLs)."""
+        is no `redis-server` (fakeredis enforces no ACLs); `ValueError`, before anything starts, if vLLM workers on
+        this host's GPUs need more than it has."""
+        gpus = visible_gpus() if self.engine.engine == "vllm" and self.worker_count else []
+        self._devices = gpu_sets(self.worker_count, self.engine.gpus, gpus) if gpus else []
         if self.redis_cluster:
             self._start_redis_cluster()
         elif not redis_answers(self.settings.redis_url):
@@ -327,12 +331,15 @@ class LocalCluster:
         return [(group, k) for group in self.groups for k in range(group.workers)]
 
     def _worker_children(self, env: dict[str, str]) -> list[_Child]:
-        """One child per worker: `env` plus its CPU share (vLLM on CPUs), its shard, its model group and, under
-        --acl, its URL."""
+        """One child per worker: `env` plus its GPUs (`CUDA_VISIBLE_DEVICES`: its own share of this host's, vLLM on
+        GPUs; `ValueError` where there are too few) or its CPU share (vLLM on CPUs), its shard, its model group and,
+        under --acl, its URL."""
         children = []
-        binds = cpu_sets(self.worker_count, self.engine.gpus)
+        binds, devices = cpu_sets(self.worker_count, self.engine.gpus), self._devices
         for i, (shard, (group, k)) in enumerate(zip(self.worker_shards(), self.worker_groups(), strict=True)):
             worker_env = {**env, "ROLLOUT_SHARD": shard, "ROLLOUT_MODEL_NAME": group.name}
+            if devices:  # each worker its own GPUs, as `vllm serve` per GPU would have them
+                worker_env["CUDA_VISIBLE_DEVICES"] = devices[i]
             if self.engine.engine == "vllm" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 worker_env["VLLM_CPU_OMP_THREADS_BIND"] = binds[i]
             # A seed of its own per worker: with one seed, unseeded samples of one group spread over two workers

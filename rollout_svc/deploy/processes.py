@@ -38,6 +38,32 @@ def cpu_sets(count: int, ranks: int = 1) -> list[str]:
     return ["|".join(sets[i * ranks : (i + 1) * ranks]) for i in range(count)]
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may give its workers: `CUDA_VISIBLE_DEVICES` where set (its comma-separated ids), else
+    the indexes `nvidia-smi` lists; none where there is neither (a CPU host)."""
+    if (visible := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
+        return [gpu.strip() for gpu in visible.split(",") if gpu.strip()]
+    try:
+        listed = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in listed.stdout.splitlines() if line.strip()] if listed.returncode == 0 else []
+
+
+def gpu_sets(count: int, ranks: int, gpus: list[str]) -> list[str]:
+    """`count` engines of `ranks` GPUs each (tensor x pipeline x data parallel), given disjoint sets of `gpus`, as
+    CUDA_VISIBLE_DEVICES values ("0", "1", ... or "0,1,2,3", "4,5,6,7"). Raises `ValueError` where there are too
+    few: two vLLM engines on one GPU would each take vLLM's share of its memory."""
+    if count * ranks > len(gpus):
+        raise ValueError(
+            f"{count} workers of {ranks} GPU(s) each need {count * ranks} GPUs; this host has {len(gpus)} "
+            f"({','.join(gpus)}): start fewer workers, or use --ray on a cluster with more"
+        )
+    return [",".join(gpus[i * ranks : (i + 1) * ranks]) for i in range(count)]
+
+
 def signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, sig)

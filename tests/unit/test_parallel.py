@@ -80,3 +80,38 @@ def test_the_vllm_install_check_passes_here_and_names_what_a_release_lacks(monke
     monkeypatch.setattr(vllm_install_check, "vllm_imports", lambda roots: real(roots) | {("vllm", "NoSuchName")})
     [failure] = vllm_install_check.check("cpu")
     assert failure.startswith("from vllm import NoSuchName")
+
+
+def test_up_gives_each_vllm_worker_its_own_gpus_and_refuses_too_few(monkeypatch):
+    from rollout_svc.deploy.processes import gpu_sets, visible_gpus
+
+    assert gpu_sets(8, 1, [str(i) for i in range(8)]) == [str(i) for i in range(8)]  # 8 x 7B at TP=1
+    assert gpu_sets(2, 4, [str(i) for i in range(8)]) == ["0,1,2,3", "4,5,6,7"]  # 2 x 32B at TP=4
+    with pytest.raises(ValueError, match="3 workers of 4 GPU\\(s\\) each need 12 GPUs; this host has 8"):
+        gpu_sets(3, 4, [str(i) for i in range(8)])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert visible_gpus() == ["2", "3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus() == []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi: a CPU host
+    assert visible_gpus() == []
+
+
+def test_a_local_cluster_hands_out_the_gpus_before_anything_starts(monkeypatch, tmp_path):
+    from rollout_svc.config import Settings
+    from rollout_svc.deploy.local import LocalCluster
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    cluster = LocalCluster(Settings(redis_url="redis://127.0.0.1:1/0"), 2, EngineSettings(tensor_parallel_size=2))
+    monkeypatch.setattr(LocalCluster, "_start_redis_cluster", lambda self: pytest.fail("nothing may start"))
+    children = []
+    monkeypatch.setattr(LocalCluster, "_spawn", lambda self, child: children.append(child))
+    monkeypatch.setattr("rollout_svc.deploy.local.redis_answers", lambda url: True)
+    monkeypatch.setattr(LocalCluster, "_supervise", lambda self: None)
+    cluster.start()
+    assert [c.env["CUDA_VISIBLE_DEVICES"] for c in children] == ["0,1", "2,3"]
+    too_many = LocalCluster(Settings(redis_url="redis://127.0.0.1:1/0"), 3, EngineSettings(tensor_parallel_size=2))
+    monkeypatch.setattr("rollout_svc.deploy.local.redis_answers", lambda url: pytest.fail("checked first"))
+    with pytest.raises(ValueError, match="need 6 GPUs; this host has 4"):
+        too_many.start()
