@@ -26,6 +26,8 @@ DELIVERIES_FIELD = b"d"  # deliveries before this entry was requeued (a dead wor
 COST_FIELD = b"c"  # the work the request brings, in tokens (`RolloutRequest.cost_tokens`), absent if unknown
 FREE_SUFFIX = ":free"  # `Keys.loads`: field WORKER_ID + this holds "free-slots at-ms"
 PINNED_SUFFIX = ":pinned"  # `Keys.loads`: field WORKER_ID + this holds the tokens placed in its pinned stream, untaken
+HOLDS_SUFFIX = ":holds"  # `Keys.loads`: field WORKER_ID + this holds "kv-cache-tokens max-model-len" of its engine
+WIDEST_FIELD = "*" + HOLDS_SUFFIX  # `Keys.loads`: the widest context (max-model-len) any worker has said
 # The largest cost placement counts for one request, in tokens: a load is summed in Lua numbers (doubles, exact to
 # 2^53) and kept with HINCRBY (64-bit integers), so a request asking for 10^30 tokens must not reach either as such.
 MAX_COST = 1 << 40
@@ -168,6 +170,8 @@ _MODULE_NAMES = {
     "COST_FIELD": COST_FIELD,
     "FREE_SUFFIX": FREE_SUFFIX,
     "PINNED_SUFFIX": PINNED_SUFFIX,
+    "HOLDS_SUFFIX": HOLDS_SUFFIX,
+    "WIDEST_FIELD": WIDEST_FIELD,
     "MAX_COST": str(MAX_COST),
     "JOINED": JOINED,
     "LOADED": LOADED,

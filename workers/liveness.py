@@ -107,10 +107,12 @@ class Liveness:
         Returns False if a renewal was refused: the heartbeat had expired, this worker was presumed dead.
         """
         async with self._beat_lock:
-            # Its free slots first: once a heartbeat says it serves, other workers' takes count it open.
-            await self.streams.report_load(*self.load_after([]))
-            sent_at = time.monotonic()
+            # Its free slots first: once a heartbeat says it serves, other workers' takes count it open. What its
+            # engine holds (KV cache, context) goes with them: takes weigh the work by it.
             status = self.status()
+            widest = await self.streams.report_load(*self.load_after([]), status.kv_cache_tokens, status.max_model_len)
+            self.state.widest_context = widest
+            sent_at = time.monotonic()
             accepted = await self.registry.heartbeat(status, renew=renew, announce=announce)
             if accepted:
                 self.lease.renewed(sent_at, status)

@@ -64,6 +64,9 @@ class WorkerState:
     error: str = ""
     fenced_results: int = 0
     fenced: bool = False  # presumed dead while it lived: it takes nothing until it is back as a new incarnation
+    # the widest context a worker of the fleet has said (`WorkerStreams.report_load`): a worker of a narrower one
+    # waits on its pinned stream only, and takes shared work by its take's share, which leaves it what it cannot hold
+    widest_context: int = 0
     resumed: asyncio.Event = field(default_factory=asyncio.Event)  # set while it takes rollout requests
     adapters: AdapterTable = field(default_factory=AdapterTable)  # the LoRA adapters its engine holds
 

@@ -101,11 +101,12 @@ class Taker:
         await self.lease.serving.wait()
 
     def _take_options(self) -> TakeOptions:
-        """How it takes, built again once its id changes (a new incarnation)."""
+        """How it takes, built again once its id changes (a new incarnation) or its engine says what it holds."""
         options = self._options
-        if options is None or options.worker_id != self.state.worker_id:
+        holds = (self.engine.kv_cache_tokens, self.engine.max_model_len)
+        if options is None or options.worker_id != self.state.worker_id or holds != options.holds:
             ttl_ms, share = int(self.settings.heartbeat_ttl_s * 1e3), self.settings.worker.placement == "cost"
-            options = self._options = TakeOptions(self.state.worker_id, ttl_ms, share)
+            options = self._options = TakeOptions(self.state.worker_id, ttl_ms, share, *holds)
         return options
 
     async def _take(self, free: int) -> tuple[list[Entry], bool]:
@@ -123,7 +124,11 @@ class Taker:
                 if entries or left or free <= 0:
                     return entries, left
             worker_id = options.worker_id
-            woken = await self._own.wait_for_entries(worker_id, self.settings.read_block_ms, asked := min(free, 2))
+            # narrower than another worker's context: no blocking read of the shared queue, which would take its next
+            # entry whether it fits here or not; its take's share leaves it what only a wider worker holds
+            shared = not 0 < options.max_model_len < self.state.widest_context
+            block_ms, asked = self.settings.read_block_ms, min(free, 2)
+            woken = await self._own.wait_for_entries(worker_id, block_ms, asked, shared)
             self.woken.add(woken, self.keys.pinned_requests(worker_id), asked)  # counted by a take or publish
             return woken, False
         finally:

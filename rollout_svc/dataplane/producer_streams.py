@@ -10,7 +10,15 @@ from typing import Any
 from rollout_svc.dataplane.direct import stream_records
 from rollout_svc.dataplane.streams import STALE_RETRIES, Enqueue, Placed, StreamSide
 from rollout_svc.errors import ProtocolError, QueueFullError
-from rollout_svc.keys import FREE_SUFFIX, PAYLOAD_FIELD, PINNED_SUFFIX, WORKERS_GROUP, ScriptReply, StateField
+from rollout_svc.keys import (
+    FREE_SUFFIX,
+    HOLDS_SUFFIX,
+    PAYLOAD_FIELD,
+    PINNED_SUFFIX,
+    WORKERS_GROUP,
+    ScriptReply,
+    StateField,
+)
 from rollout_svc.protocol import decode
 
 ENQUEUE_CHUNK = 1000  # entries per script call: bounds how long one call blocks Redis
@@ -206,7 +214,7 @@ class ProducerStreams(StreamSide):
         """Each worker's load: the tokens of work it holds (prompt plus `max_tokens` of each request it took and has
         not answered), as placement counts it."""
         fields: Any = await self.redis.hgetall(self.keys.loads)
-        suffixes = (FREE_SUFFIX.encode(), PINNED_SUFFIX.encode())
+        suffixes = (FREE_SUFFIX.encode(), PINNED_SUFFIX.encode(), HOLDS_SUFFIX.encode())
         return {k.decode(): max(0, int(v)) for k, v in fields.items() if not k.endswith(suffixes)}
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from rollout_svc.dataplane.streams import Enqueue, Entry, Placed, StreamSide, entry_id_key, parse_entry
-from rollout_svc.keys import FREE_SUFFIX, PINNED_SUFFIX, WORKERS_GROUP, DeadLetterField
+from rollout_svc.keys import FREE_SUFFIX, HOLDS_SUFFIX, PINNED_SUFFIX, WORKERS_GROUP, DeadLetterField
 from rollout_svc.protocol import ErrorCode, ErrorResult, encode, reply_address
 
 log = logging.getLogger("rollout_svc.dataplane")
@@ -142,4 +142,5 @@ class RecoveryStreams(StreamSide):
     async def forget_load(self, worker_id: str) -> None:
         """Delete a departed worker's fields of `Keys.loads` (its load, free slots and pinned tokens): every take
         reads the whole hash."""
-        await self.redis.hdel(self.keys.loads, worker_id, worker_id + FREE_SUFFIX, worker_id + PINNED_SUFFIX)
+        fields = (worker_id + suffix for suffix in (FREE_SUFFIX, PINNED_SUFFIX, HOLDS_SUFFIX))
+        await self.redis.hdel(self.keys.loads, worker_id, *fields)

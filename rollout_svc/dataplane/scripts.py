@@ -252,11 +252,22 @@ return fenced
 )
 
 # KEYS: [1] the loads hash. ARGV: [1] the worker's id, [2] its free slots (0 while it takes nothing: paused,
-# draining). Records them, stamped with Redis's clock (`stamp_free`), leaving its load as it is. Returns 1.
+# draining), [3] what its engine holds, "kv-cache-tokens max-model-len" ('': not known yet). Records them, the free
+# slots stamped with Redis's clock (`stamp_free`), leaving its load as it is, and the widest context said so far
+# (field *:holds; it never narrows: a wider worker gone leaves the narrower ones taking by share alone). Returns it.
 REPORT_LOAD_LUA = _FREE_LUA + lua("""
 local loads, worker, free = KEYS[1], ARGV[1], ARGV[2]
 stamp_free(loads, worker, free)
-return 1
+local widest = tonumber(redis.call('HGET', loads, '${WIDEST_FIELD}') or '0') or 0
+if ARGV[3] and ARGV[3] ~= '' then
+  redis.call('HSET', loads, worker .. '${HOLDS_SUFFIX}', ARGV[3])
+  local ctx = tonumber(string.match(ARGV[3], ' (%d+)$$') or '0')
+  if ctx > widest then
+    widest = ctx
+    redis.call('HSET', loads, '${WIDEST_FIELD}', ctx)
+  end
+end
+return widest
 """)
 
 
@@ -352,11 +363,13 @@ return 0
 # it took outside (its blocking read of the next entry), added to its load, [7] 1 if it holds nothing (its load is
 # then 0: a request that left it other than by a publish, requeued or forwarded, would otherwise count for ever),
 # [8] 1 to share (placement `cost`), 0 to take whatever fits (`fifo`), [9] the part of [6] read from its pinned
-# stream (taken off ID:pinned first).
+# stream (taken off ID:pinned first), [10] its engine's KV cache and [11] its context, in tokens (0: not known).
 # 1. Its pinned entries (its sessions), up to its free slots (ID:pinned less their cost, or 0 once none is left).
 # 2. Of the shared queue, the share that brings its load to the level the open workers' loads would reach if the
-# queued work were spread over them (water level: queued tokens plus their loads, over their number); open = said
-# within the TTL that it has a free slot, itself included.
+# queued work were spread over them in proportion to their KV caches (water level: queued tokens plus their loads,
+# over their caches, `ID:holds`; over their number while one has not said its cache); open = said within the TTL
+# that it has a free slot, itself included. It stops at an entry costing more than its context that another open
+# worker's context holds (a long-context request goes where it fits; one that fits nowhere is taken as before).
 # At least one entry if it is the least loaded open worker, so nothing waits while it has room. A queue as deep as
 # the open workers' free slots (or the peek limit) is not shared: it takes up to its free slots. 3. Its load.
 # Returns the entries as XREADGROUP does: {stream, {{id, fields}, ...}} per stream with entries, then 'left' if it
@@ -368,6 +381,7 @@ TAKE_LUA = (
 local pinned, shared, loads = KEYS[1], KEYS[2], KEYS[3]
 local group, me, free = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local ttl_ms, peek = tonumber(ARGV[4]), tonumber(ARGV[5])
+local kv_me, ctx_me = tonumber(ARGV[10] or '0') or 0, tonumber(ARGV[11] or '0') or 0
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local reply, left, spent = {}, false, tonumber(ARGV[6])
@@ -419,33 +433,55 @@ end
 local after = free > 0 and redis.call('EXISTS', shared) == 1 and ahead_of_group()
 if after and #redis.call('XRANGE', shared, after, '+', 'COUNT', 1) > 0 then
   local mine = held + spent
-  local open, level_sum, least = 1, mine, true
   local h = redis.call('HGETALL', loads)
-  local tokens = {}
-  for i = 1, #h, 2 do tokens[h[i]] = tonumber(h[i + 1]) end
+  local raw, others = {}, {}
+  for i = 1, #h, 2 do raw[h[i]] = h[i + 1] end
   for i = 1, #h, 2 do
     local id = string.sub(h[i], -#suffix_free) == suffix_free and string.sub(h[i], 1, -#suffix_free - 1)
     if id and id ~= me then
       local slots, at = string.match(h[i + 1], '^(%d+) (%d+)$$')
-      if slots and tonumber(slots) > 0 and tonumber(at) + ttl_ms >= now_ms then
-        local load = math.max(0, tokens[id] or 0)
-        open, level_sum = open + 1, level_sum + load
-        if load < mine or (load == mine and id < me) then least = false end
-      end
+      if slots and tonumber(slots) > 0 and tonumber(at) + ttl_ms >= now_ms then others[#others + 1] = id end
     end
+  end
+  local function holds_of(id)  -- its engine's KV cache and context in tokens (0 0: not said)
+    local kv, ctx = string.match(raw[id .. '${HOLDS_SUFFIX}'] or '', '^(%d+) (%d+)$$')
+    return tonumber(kv or '0'), tonumber(ctx or '0')
+  end
+  -- each open worker's weight: its KV cache where every one said it (work in proportion to it), else 1 each; the
+  -- widest context among the others (unsaid: any), to leave them what only they can hold
+  local weighted, widest = kv_me > 0, 0
+  for _, id in ipairs(others) do
+    local kv, ctx = holds_of(id)
+    if kv == 0 then weighted = false end
+    widest = math.max(widest, ctx == 0 and math.huge or ctx)
+  end
+  local w_me = weighted and kv_me or 1
+  local open, level_sum, weight_sum, least = 1, mine, w_me, true
+  for _, id in ipairs(others) do
+    local load, w = math.max(0, tonumber(raw[id] or '0') or 0), weighted and holds_of(id) or 1
+    open, level_sum, weight_sum = open + 1, level_sum + load, weight_sum + w
+    if load / w < mine / w_me or (load / w == mine / w_me and id < me) then least = false end
+  end
+  local function fits(c)  -- false: another open worker's context holds it and mine does not: left to it
+    return ctx_me == 0 or c <= ctx_me or c > widest
   end
   local enough = math.min(free * open, peek)  -- a queue this deep fills every open worker
   local ahead = redis.call('XRANGE', shared, after, '+', 'COUNT', enough)
   local count = 0
   if #ahead >= enough or ARGV[8] == '0' then
     count = free
+    for i, e in ipairs(ahead) do
+      if i > free then break end
+      if not fits(cost_of(e[2])) then count, left = i - 1, true break end
+    end
   elseif #ahead > 0 then
     local queued = 0
     for _, e in ipairs(ahead) do queued = queued + cost_of(e[2]) end
-    local budget = (queued + level_sum) / open - mine
+    local budget = (queued + level_sum) * w_me / weight_sum - mine
     for _, e in ipairs(ahead) do
       local c = cost_of(e[2])
-      if count >= free or (budget < c / 2 and not (count == 0 and least)) then break end
+      -- past its share only what no other open worker's context holds
+      if count >= free or not fits(c) or (budget < c / 2 and not (count == 0 and least) and c <= widest) then break end
       count, budget = count + 1, budget - c
     end
     left = count < #ahead and count < free

@@ -27,11 +27,19 @@ class TakeOptions:
     """How a worker takes (`WorkerStreams.take`): the same for every take of one incarnation.
 
     `loads_ttl_ms`: how long a worker's reported free slots count as open (its heartbeat TTL). `share`: take its
-    fair share of the shared queue (placement `cost`); False (`fifo`): whatever fits its free slots."""
+    fair share of the shared queue (placement `cost`); False (`fifo`): whatever fits its free slots.
+    `kv_cache_tokens` and `max_model_len`: what its engine holds (0: not known), by which its share is weighed
+    against the other workers' and a request longer than its context is left to one whose context holds it."""
 
     worker_id: str
     loads_ttl_ms: int
     share: bool = True
+    kv_cache_tokens: int = 0
+    max_model_len: int = 0
+
+    @property
+    def holds(self) -> tuple[int, int]:
+        return self.kv_cache_tokens, self.max_model_len
 
 
 class WorkerStreams(StreamSide):
@@ -61,7 +69,7 @@ class WorkerStreams(StreamSide):
         worker_id = options.worker_id
         keys = [self.keys.pinned_requests(worker_id), self.keys.requests, self.keys.loads]
         args: list[str | int] = [WORKERS_GROUP, worker_id, free, options.loads_ttl_ms, TAKE_PEEK, carried[0], int(idle)]
-        args += [int(options.share), carried[1]]
+        args += [int(options.share), carried[1], options.kv_cache_tokens, options.max_model_len]
         reply: Any = await self.connection.script("take", keys, args)
         left = bool(reply) and reply[-1] == ScriptReply.LEFT
         entries = []
@@ -70,12 +78,12 @@ class WorkerStreams(StreamSide):
             entries += [parse_entry(name, entry_id, script_fields(fields), delivered=1) for entry_id, fields in records]
         return entries, left
 
-    async def wait_for_entries(self, worker_id: str, block_ms: int, count: int = 1) -> list[Entry]:
-        """Block up to `block_ms` on the worker's pinned stream and the shared one, taking the next entries of each
-        (up to `count`): what wakes an idle worker, whose next `take` shares out the rest (fewer than `count` from
-        each: there was no rest)."""
-        pinned, shared = self.keys.pinned_requests(worker_id), self.keys.requests
-        return await self._readgroup(worker_id, {pinned: ">", shared: ">"}, count, block_ms)
+    async def wait_for_entries(self, worker_id: str, block_ms: int, count: int = 1, shared: bool = True) -> list[Entry]:
+        """Block up to `block_ms` on the worker's pinned stream and the shared one (`shared` False: its pinned one
+        alone), taking the next entries of each (up to `count`): what wakes an idle worker, whose next `take` shares
+        out the rest (fewer than `count` from each: there was no rest)."""
+        streams = {self.keys.pinned_requests(worker_id): ">"} | ({self.keys.requests: ">"} if shared else {})
+        return await self._readgroup(worker_id, streams, count, block_ms)
 
     async def read_tokens(self, worker_id: str, count: int, block_ms: int) -> list[Entry]:
         """Take at most `count` tokenize / detokenize / chat-template requests."""
@@ -121,11 +129,13 @@ class WorkerStreams(StreamSide):
         pipe.expire(stream, int(results_ttl_s))
         await pipe.execute()
 
-    async def report_load(self, worker_id: str, free: int) -> None:
+    async def report_load(self, worker_id: str, free: int, kv_cache_tokens: int = 0, max_model_len: int = 0) -> int:
         """Record this worker's free slots (0 while it takes nothing: paused, draining), stamped with Redis's clock
-        as the take script reads them (`REPORT_LOAD_LUA`; a worker host's clock may be off). Its load is left as
-        it is."""
-        await self.connection.script("report_load", [self.keys.loads], [worker_id, max(free, 0)])
+        as the take script reads them (`REPORT_LOAD_LUA`; a worker host's clock may be off), and what its engine
+        holds (its KV cache and context in tokens; 0: not known yet), by which takes weigh and fit work. Its load is
+        left as it is. Returns the widest context any worker has said (0: none)."""
+        holds = f"{kv_cache_tokens} {max_model_len}" if kv_cache_tokens > 0 and max_model_len > 0 else ""
+        return int(await self.connection.script("report_load", [self.keys.loads], [worker_id, max(free, 0), holds]))
 
     async def pin_session(self, session_id: str, worker_id: str) -> str | None:
         """Pin a session to `worker_id` unless a live worker already holds it (a draining one included: it may be

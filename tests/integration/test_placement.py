@@ -108,3 +108,23 @@ async def test_sample_places_groups_by_the_lengths_their_prompts_ran_to_before(s
             tokens[t.worker_id] += len(t.completion_token_ids)
     ideal = (8 * 400 + 24 * 10) * 4 / 4
     assert len(tokens) == 4 and max(tokens.values()) <= 1.3 * ideal, (dict(tokens), ideal)
+
+
+async def test_workers_of_unequal_kv_caches_take_work_in_proportion_and_only_what_fits(settings, echo_workers):
+    """Two echo workers of 64 slots each, told contexts of 4,096 and 1,024 tokens: KV caches (64 x context) of
+    262,144 and 65,536 tokens, 4:1. An under-capacity batch splits about 4:1 (equal caches split it about evenly,
+    the test above); requests longer than the small worker's context all go to the large one; one longer than both
+    is still served."""
+    [large] = echo_workers(1, "--max-num-seqs", "64", "--max-model-len", "4096", "--echo-token-delay-s", "0.01")
+    [small] = echo_workers(1, "--max-num-seqs", "64", "--max-model-len", "1024", "--echo-token-delay-s", "0.01")
+    async with RolloutClient(settings) as client:
+        assert {w.worker_id: w.kv_cache_tokens for w in await client.workers()} == {large: 262_144, small: 65_536}
+        trajectories = await client.generate(prompts(80), PARAMS)  # 200 tokens each: both contexts hold them
+        per_worker = Counter(t.worker_id for t in trajectories)
+        assert 56 <= per_worker[large] <= 72 and per_worker[small] >= 8, per_worker  # ideal: 64 and 16
+        long_context = [[7, 8, 9, i % 50 + 10] * 300 for i in range(12)]  # 1,200 tokens, and 100 more out
+        trajectories = await client.generate(long_context, PARAMS)
+        assert {t.worker_id for t in trajectories} == {large}  # none where it cannot fit
+        assert all(len(t.completion_token_ids) == 100 for t in trajectories)
+        [beyond] = await client.generate(prompts(1), {**PARAMS, "max_tokens": 5000})  # fits neither: taken anyway
+        assert beyond.worker_id in (large, small) and beyond.finish_reason != "error"
