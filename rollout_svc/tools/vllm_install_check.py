@@ -11,7 +11,8 @@ environment holding the `gpu` extra: PyPI's CUDA build of vLLM, which installs w
    checked (`--platform cuda`: `vllm.v1.worker.gpu_worker.Worker`; `cpu`: `vllm.v1.worker.cpu_worker.CPUWorker`),
    and none of the extension's own method names collides with one of that class (vLLM refuses such an extension);
 4. vLLM's parser takes the flags users pass on GPUs (`FLAGS_USERS_PASS`: fp8, prefix caching, expert parallelism,
-   speculative decoding, ...) and has a flag for each of our shorthands (`workers.vllm_flags.SHORTHANDS`).
+   speculative decoding, ...) and has a flag for each of our shorthands (`workers.vllm_flags.SHORTHANDS`);
+5. the engine configuration of our arguments builds as far as vLLM goes without a device (reported, not failed).
 
 Prints what it checked; exits 1 naming each failure.
 """
@@ -67,6 +68,7 @@ def check(platform: str) -> list[str]:
         return [*failures, f"engine arguments: {type(exc).__name__}: {exc}"]
 
     failures += check_flags()
+    engine_config_reach()
 
     try:
         worker = resolve(WORKER_CLASSES[platform])
@@ -107,6 +109,30 @@ def check_flags() -> list[str]:
     else:
         print(f"vLLM has a flag for each of our {len(SHORTHANDS)} shorthands")
     return failures
+
+
+def engine_config_reach() -> None:
+    """Build the engine configuration of our arguments, as far as vLLM goes without a device, for the prepared model
+    if it is in the cache (its config.json is all vLLM reads here): prints what it resolved, or where vLLM stopped
+    (a CUDA build on a host without a GPU stops at the device). Not a failure either way: the flags and the arguments
+    are checked above, the rest needs the device."""
+    from rollout_svc.config import Settings
+    from workers.vllm_args import usage_context, vllm_engine_args
+
+    model = Settings().cache_dir / "models" / "SmolLM2-135M-Instruct"
+    if not (model / "config.json").is_file():
+        print(f"engine configuration: not built (no prepared model at {model}: `make model`)")
+        return
+    try:
+        config = vllm_engine_args(str(model), max_num_seqs=8).create_engine_config(usage_context())
+    except Exception as exc:  # how far vLLM goes without a device is what this reports
+        print(f"engine configuration: vLLM stopped at {type(exc).__name__}: {str(exc)[:200]}")
+        return
+    scheduler, cache = config.scheduler_config, config.cache_config
+    print(
+        f"engine configuration built: {config.device_config.device_type}, max_num_seqs {scheduler.max_num_seqs}, "
+        f"max_model_len {config.model_config.max_model_len}, block_size {cache.block_size}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
