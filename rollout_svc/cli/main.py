@@ -441,7 +441,7 @@ def _print_status(report: dict) -> None:
 
     columns = (
         "worker", "state", "epoch", "engine", "model", "GPUs (TPxPPxDP)", "in flight", "work (tokens)", "capacity",
-        "served", "weight version", "adapters",
+        "context / KV (tokens)", "served", "weight version", "adapters",
     )  # fmt: skip
     gpus = sum(w["weight_ranks"] for w in report["workers"])
     workers = Table(*columns, title=f"{len(report['workers'])} worker processes, {gpus} GPUs (ranks)")
@@ -450,7 +450,8 @@ def _print_status(report: dict) -> None:
         workers.add_row(
             w["worker_id"], w["state"], str(w["applied_epoch"]), w["engine"], w["model"],
             f"{w['weight_ranks']} ({layout})", str(w["in_flight"]), str(report["loads"].get(w["worker_id"], 0)),
-            str(w["capacity"]), str(w["served"]), str(w["weight_version"]), w.get("adapters", "") or "-",
+            str(w["capacity"]), f"{w.get('max_model_len', 0):,} / {w.get('kv_cache_tokens', 0):,}", str(w["served"]),
+            str(w["weight_version"]), w.get("adapters", "") or "-",
         )  # fmt: skip
     streams = Table("stream", "length", "queued", "pending")
     for name, depth in report["streams"].items():

@@ -390,6 +390,10 @@ def test_cli_control_commands_and_status(settings, echo_workers, workers):
     assert {w["state"] for w in report["workers"]} == {"paused"}
     assert all(w["applied_epoch"] == report["epoch"] and w["weight_version"] == 0 for w in report["workers"])
     assert report["loads"] == {"echo-0": 0, "echo-1": 0}  # the tokens of work each holds (placement's load)
+    # what each engine holds: 1,024 sequences (echo's default) of 2,048 tokens
+    assert {(w["max_num_seqs"], w["max_model_len"], w["kv_cache_tokens"]) for w in report["workers"]} == {
+        (1024, 2048, 1024 * 2048)
+    }
     workers.kill("echo-1", signal.SIGSTOP)
     try:
         stalled = cli(settings, "resume", "--timeout-s", "0.5")

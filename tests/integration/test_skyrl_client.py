@@ -131,6 +131,8 @@ def test_every_call_skyrl_makes_gets_a_vllm_shaped_answer(fleet, settings, rds):
     assert call(client, "get_world_size") == (2, 2)  # every engine's ranks: one each for an echo engine
     info = httpx.get(f"{base}/get_server_info").json()
     assert info["world_size"] == 2 and len(info["engines"]) == 2 and info["model"] == "echo"
+    assert {e["max_model_len"] for e in info["engines"]} == {2048}  # what each engine holds, as on its heartbeat
+    assert all(e["kv_cache_tokens"] == e["max_num_seqs"] * 2048 for e in info["engines"])
     assert httpx.get(f"{base}/servers").json() == {"servers": [base]}
 
     assert call(client, "pause", mode="keep") == {base: {"status": 200, "body": {"status": "paused"}}}

@@ -99,7 +99,8 @@ def data_router(
     @router.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
         """This server as SkyRL's server group sees one: its world size, model, committed weight version, and the
-        engines behind it."""
+        engines behind it, each with what it holds as vLLM resolved it (batch, context and KV cache in tokens, its
+        settings: `WorkerStatus`)."""
         workers = await client.workers()
         state = await client.fleet_state()
         return {
@@ -107,7 +108,15 @@ def data_router(
             "model": next(iter(await served.models()), None),
             "weight_version": state.weight_version,
             "engines": [
-                {"worker_id": w.worker_id, "world_size": w.weight_ranks, "weight_version": w.weight_version}
+                {
+                    "worker_id": w.worker_id,
+                    "world_size": w.weight_ranks,
+                    "weight_version": w.weight_version,
+                    "max_num_seqs": w.max_num_seqs,
+                    "max_model_len": w.max_model_len,
+                    "kv_cache_tokens": w.kv_cache_tokens,
+                    "engine_config": w.engine_config,
+                }
                 for w in workers
             ],
         }
