@@ -108,11 +108,13 @@ class Liveness:
         """
         async with self._beat_lock:
             # Its free slots first: once a heartbeat says it serves, other workers' takes count it open. What its
-            # engine holds (KV cache, context) goes with them: takes weigh the work by it.
-            status = self.status()
-            widest = await self.streams.report_load(*self.load_after([]), status.kv_cache_tokens, status.max_model_len)
+            # engine holds (KV cache, context) goes with them: takes weigh the work by it. The heartbeat itself is
+            # read after: a state that changed meanwhile (starting to serving) goes out in this beat, not the next.
+            holds = self.status()
+            widest = await self.streams.report_load(*self.load_after([]), holds.kv_cache_tokens, holds.max_model_len)
             self.state.widest_context = widest
             sent_at = time.monotonic()
+            status = self.status()
             accepted = await self.registry.heartbeat(status, renew=renew, announce=announce)
             if accepted:
                 self.lease.renewed(sent_at, status)

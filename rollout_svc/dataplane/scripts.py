@@ -480,8 +480,10 @@ if after and #redis.call('XRANGE', shared, after, '+', 'COUNT', 1) > 0 then
     local budget = (queued + level_sum) * w_me / weight_sum - mine
     for _, e in ipairs(ahead) do
       local c = cost_of(e[2])
-      -- past its share only what no other open worker's context holds
-      if count >= free or not fits(c) or (budget < c / 2 and not (count == 0 and least) and c <= widest) then break end
+      -- past its share only what its context holds and no other open worker's does
+      local only_mine = (ctx_me == 0 or c <= ctx_me) and c > widest
+      local over_share = budget < c / 2 and not (count == 0 and least) and not only_mine
+      if count >= free or not fits(c) or over_share then break end
       count, budget = count + 1, budget - c
     end
     left = count < #ahead and count < free

@@ -20,6 +20,12 @@ def test_the_demo_splits_its_work_evenly_over_two_workers(tmp_path: Path, monkey
     engine = EngineSettings(engine="echo", echo_token_delay_s=0.002)
     record = run_demo(None, 2, engine, prompts=64, sessions=8, turns=3, max_tokens=128)
     served = Counter(t.worker_id for t in record.trajectories if t.finish_reason != "error")
-    assert sum(served.values()) == 64 + 8 * 3
-    assert len(served) == 2 and all(abs(n - 44) <= 4.4 for n in served.values()), served
+    assert sum(served.values()) == 64 + 8 * 3 and len(served) == 2
+    # Placement balances the work, in tokens (prompt and output), not the count of requests: ShareGPT's lengths vary,
+    # so counts moved between 44/44 and 33/55 in runs whose tokens were within 13% of even (ten runs, 2026-11-29)
+    work = Counter()
+    for t in record.trajectories:
+        work[t.worker_id] += len(t.prompt_token_ids) + len(t.completion_token_ids)
+    even = sum(work.values()) / 2
+    assert all(abs(tokens - even) <= 0.2 * even for tokens in work.values()), work
     assert all(len(set(workers)) == 1 for workers in record.session_workers.values())
