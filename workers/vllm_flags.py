@@ -137,5 +137,24 @@ def parser() -> Any:
         def error(self, message: str) -> NoReturn:
             raise VLLMFlagError(message)
 
-    built = Parser(prog="vllm", usage="... -- [vLLM engine flags, as `vllm serve` takes them]", add_help=False)
-    return AsyncEngineArgs.add_cli_args(built)
+    def build() -> Any:
+        usage = "... -- [vLLM engine flags, as `vllm serve` takes them]"
+        return AsyncEngineArgs.add_cli_args(Parser(prog="vllm", usage=usage, add_help=False))
+
+    try:
+        return build()
+    except RuntimeError as exc:  # a CUDA build of vLLM on a host without a GPU: a Ray head node, an install check
+        if "infer device type" not in str(exc):
+            raise
+    import vllm.platforms
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    # vLLM's parser builds its config defaults, which need a device type: read the flags as on vLLM's CUDA
+    # platform (its module needs the driver, libcuda, to import: a Platform of the CUDA kind stands in), for this
+    # parser only
+    cuda = {"_enum": PlatformEnum.CUDA, "device_name": "cuda", "device_type": "cuda"}
+    found, vllm.platforms._current_platform = vllm.platforms._current_platform, type("Cuda", (Platform,), cuda)()
+    try:
+        return build()
+    finally:
+        vllm.platforms._current_platform = found
