@@ -145,6 +145,8 @@ class PeerCatchUp:
             log.info("caught up to weight version %d from %s in %.2f s", version, peer, time.monotonic() - started)
         elif outcome:
             log.warning("weight version %d came from %s but was not loaded: %s", version, peer, outcome)
+        else:  # a sync brought this worker to it, or past it, while it came: the trainer's sync wins
+            log.info("weight version %d came from %s after a sync had loaded it or a newer one: dropped", version, peer)
 
     async def _receive(self, order: CatchUpOrder, digest: str) -> tuple[str, WeightManifest | None]:
         """Wait for the peer's answer and receive what it sends: ("", its manifest) once received with the right
