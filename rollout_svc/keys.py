@@ -10,7 +10,7 @@ spells a name itself).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from string import Template
 from types import MappingProxyType
@@ -24,10 +24,18 @@ SESSION_FIELD = b"s"  # the request's session id, absent without one
 EPOCH_FIELD = b"e"  # the control epoch when the request was first enqueued (abort scope)
 DELIVERIES_FIELD = b"d"  # deliveries before this entry was requeued (a dead worker had it), absent if none
 COST_FIELD = b"c"  # the work the request brings, in tokens (`RolloutRequest.cost_tokens`), absent if unknown
-FREE_SUFFIX = ":free"  # `Keys.loads`: field WORKER_ID + this holds "free-slots at-ms"
 PINNED_SUFFIX = ":pinned"  # `Keys.loads`: field WORKER_ID + this holds the tokens placed in its pinned stream, untaken
 HOLDS_SUFFIX = ":holds"  # `Keys.loads`: field WORKER_ID + this holds "kv-cache-tokens max-model-len" of its engine
 WIDEST_FIELD = "*" + HOLDS_SUFFIX  # `Keys.loads`: the widest context (max-model-len) any worker has said
+NARROWEST_FIELD = "*:narrowest"  # `Keys.loads`: the narrowest context any worker has said
+# The open workers' sums, kept in `Keys.loads` by every change of a load (`dataplane.levels`), so that a take and a
+# new session's placement read them in O(1), not by walking every worker:
+IN_SUFFIX = ":in"  # field WORKER_ID + this: "load weight kv at-ms" as the sums count it, present while it is open
+SUM_FIELD = "*:sum"  # the open workers' loads (tokens held plus tokens placed in their pinned streams)
+WEIGHTS_FIELD = "*:weights"  # the open workers' weights (their KV caches in tokens; see `dataplane.levels`)
+KV_SUM_FIELD = "*:kv"  # the KV caches of the open workers that said theirs, in tokens
+KV_COUNT_FIELD = "*:kvn"  # how many open workers said their KV cache
+QUEUED_FIELD = "*:queued"  # the tokens queued in the shared stream, not delivered yet
 # The largest cost placement counts for one request, in tokens: a load is summed in Lua numbers (doubles, exact to
 # 2^53) and kept with HINCRBY (64-bit integers), so a request asking for 10^30 tokens must not reach either as such.
 MAX_COST = 1 << 40
@@ -138,7 +146,6 @@ class ScriptReply:
     """The first element of a placement script's reply (`dataplane.scripts`)."""
 
     OK = b"ok"
-    STALE = b"stale"  # the set of workers changed since the caller read it: rebuild the call
     FULL = b"full"  # a target stream is over the admission limit: nothing was added
     LEFT = b"left"  # a take left queued entries to other workers' shares (`dataplane.scripts.TAKE_LUA`)
 
@@ -168,10 +175,16 @@ _MODULE_NAMES = {
     "EPOCH_FIELD": EPOCH_FIELD,
     "DELIVERIES_FIELD": DELIVERIES_FIELD,
     "COST_FIELD": COST_FIELD,
-    "FREE_SUFFIX": FREE_SUFFIX,
     "PINNED_SUFFIX": PINNED_SUFFIX,
     "HOLDS_SUFFIX": HOLDS_SUFFIX,
     "WIDEST_FIELD": WIDEST_FIELD,
+    "NARROWEST_FIELD": NARROWEST_FIELD,
+    "IN_SUFFIX": IN_SUFFIX,
+    "SUM_FIELD": SUM_FIELD,
+    "WEIGHTS_FIELD": WEIGHTS_FIELD,
+    "KV_SUM_FIELD": KV_SUM_FIELD,
+    "KV_COUNT_FIELD": KV_COUNT_FIELD,
+    "QUEUED_FIELD": QUEUED_FIELD,
     "MAX_COST": str(MAX_COST),
     "JOINED": JOINED,
     "LOADED": LOADED,
@@ -244,10 +257,23 @@ class Keys:
 
     @property
     def loads(self) -> str:
-        """Hash: field ID -> the work worker ID holds (tokens to prefill and to generate), ID:free -> "free-slots
-        at_ms" (when it said so, unix ms), ID:pinned -> the tokens placed in its pinned stream that it has not taken:
-        what a take's fair share (`scripts.TAKE_LUA`) and a new session's worker (`scripts._FLEET_LUA`) come from."""
+        """Hash: field ID -> the work worker ID holds (tokens to prefill and to generate), ID:pinned -> the tokens
+        placed in its pinned stream that it has not taken, ID:holds -> what its engine holds:
+        what a take's fair share (`placement.TAKE_LUA`) and a new session's worker (`placement.PLACE_LUA`) come from,
+        with the open workers' sums (`dataplane.levels`)."""
         return f"{self.tagged}:loads"
+
+    @property
+    def levels(self) -> str:
+        """Sorted set: each open worker (said it has a free slot) scored by its level, its load over its weight
+        (`dataplane.levels`): the least loaded is the first, read in O(log W)."""
+        return f"{self.tagged}:levels"
+
+    @property
+    def open_at(self) -> str:
+        """Sorted set: each open worker scored by when it last said so (unix ms, Redis's clock): the silent ones are
+        found first, to be closed once their word is older than the heartbeat TTL."""
+        return f"{self.tagged}:open-at"
 
     @property
     def token_requests(self) -> str:
@@ -318,13 +344,17 @@ class Keys:
         """String, with TTL: held by the live worker that reclaims a dead worker's requests."""
         return f"{self.tagged}:reap:{worker_id}"
 
-    def fleet(self, worker_ids: Sequence[str]) -> list[str]:
-        """The keys a placement script declares: the state hash, the workers set, the loads hash, then per worker
-        (in the order given) its heartbeat hash, its session set and its pinned stream."""
-        keys = [self.state, self.workers, self.loads]
-        for worker_id in worker_ids:
-            keys += [self.worker(worker_id), self.worker_sessions(worker_id), self.pinned_requests(worker_id)]
-        return keys
+    @property
+    def fleet(self) -> list[str]:
+        """The keys a placement script declares: the state hash, the loads hash and the two sorted sets of open
+        workers (`levels`, `open_at`). The keys of the one worker it places on (its heartbeat hash, session set and
+        pinned stream) it builds from `worker_stems`: they share this shard's hash tag, so one slot holds them all."""
+        return [self.state, self.loads, self.levels, self.open_at]
+
+    @property
+    def worker_stems(self) -> list[str]:
+        """What a worker's heartbeat hash, session set and pinned stream are named by, less the worker id."""
+        return [self.worker(""), self.worker_sessions(""), self.pinned_requests("")]
 
     # --- control plane ----------------------------------------------------------------------------------
 

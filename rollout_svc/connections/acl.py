@@ -55,6 +55,7 @@ _WORKER_COMMANDS = (
     "+get", "+set", "+hset", "+sadd", "+srem",  # heartbeats, reap locks, barriers, session pins
     "+hincrby", "+hdel",  # the loads placement shares work by (Keys.loads)
     "+zadd", "+zrem", "+zcard", "+zremrangebyscore", "+zrangebyscore",  # session sets, command log, tombstones
+    "+zrange", "+zcount", "+zmscore",  # the open workers by level (Keys.levels, Keys.open_at)
     "+multi", "+exec", "+subscribe", "+unsubscribe", "+publish",
 )  # fmt: skip
 _ADMIN_COMMANDS = ("+@all", "-@dangerous")  # no FLUSHALL, KEYS, CONFIG, ACL, CLIENT KILL, MONITOR, SHUTDOWN ...
@@ -133,10 +134,12 @@ def _producer(k: Keys) -> Role:
         Grant(("+xadd", "+xlen", "+xrange", "+xpending", "+xdel"), requests),  # enqueue, the cancel sweep
         Grant(("+xread", "+xdel", "+del"), (k.results("*"),)),  # its results (no XADD: it cannot forge one)
         Grant(("+get", "+set", "+del"), (k.session("*"),)),  # session pins
-        Grant(("+zadd", "+zrem", "+zcard", "+zremrangebyscore"), (k.worker_sessions("*"), k.cancelled)),
+        Grant(("+zadd", "+zrem", "+zcard", "+zcount", "+zremrangebyscore"), (k.worker_sessions("*"), k.cancelled)),
         Grant(_READ_FLEET, read_only=(k.state, k.workers, k.worker("*"))),  # placement, `workers()`, weight version
         Grant(("+smembers",), read_only=(k.shards,)),  # the shards to place requests on
-        Grant(("+hget", "+hgetall", "+hincrby"), (k.loads,)),  # a new session's worker: the least work, and its count
+        # a new session's worker: the least loaded open one (Keys.levels), and its level and the sums kept
+        Grant(("+hget", "+hmget", "+hgetall", "+hincrby", "+hset", "+hdel"), (k.loads,)),
+        Grant(("+zadd", "+zrem", "+zrange", "+zcount", "+zrangebyscore"), (k.levels, k.open_at)),
     )
     declared = tuple(p for grant in grants for p in (*grant.read_write, *grant.read_only))
     evalsha = Grant(("+evalsha",), declared)  # passes EVALSHA's own check; each redis.call is checked by the rest
@@ -147,7 +150,8 @@ def _producer(k: Keys) -> Role:
 def _worker(k: Keys) -> Role:
     streams = (k.requests, k.pinned_requests("*"), k.token_requests, k.results("*"), k.dead)
     barriers = tuple(k.weight_barrier("*", phase) for phase in (JOINED, RECEIVED, LOADED))
-    fleet = (k.session("*"), k.worker_sessions("*"), k.workers, k.worker("*"), k.reap_lock("*"), k.shards, k.loads)
+    fleet: tuple[str, ...] = (k.session("*"), k.worker_sessions("*"), k.workers, k.worker("*"), k.reap_lock("*"))
+    fleet += (k.shards, k.loads, k.levels, k.open_at)  # the loads and the open workers by level (`dataplane.levels`)
     catch_ups = (k.weight_catch_ups, k.weight_catch_up_answer("*"))  # peer catch-up, among workers
     read_write = (*streams, *fleet, *barriers, *catch_ups)
     read_only = (k.state, k.commands, k.cancelled, k.weight_sync, k.weight_manifest("*"), k.weight_load("*"))

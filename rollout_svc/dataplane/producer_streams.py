@@ -8,15 +8,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_svc.dataplane.direct import stream_records
-from rollout_svc.dataplane.streams import STALE_RETRIES, Enqueue, Placed, StreamSide
+from rollout_svc.dataplane.streams import Enqueue, Placed, StreamSide
 from rollout_svc.errors import ProtocolError, QueueFullError
 from rollout_svc.keys import (
-    FREE_SUFFIX,
     HOLDS_SUFFIX,
+    IN_SUFFIX,
     PAYLOAD_FIELD,
     PINNED_SUFFIX,
     WORKERS_GROUP,
-    ScriptReply,
     StateField,
 )
 from rollout_svc.protocol import decode
@@ -85,7 +84,7 @@ class ProducerStreams(StreamSide):
         refusals: dict[int, QueueFullError] = {}
         for at, ((items, limit), reply) in enumerate(zip(chunks, replies, strict=True)):
             try:
-                placed[at] = self.connection.placed(items, *reply, limit)
+                placed[at] = self.connection.placed(items, reply, limit)
             except QueueFullError as exc:
                 refusals[at] = exc
         outcomes: list[list[Placed] | QueueFullError] = []
@@ -105,35 +104,20 @@ class ProducerStreams(StreamSide):
                 outcomes[b] = outcome
         return outcomes
 
-    async def _run_enqueue_calls(self, chunks: Sequence[tuple[Sequence[Enqueue], int]]) -> list[tuple[list[str], Any]]:
-        """EVALSHA each chunk in one pipeline; returns (keys, reply) per chunk. Not through redis-py's
-        script-in-pipeline support: that costs a SCRIPT EXISTS round trip per pipeline. NOSCRIPT (Redis
-        restarted) reloads the script and sends the calls again (`DirectConnection.scripts`); a stale worker set
-        is retried for just the chunks that did not run."""
+    async def _run_enqueue_calls(self, chunks: Sequence[tuple[Sequence[Enqueue], int]]) -> list[Any]:
+        """EVALSHA each chunk in one pipeline; returns the reply of each. Not through redis-py's script-in-pipeline
+        support: that costs a SCRIPT EXISTS round trip per pipeline. NOSCRIPT (Redis restarted) reloads the script
+        and sends the calls again (`DirectConnection.scripts`)."""
         script = self.connection.scripts["enqueue"]
-        done: dict[int, tuple[list[str], Any]] = {}
-        todo = list(range(len(chunks)))
-        for attempt in range(STALE_RETRIES):
-            workers = await self.connection.fleet(refresh=attempt > 0)
-            calls = {i: self.connection.enqueue_call(*chunks[i], workers, []) for i in todo}
-            async with self.connection.hot_path() as direct:
-                replies = await direct.scripts(script, list(calls.values()))
-            for i, reply in zip(todo, replies, strict=True):
-                if reply[0] != ScriptReply.STALE:
-                    done[i] = (calls[i][0], reply)
-            todo = [i for i in todo if i not in done]
-            if not todo:
-                return [done[i] for i in range(len(chunks))]
-        raise RuntimeError("the set of workers kept changing during enqueue; retry")
+        calls = [self.connection.enqueue_call(items, limit, []) for items, limit in chunks]
+        async with self.connection.hot_path() as direct:
+            return list(await direct.scripts(script, calls))
 
     async def finish_session(self, session_id: str) -> bool:
         """Unpin a session; its next turn is placed anew. Returns whether it was pinned."""
 
-        def build(workers: list[str]) -> tuple[list[str], list[Any]]:
-            keys = [*self.keys.fleet(workers), self.keys.session(session_id)]
-            return keys, [len(workers), *workers, session_id]
-
-        _, reply = await self.connection.placement("finish", build)
+        keys = [*self.keys.fleet, self.keys.session(session_id)]
+        reply = await self.connection.scripts["finish"](keys=keys, args=[*self.keys.worker_stems, session_id])
         return bool(int(reply[1]))
 
     async def pinned_worker(self, session_id: str) -> str | None:
@@ -144,8 +128,8 @@ class ProducerStreams(StreamSide):
     async def sweep(self, stream: str, entries: Sequence[Sweep], results_ttl_s: float) -> list[bytes]:
         """Delete the entries still undelivered and send each its answer, atomically. Returns the ids of those that
         went (a delivered one is its worker's to answer)."""
-        keys: dict[str, int] = {stream: 1}
-        args: list[str | bytes | int] = [WORKERS_GROUP, int(results_ttl_s)]
+        keys: dict[str, int] = {stream: 1, self.keys.loads: 2}
+        args: list[str | bytes | int] = [WORKERS_GROUP, int(results_ttl_s), int(stream == self.keys.requests)]
         for item in entries:
             reply_index = keys.setdefault(item.reply[0], len(keys) + 1) if item.reply else 0
             args += [item.entry_id, reply_index, item.reply[1] if item.reply else b""]
@@ -212,10 +196,12 @@ class ProducerStreams(StreamSide):
 
     async def loads(self) -> dict[str, int]:
         """Each worker's load: the tokens of work it holds (prompt plus `max_tokens` of each request it took and has
-        not answered), as placement counts it."""
+        not answered), as placement counts it. Reads the whole hash: for `status`, not for a hot path."""
         fields: Any = await self.redis.hgetall(self.keys.loads)
-        suffixes = (FREE_SUFFIX.encode(), PINNED_SUFFIX.encode(), HOLDS_SUFFIX.encode())
-        return {k.decode(): max(0, int(v)) for k, v in fields.items() if not k.endswith(suffixes)}
+        suffixes = tuple(x.encode() for x in (PINNED_SUFFIX, HOLDS_SUFFIX, IN_SUFFIX))
+        return {
+            k.decode(): max(0, int(v)) for k, v in fields.items() if not k.endswith(suffixes) and not k.startswith(b"*")
+        }
 
 
 def _adapter_version(field: bytes | str) -> int:

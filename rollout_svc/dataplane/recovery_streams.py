@@ -10,7 +10,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from rollout_svc.dataplane.streams import Enqueue, Entry, Placed, StreamSide, entry_id_key, parse_entry
-from rollout_svc.keys import FREE_SUFFIX, HOLDS_SUFFIX, PINNED_SUFFIX, WORKERS_GROUP, DeadLetterField
+from rollout_svc.keys import WORKERS_GROUP, DeadLetterField
 from rollout_svc.protocol import ErrorCode, ErrorResult, encode, reply_address
 
 log = logging.getLogger("rollout_svc.dataplane")
@@ -89,13 +89,9 @@ class RecoveryStreams(StreamSide):
 
     async def requeue(self, items: Sequence[Enqueue], done: Iterable[Entry]) -> list[Placed]:
         """In one script: enqueue `items` again (no admission limit: nothing is lost), XACK + XDEL `done`."""
-        done = list(done)
-
-        def build(workers: list[str]) -> tuple[list[str], list[Any]]:
-            return self.connection.enqueue_call(items, -1, workers, done)
-
-        keys, reply = await self.connection.placement("enqueue", build)
-        return self.connection.placed(items, keys, reply, -1)
+        keys, args = self.connection.enqueue_call(items, -1, list(done))
+        reply = await self.connection.scripts["enqueue"](keys=keys, args=args)
+        return self.connection.placed(items, reply, -1)
 
     async def delete(self, stream: str) -> None:
         """Delete a stream (a reclaimed worker's pinned stream, once drained)."""
@@ -140,7 +136,7 @@ class RecoveryStreams(StreamSide):
         return int(await self.redis.xdel(self.keys.dead, *entry_ids)) if entry_ids else 0
 
     async def forget_load(self, worker_id: str) -> None:
-        """Delete a departed worker's fields of `Keys.loads` (its load, free slots and pinned tokens): every take
-        reads the whole hash."""
-        fields = (worker_id + suffix for suffix in (FREE_SUFFIX, PINNED_SUFFIX, HOLDS_SUFFIX))
-        await self.redis.hdel(self.keys.loads, worker_id, *fields)
+        """Close a departed worker (`dataplane.levels`: out of the open workers and their sums) and delete its fields of
+        `Keys.loads` (its load, free slots, pinned tokens and holdings)."""
+        keys = [self.keys.loads, self.keys.levels, self.keys.open_at]
+        await self.connection.scripts["forget_load"](keys=keys, args=[worker_id])

@@ -16,16 +16,17 @@ Protocol (DESIGN.md section 3):
 - A dead worker's pending entries are requeued (same payload, session, epoch; delivery count in field `d`)
   by the same script that acks them; its pinned stream is drained the same way, sessions re-placed.
 
-Every script (in `dataplane/scripts.py`) declares every key it touches in KEYS, built by `Keys` (Redis Cluster needs
-exactly this).
-The placement scripts take the registered workers' keys (`Keys.fleet`); if the set of workers changed
-since this process last read it, the script answers `stale` and the call is rebuilt with the new set.
+Every script (in `dataplane/scripts.py` and `dataplane/placement.py`) declares the keys it is given in KEYS, built
+by `Keys` (Redis Cluster routes by them). The placement scripts declare the fleet's shared keys (`Keys.fleet`) and
+build the keys of the one worker they place on from `Keys.worker_stems`: the same hash slot, and no list of every
+worker to send or to keep current. What they read of the fleet (the open workers by level, and their sums) is kept
+by every change of a load (`dataplane.levels`), so a request costs Redis the same at 4 workers and at 1,024.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -33,16 +34,14 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from rollout_svc.dataplane.direct import DirectConnection, borrowed
+from rollout_svc.dataplane.placement import ENQUEUE_LUA, FINISH_SESSION_LUA, HAND_OVER_LUA, PIN_LUA, TAKE_LUA
 from rollout_svc.dataplane.scripts import (
     DEAD_LETTER_LUA,
-    ENQUEUE_LUA,
-    FINISH_SESSION_LUA,
     FORGET_CONSUMER_LUA,
-    PIN_LUA,
+    FORGET_LOAD_LUA,
     PUBLISH_LUA,
     REPORT_LOAD_LUA,
     SWEEP_LUA,
-    TAKE_LUA,
 )
 from rollout_svc.errors import QueueFullError
 from rollout_svc.keys import (
@@ -58,7 +57,6 @@ from rollout_svc.keys import (
     ScriptReply,
 )
 
-STALE_RETRIES = 5  # rebuilds of a placement call whose worker set changed under it
 ScriptCall = tuple[list[str], list[Any]]  # a script call's (KEYS, ARGV)
 
 
@@ -108,8 +106,7 @@ class Placed:
 
 class StreamConnection:
     """What the three sides of the data plane share on one Redis client: its registered scripts, the hot paths'
-    connection, consumer groups, and the registered worker ids the placement scripts declare (cached; a `stale`
-    reply rebuilds the call with the new set).
+    connection, consumer groups, and how an enqueue script call is built and read.
 
     `on_own_connection()` gives a copy for one sequential user of the hot paths (a worker's take loop or publisher,
     a producer's submitter or result reader) whose scripts and blocking reads go over a `DirectConnection`;
@@ -130,9 +127,10 @@ class StreamConnection:
                 ("sweep", SWEEP_LUA),
                 ("take", TAKE_LUA),
                 ("forget_consumer", FORGET_CONSUMER_LUA),
+                ("hand_over", HAND_OVER_LUA),
+                ("forget_load", FORGET_LOAD_LUA),
             )
         }
-        self._workers: list[str] | None = None  # registered worker ids, as the scripts were last given them
 
     def on_own_connection(self) -> StreamConnection:
         """A copy whose hot paths go over a connection of its own (`DirectConnection`), for one sequential user;
@@ -196,32 +194,13 @@ class StreamConnection:
         for script in self.scripts.values():
             script.sha = await self.redis.script_load(script.script)
 
-    async def fleet(self, refresh: bool = False) -> list[str]:
-        """The registered worker ids, sorted: as last read, or read anew with `refresh`."""
-        if self._workers is None or refresh:
-            members: Any = await self.redis.smembers(self.keys.workers)
-            self._workers = sorted(m.decode() for m in members)
-        return self._workers
-
-    async def placement(self, name: str, build: Callable[[list[str]], ScriptCall]) -> tuple[list[str], Any]:
-        """Run a placement script; `build(worker_ids)` gives its (keys, args). Rebuilt while the fleet is stale.
-
-        Returns the keys it ran with and its reply.
-        """
-        for attempt in range(STALE_RETRIES):
-            keys, args = build(await self.fleet(refresh=attempt > 0))
-            reply = await self.scripts[name](keys=keys, args=args)
-            if reply[0] != ScriptReply.STALE:
-                return keys, reply
-        raise RuntimeError(f"the set of workers kept changing during {name}; retry")
-
     def enqueue_call(
-        self, items: Sequence[Enqueue], limit: int, workers: list[str], acks: Iterable[Entry]
+        self, items: Sequence[Enqueue], limit: int, acks: Iterable[Entry]
     ) -> tuple[list[str], list[str | bytes | int]]:
-        """The (keys, args) of one `ENQUEUE_LUA` call: `items` placed over `workers` (the ids its fleet block names),
-        admitted against `limit` (-1: none), and `acks` acknowledged and deleted in the same call (a requeue)."""
-        keys = [self.keys.requests, self.keys.token_requests, *self.keys.fleet(workers)]
-        args: list[str | bytes | int] = [self.session_ttl_ms, limit, WORKERS_GROUP, len(workers), *workers, len(items)]
+        """The (keys, args) of one `ENQUEUE_LUA` call: `items` placed, admitted against `limit` (-1: none), and
+        `acks` acknowledged and deleted in the same call (a requeue)."""
+        keys = [self.keys.requests, self.keys.token_requests, *self.keys.fleet]
+        args: list[str | bytes | int] = [self.session_ttl_ms, limit, WORKERS_GROUP, *self.keys.worker_stems, len(items)]
         for item in items:
             sid = "" if item.tokens else item.session_id or ""
             if sid:
@@ -239,18 +218,18 @@ class StreamConnection:
             ack_args += [index[entry.stream], entry.entry_id]
         return keys, [*args, len(ack_args) // 2, *ack_args]
 
-    def placed(self, items: Sequence[Enqueue], keys: list[str], reply: list, limit: int) -> list[Placed]:
-        """Where each of `items` went, from an `ENQUEUE_LUA` call's `keys` and `reply`. Raises `QueueFullError` if
-        admission (`limit`) refused the call."""
+    def placed(self, items: Sequence[Enqueue], reply: list, limit: int) -> list[Placed]:
+        """Where each of `items` went, from an `ENQUEUE_LUA` call's `reply`. Raises `QueueFullError` if admission
+        (`limit`) refused the call."""
         if reply[0] == ScriptReply.FULL:
             raise QueueFullError(reply[1].decode(), int(reply[2]), limit)
-        targets = iter(reply[len(items) + 1 :])  # the target of each session item, in order
+        targets = iter(reply[len(items) + 1 :])  # the worker each session item went to ('': the shared stream)
         placed = []
         for item, entry_id in zip(items, reply[1 : len(items) + 1], strict=True):
             if item.tokens:
                 stream = self.keys.token_requests
-            elif item.session_id:
-                stream = keys[int(next(targets)) - 1]
+            elif item.session_id and (worker := _text(next(targets))):
+                stream = self.keys.pinned_requests(worker)
             else:
                 stream = self.keys.requests
             placed.append(Placed(stream, entry_id))
@@ -286,6 +265,10 @@ def parse_entry(stream: str, entry_id: bytes, fields: dict[bytes, bytes], delive
         int(fields.get(EPOCH_FIELD, 0)),
         entry_cost(fields.get(COST_FIELD)),
     )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def entry_cost(value: bytes | None) -> int:

@@ -8,16 +8,7 @@ from typing import Any
 
 from rollout_svc.dataplane.direct import stream_records
 from rollout_svc.dataplane.streams import Enqueue, Entry, StreamSide, parse_entry, script_fields
-from rollout_svc.keys import (
-    COST_FIELD,
-    EPOCH_FIELD,
-    FREE_SUFFIX,
-    MAX_COST,
-    PAYLOAD_FIELD,
-    PINNED_SUFFIX,
-    WORKERS_GROUP,
-    ScriptReply,
-)
+from rollout_svc.keys import COST_FIELD, EPOCH_FIELD, PAYLOAD_FIELD, WORKERS_GROUP, ScriptReply
 
 TAKE_PEEK = 4096  # the most queued entries a take looks at to compute its fair share (TAKE_LUA)
 
@@ -67,7 +58,7 @@ class WorkerStreams(StreamSide):
         (ID:pinned); `idle` (it holds nothing, every result published) sets its load to 0 first. Returns the entries
         and whether queued entries were left to other workers' shares."""
         worker_id = options.worker_id
-        keys = [self.keys.pinned_requests(worker_id), self.keys.requests, self.keys.loads]
+        keys = [self.keys.pinned_requests(worker_id), self.keys.requests, *self._levels]
         args: list[str | int] = [WORKERS_GROUP, worker_id, free, options.loads_ttl_ms, TAKE_PEEK, carried[0], int(idle)]
         args += [int(options.share), carried[1], options.kv_cache_tokens, options.max_model_len]
         reply: Any = await self.connection.script("take", keys, args)
@@ -112,7 +103,7 @@ class WorkerStreams(StreamSide):
         `Keys.loads` in the same call, so a take's fair share never counts work already answered; `woken`:
         (tokens, pinned tokens) its blocking reads took that no take counted yet (`workers.inflight.Woken`): added
         to its load, and taken off its pinned tokens, first. Neither goes below 0."""
-        keys: dict[str, int] = {self.keys.loads: 1}  # stream name -> its 1-based index in KEYS
+        keys = {key: i for i, key in enumerate(self._levels, 1)}  # stream name -> its 1-based index in KEYS
         load_args = ["", ""] if load is None else [load[0], str(max(load[1], 0))]
         args: list[str | bytes | int] = [int(results_ttl_s), WORKERS_GROUP, *load_args, *woken]
         for entry, result in items:
@@ -135,48 +126,44 @@ class WorkerStreams(StreamSide):
         holds (its KV cache and context in tokens; 0: not known yet), by which takes weigh and fit work. Its load is
         left as it is. Returns the widest context any worker has said (0: none)."""
         holds = f"{kv_cache_tokens} {max_model_len}" if kv_cache_tokens > 0 and max_model_len > 0 else ""
-        return int(await self.connection.script("report_load", [self.keys.loads], [worker_id, max(free, 0), holds]))
+        return int(await self.connection.script("report_load", self._levels, [worker_id, max(free, 0), holds]))
+
+    @property
+    def _levels(self) -> list[str]:
+        """The loads hash and the open workers' sorted sets, which every change of a load keeps (`dataplane.levels`)."""
+        return [self.keys.loads, self.keys.levels, self.keys.open_at]
 
     async def pin_session(self, session_id: str, worker_id: str) -> str | None:
         """Pin a session to `worker_id` unless a live worker already holds it (a draining one included: it may be
         running a request of the session); returns the holder."""
-
-        def build(workers: list[str]) -> tuple[list[str], list[Any]]:
-            keys = [*self.keys.fleet(workers), self.keys.session(session_id)]
-            return keys, [self.connection.session_ttl_ms, len(workers), *workers, session_id, worker_id]
-
-        _, reply = await self.connection.placement("pin", build)
+        keys = [*self.keys.fleet, self.keys.session(session_id)]
+        args: list[str | int] = [self.connection.session_ttl_ms, *self.keys.worker_stems, session_id, worker_id]
+        reply = await self.connection.scripts["pin"](keys=keys, args=args)
         return reply[1].decode() or None
 
     async def hand_over(self, worker_id: str, item: Enqueue) -> bytes:
         """Add `item` (a rollout request) to `worker_id`'s pinned stream, past admission: a straggler moved there
         (its old entry is acknowledged after, by the worker that moved it: a move is delivered at least once).
         Returns its entry id."""
-        fields: dict[bytes, bytes | int] = {PAYLOAD_FIELD: item.payload, EPOCH_FIELD: item.epoch or 0}
+        fields: list[bytes | int] = [PAYLOAD_FIELD, item.payload, EPOCH_FIELD, item.epoch or 0]
         if item.cost:
-            fields[COST_FIELD] = item.cost
-        pipe = self.redis.pipeline(transaction=True)  # counted as placement counts it (`Keys.loads` ID:pinned)
-        pipe.xadd(self.keys.pinned_requests(worker_id), fields)  # type: ignore[arg-type]
-        pipe.hincrby(self.keys.loads, worker_id + PINNED_SUFFIX, min(max(item.cost, 1), MAX_COST))
-        entry_id, _ = await pipe.execute()
+            fields += [COST_FIELD, item.cost]
+        keys = [self.keys.pinned_requests(worker_id), *self._levels]  # counted as placement counts it (ID:pinned)
+        entry_id = await self.connection.scripts["hand_over"](keys=keys, args=[worker_id, item.cost, *fields])
         return entry_id if isinstance(entry_id, bytes) else entry_id.encode()
 
-    async def idle_workers(self, worker_id: str, ttl_ms: int) -> list[str]:
-        """The other workers that hold no work (load 0 in `Keys.loads`, and nothing placed in their pinned stream
-        that they have not taken: a straggler moved there a moment ago counts) and said within `ttl_ms` (Redis's
-        clock) that they have a free slot: where a straggler may move. Sorted by id."""
+    async def idle_workers(self, worker_id: str, ttl_ms: int, limit: int = 64) -> list[str]:
+        """Up to `limit` other open workers that hold no work (level 0 in `Keys.levels`: no load, and nothing placed
+        in their pinned stream that they have not taken: a straggler moved there a moment ago counts) and said
+        within `ttl_ms` (Redis's clock) that they have a free slot: where a straggler may move. Sorted by id."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hgetall(self.keys.loads)
+        pipe.zrangebyscore(self.keys.levels, 0, 0, start=0, num=limit + 1)
         pipe.time()
-        fields, (seconds, micros) = await pipe.execute()
+        members, (seconds, micros) = await pipe.execute()
+        others = [m.decode() for m in members if m.decode() != worker_id][:limit]
+        if not others:
+            return []
+        said: Any = await self.redis.zmscore(self.keys.open_at, others)
         now_ms = seconds * 1000 + micros // 1000
-        table = {k.decode(): v.decode() for k, v in fields.items()}
-        idle = []
-        for key, value in table.items():
-            if not key.endswith(FREE_SUFFIX) or (other := key[: -len(FREE_SUFFIX)]) == worker_id:
-                continue
-            slots, _, at_ms = value.partition(" ")
-            holds = int(table.get(other, "0")) > 0 or int(table.get(other + PINNED_SUFFIX, "0")) > 0
-            if int(slots or 0) > 0 and int(at_ms or 0) + ttl_ms >= now_ms and not holds:
-                idle.append(other)
-        return sorted(idle)
+        fresh = (w for w, at_ms in zip(others, said, strict=True) if at_ms is not None and at_ms + ttl_ms >= now_ms)
+        return sorted(fresh)

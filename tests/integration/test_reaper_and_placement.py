@@ -33,7 +33,11 @@ async def plane(settings: Settings, rds) -> AsyncIterator[ControlPlane]:
     await redis.aclose()
 
 
-async def register(plane: ControlPlane, worker_id: str, state: str = "serving", applied_epoch: int = 0) -> None:
+async def register(
+    plane: ControlPlane, worker_id: str, state: str = "serving", applied_epoch: int = 0, free: int = 8
+) -> None:
+    """A worker as `workers.liveness` registers one: its free slots said (it is open), then its heartbeat."""
+    await WorkerStreams(plane.streams.connection).report_load(worker_id, free)
     await plane.registry.heartbeat(WorkerStatus(worker_id=worker_id, state=state, applied_epoch=applied_epoch))  # type: ignore[arg-type]
     await plane.streams.connection.ensure_group(plane.keys.pinned_requests(worker_id))
 

@@ -30,6 +30,7 @@ LUA_TOKEN = re.compile(r"--[^\n]*|'((?:[^'\\\n]|\\.)*)'|\"((?:[^\"\\\n]|\\.)*)\"
 REDIS_SYNTAX = re.compile(r"[A-Z]+|[-+]|[-+]inf|\*|~|\d*")
 PLACEHOLDER = re.compile(r"\$\{[A-Za-z_.]+\}")
 RUNS_REDIS = re.compile(r"redis\.p?call\b")
+RENDERERS = ("lua", "with_levels")  # what renders a template: `keys.lua`, and `dataplane.levels.with_levels` by it
 
 
 def _literals(script: str) -> list[str]:
@@ -54,7 +55,7 @@ def _templates(path: Path) -> tuple[list[str], list[str]]:
     inside: set[int] = set()
     templates = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "lua":
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in RENDERERS:
             for arg in node.args:
                 for const in ast.walk(arg):
                     if isinstance(const, ast.Constant) and isinstance(const.value, str):

@@ -1,0 +1,118 @@
+"""The Lua the data plane's scripts share to count work: a request's cost, a worker's load, and the open workers'
+levels and sums, kept as loads change so that no script walks the fleet.
+
+A worker's load is the tokens it holds (taken, not answered: `Keys.loads` field ID) plus those placed in its pinned
+stream and not taken yet (ID:pinned). Its weight is its engine's KV cache in tokens (ID:holds), or, for a worker
+that has not said it, the mean of those that did (1 where none did): work goes to workers in proportion to what
+they hold. Its level is load / weight.
+
+A worker is open while it says it has a free slot (every take, publish and load report calls `relevel`, stamped
+with Redis's clock). The open workers are the members of `Keys.levels` (scored by level: the least loaded first,
+O(log W)) and of `Keys.open_at` (scored by when they said so: a take closes the ones silent past the heartbeat TTL,
+oldest first). Their sums (`keys.SUM_FIELD`, `WEIGHTS_FIELD`, `KV_SUM_FIELD`, `KV_COUNT_FIELD`) change with each
+member's contribution, recorded in ID:in ("load weight kv said-at-ms"), so they stay exact whoever changed the load
+between two `relevel`s of it (a hand-over adds to ID:pinned alone). The tokens queued in the shared stream and not
+delivered yet are `keys.QUEUED_FIELD`: added by the enqueue script, taken off by whatever delivers or deletes an
+entry, set to 0 by a take that finds nothing queued (a count that drifted, say over a Redis restart, is set right).
+
+Each function is O(log W) in the open workers W: a constant count of commands.
+"""
+
+from rollout_svc.keys import lua
+
+# A request's cost in tokens as every script counts it, from its cost field or argument: at most `MAX_COST`, and 1
+# for anything that is not a number of at least 1 (absent, '0', garbage).
+COST_LUA = lua("""
+local function clamp_cost(value)
+  local c = tonumber(value)  -- nil for garbage; nan fails every comparison
+  if not c or not (c >= 1) then return 1 end
+  return math.min(math.floor(c), ${MAX_COST})
+end
+""")
+
+# add_to_load: add `tokens` (negative: take off) to a field of the loads hash (`Keys.loads`: a worker's load, its
+# ID:pinned, or the queued tokens), never leaving it below 0. now_ms: Redis's clock, which every stamp is taken by (a
+# worker host's clock may be off).
+LOADS_LUA = lua("""
+local function add_to_load(loads, field, tokens)
+  if tokens == 0 then return end
+  if redis.call('HINCRBY', loads, field, tokens) < 0 then redis.call('HSET', loads, field, 0) end
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+""")
+
+# relevel(L, id, open, at_ms): worker `id`'s level and its part of the sums, from its load fields as they are now.
+# L: {loads = the loads hash, levels = `Keys.levels`, open_at = `Keys.open_at`}. `open`: true (it said it has a free
+# slot, at `at_ms`: it joins or stays), false (it leaves), nil (it stays as it is, member or not: a change of load
+# others made). Returns its level (load / weight), nil if it is not open.
+# close_silent(L, ttl_ms, at_ms, limit): closes up to `limit` open workers silent since before at_ms - ttl_ms (a
+# dead worker, until its reaper forgets it).
+RESTAMP_MS = 250
+LEVELS_LUA = lua(f"local RESTAMP_MS = {RESTAMP_MS}\n") + lua("""
+local function num(v)
+  local n = tonumber(v or '0')
+  if not n or not (n > 0) then return 0 end
+  return n
+end
+local function relevel(L, id, open, at_ms)
+  local h = redis.call('HMGET', L.loads, id, id .. '${PINNED_SUFFIX}', id .. '${HOLDS_SUFFIX}', id .. '${IN_SUFFIX}',
+    '${KV_SUM_FIELD}', '${KV_COUNT_FIELD}')
+  local was = h[4]
+  if open == nil then open = was and true or false end
+  local old_load, old_w, old_kv, old_at = 0, 0, 0, 0
+  if was then
+    local a, b, c, d = string.match(was, '^(%S+) (%S+) (%S+) ?(%S*)$$')
+    old_load, old_w, old_kv, old_at = num(a), num(b), num(c), num(d)
+  end
+  local load, kv, weight = 0, 0, 0  -- its part of the sums: none unless open
+  if open then
+    load = num(h[1]) + num(h[2])
+    kv = num(string.match(h[3] or '', '^(%d+) '))
+    weight = kv
+    if kv == 0 then
+      local s, n = num(h[5]) - old_kv, num(h[6]) - (old_kv > 0 and 1 or 0)
+      weight = n > 0 and math.max(1, math.floor(s / n)) or 1
+    end
+  end
+  if load ~= old_load then redis.call('HINCRBY', L.loads, '${SUM_FIELD}', load - old_load) end
+  if weight ~= old_w then redis.call('HINCRBY', L.loads, '${WEIGHTS_FIELD}', weight - old_w) end
+  if kv ~= old_kv then
+    redis.call('HINCRBY', L.loads, '${KV_SUM_FIELD}', kv - old_kv)
+    local joined = (kv > 0 and 1 or 0) - (old_kv > 0 and 1 or 0)
+    if joined ~= 0 then redis.call('HINCRBY', L.loads, '${KV_COUNT_FIELD}', joined) end
+  end
+  if not open then
+    if was then
+      redis.call('HDEL', L.loads, id .. '${IN_SUFFIX}')
+      redis.call('ZREM', L.levels, id)
+      redis.call('ZREM', L.open_at, id)
+    end
+    return nil
+  end
+  -- the stamp of `Keys.open_at` is renewed once per RESTAMP_MS at most: closing the silent needs no finer clock
+  local stamp = at_ms and (not was or at_ms - old_at >= RESTAMP_MS)
+  if stamp then old_at = at_ms end
+  if not was or load ~= old_load or weight ~= old_w or kv ~= old_kv or stamp then
+    redis.call('HSET', L.loads, id .. '${IN_SUFFIX}', string.format('%d %d %d %d', load, weight, kv, old_at))
+  end
+  if not was or load ~= old_load or weight ~= old_w then redis.call('ZADD', L.levels, load / weight, id) end
+  if stamp then redis.call('ZADD', L.open_at, at_ms, id) end
+  return load / weight
+end
+local function close_silent(L, ttl_ms, at_ms, limit)
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', L.open_at, '-inf', at_ms - ttl_ms - 1, 'LIMIT', 0, limit)) do
+    relevel(L, id, false)
+  end
+end
+""")
+
+
+def with_levels(template: str, first_key: int = 1) -> str:
+    """A script that counts work (`COST_LUA`, `LOADS_LUA`, `LEVELS_LUA`), its KEYS from `first_key` on the loads hash,
+    `Keys.levels` and `Keys.open_at`, bound to the table `L` that `relevel` takes; `template` rendered by `lua`."""
+    k = first_key
+    bind = f"local L = {{loads = KEYS[{k}], levels = KEYS[{k + 1}], open_at = KEYS[{k + 2}]}}\n"
+    return COST_LUA + LOADS_LUA + LEVELS_LUA + bind + lua(template)
