@@ -345,6 +345,12 @@ class Keys:
         return f"{self.tagged}:reap:{worker_id}"
 
     @property
+    def reap_turn(self) -> str:
+        """String, with TTL (most of a heartbeat interval): held by the one live worker whose turn it is to look for
+        dead workers, so that the fleet looks once an interval, not once per worker (W^2 reads of heartbeats)."""
+        return f"{self.tagged}:reap-turn"
+
+    @property
     def fleet(self) -> list[str]:
         """The keys a placement script declares: the state hash, the loads hash and the two sorted sets of open
         workers (`levels`, `open_at`). The keys of the one worker it places on (its heartbeat hash, session set and

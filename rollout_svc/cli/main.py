@@ -630,9 +630,17 @@ def bench(
             "skyrl: SkyRL's client path; step: an RL step on a simulated GPU fleet; simfit: the simulator fitted to "
             "and checked against the real engine; sessions: multi-turn agent sessions on a simulated fleet, sticky "
             "and not; published: the simulator's GPU profiles beside published vLLM figures; weights: weight sync "
-            "into two vLLM workers, the transfer outside the pause and inside it) and replace it in --output."
+            "into two vLLM workers, the transfer outside the pause and inside it; scale: Redis work, control and "
+            "commits over fleets of up to 1,024 simulated GPUs on one Redis) and replace it in --output."
         ),
     ] = None,
+    scale_fleets: Annotated[
+        str, typer.Option(help="--only scale: the fleets, in simulated GPUs (workers), comma-separated.")
+    ] = "4,64,256,1024",
+    scale_requests: Annotated[int, typer.Option(min=100, help="--only scale: requests per fleet.")] = 2000,
+    scale_cluster_shards: Annotated[
+        int, typer.Option(min=0, help="--only scale: the largest fleet again on a Redis Cluster of this many (0: not).")
+    ] = 3,
 ) -> None:
     """Measure queue overhead, control latency and the HTTP API beside the Python client (echo engine),
     generation efficiency (vLLM through the service vs direct), weight sync (vLLM workers vs a bare gloo
@@ -644,7 +652,17 @@ def bench(
     if only is not None:
         if only not in SECTIONS:
             raise typer.BadParameter(f"choose from {', '.join(sorted(SECTIONS))}", param_hint="--only")
-        run_section(redis_url, output, only, " ".join(["rollout-svc", *sys.argv[1:]]), requests)
+        from rollout_svc.tools.bench.scale import ScalePlan
+
+        try:
+            fleets = tuple(int(w) for w in scale_fleets.split(",") if w.strip())
+        except ValueError as exc:
+            hint = "give whole numbers, comma-separated: 4,64,256"
+            raise typer.BadParameter(hint, param_hint="--scale-fleets") from exc
+        if not fleets or min(fleets) < 1:
+            raise typer.BadParameter("give at least one fleet of 1 or more", param_hint="--scale-fleets")
+        scale = ScalePlan(fleets=fleets, requests=scale_requests, cluster_shards=scale_cluster_shards)
+        run_section(redis_url, output, only, " ".join(["rollout-svc", *sys.argv[1:]]), requests, scale=scale)
         return
     if not skip_vllm and model is None:
         with Progress(None, "preparing the model"):

@@ -152,6 +152,7 @@ def _worker(k: Keys) -> Role:
     barriers = tuple(k.weight_barrier("*", phase) for phase in (JOINED, RECEIVED, LOADED))
     fleet: tuple[str, ...] = (k.session("*"), k.worker_sessions("*"), k.workers, k.worker("*"), k.reap_lock("*"))
     fleet += (k.shards, k.loads, k.levels, k.open_at)  # the loads and the open workers by level (`dataplane.levels`)
+    fleet += (k.reap_turn,)
     catch_ups = (k.weight_catch_ups, k.weight_catch_up_answer("*"))  # peer catch-up, among workers
     read_write = (*streams, *fleet, *barriers, *catch_ups)
     read_only = (k.state, k.commands, k.cancelled, k.weight_sync, k.weight_manifest("*"), k.weight_load("*"))

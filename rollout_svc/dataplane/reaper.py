@@ -24,6 +24,7 @@ from rollout_svc.dataplane.streams import Enqueue, Entry, StreamConnection, entr
 
 log = logging.getLogger("rollout_svc.dataplane.reaper")
 REAP_LOCK_TTL_S = 60.0
+REAP_TURN_SHARE = 0.9  # of a heartbeat interval: a reap turn lapses before its holder's next pass, so any may take it
 FORGET_ATTEMPTS = 10  # a consumer still taking entries while it is reaped: requeue, and try to forget it, this often
 
 
@@ -35,14 +36,21 @@ class Reaper:
         self.streams = RecoveryStreams(StreamConnection(redis, self.keys, settings.session_ttl_s))
         self.registry = Registry(redis, self.keys, settings.heartbeat_ttl_s)
         self._ttl_ms = int(settings.heartbeat_ttl_s * 1000)
+        self._turn_s = REAP_TURN_SHARE * settings.worker.heartbeat_interval_s
 
     async def reap_dead(self, reaper_id: str) -> dict[str, int]:
         """Reclaim every registered worker whose heartbeat expired and whose reap lock this caller wins, and every
         consumer that holds pending entries, is idle past the heartbeat TTL and has no heartbeat (a worker reaped
         while it lived that took more before it noticed, then died: it is no longer registered).
 
-        Returns {dead worker id: requests requeued}.
+        Looking reads every registered worker's heartbeat: the workers take turns (`Registry.take_reap_turn`, held for
+        most of a heartbeat interval), so the fleet looks about once an interval, not once per worker. A pass that
+        finds a dead worker whose reap lock another holds gives the turn up, so that one's next pass looks at once.
+
+        Returns {dead worker id: requests requeued} ({} where it was not this caller's turn).
         """
+        if not await self.registry.take_reap_turn(reaper_id, self._turn_s):
+            return {}
         reaped = {}
         dead = await self.registry.dead_workers()
         for stream in (self.keys.requests, self.keys.token_requests):
@@ -54,6 +62,8 @@ class Reaper:
             if moved is not None:
                 reaped[dead_worker_id] = moved
                 log.warning("worker %s is dead: requeued %d of its requests", dead_worker_id, moved)
+        if len(reaped) < len(dead):
+            await self.registry.pass_reap_turn(reaper_id)
         return reaped
 
     async def reap(self, worker_id: str, reaper_id: str, *, retake: bool = False) -> int | None:

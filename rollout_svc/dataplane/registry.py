@@ -93,6 +93,15 @@ class Registry:
             return bool(await self._retake(keys=[key], args=[reaper_id, ttl_ms]))
         return bool(await self.redis.set(key, reaper_id, nx=True, px=ttl_ms))
 
+    async def take_reap_turn(self, reaper_id: str, ttl_s: float) -> bool:
+        """Whether it is `reaper_id`'s turn to look for dead workers (`Keys.reap_turn`): taken if free, kept (its TTL
+        renewed) if it holds it already."""
+        return bool(await self._retake(keys=[self.keys.reap_turn], args=[reaper_id, max(1, int(ttl_s * 1000))]))
+
+    async def pass_reap_turn(self, reaper_id: str) -> None:
+        """Give the turn up (if `reaper_id` holds it), so that the next worker's pass looks at once."""
+        await self._release(keys=[self.keys.reap_turn], args=[reaper_id])
+
     async def release_reap_lock(self, worker_id: str, holder: str) -> bool:
         """Release a reap lock if `holder` still holds it (it may have expired and been taken by another)."""
         return bool(await self._release(keys=[self.keys.reap_lock(worker_id)], args=[holder]))

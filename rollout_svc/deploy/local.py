@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -105,6 +106,9 @@ class PrivateRedis:
     def args(self, binary: str) -> list[str]:
         """The `redis-server` command line."""
         args = [binary, "--port", str(self.port), "--bind", *self.bind.split(","), "--save", ""]
+        # Each worker holds a few connections (its take loop's, its publisher's, its control subscription's, its
+        # pool's): 1,024 simulated GPUs passed Redis's default of 10,000 clients. As many as this process may open.
+        args += ["--maxclients", str(max(10_000, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 64))]
         if self.data_dir is not None:
             args += ["--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(self.data_dir)]
         else:

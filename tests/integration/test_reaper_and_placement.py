@@ -374,3 +374,18 @@ async def test_entries_pending_on_a_live_worker_that_it_no_longer_holds_are_requ
     [again], _ = await worker.take(TakeOptions("w1", 60_000), 4)
     assert decode(again.payload).request_id == "r3" and again.deliveries == 2  # its first delivery carried
     assert await reaper.requeue_forgotten("w0", lambda: held, settle_s=0.1) == 0  # r0 and r1 held: nothing
+
+
+async def test_the_fleet_looks_for_dead_workers_about_once_an_interval_not_once_per_worker(plane, settings, rds):
+    """Every worker's reap loop runs once a heartbeat interval, and looking reads every worker's heartbeat: with each
+    looking, a fleet of W read W^2 heartbeats an interval (1,024 simulated GPUs: a million EXISTS a second). The
+    workers take turns (`Keys.reap_turn`): 16 reapers' passes in a row read the 16 heartbeats about once."""
+    ids = [f"w{i:02d}" for i in range(16)]
+    for worker_id in ids:
+        await register(plane, worker_id)
+    rds.config_resetstat()
+    passes = [await Reaper(plane.redis, settings).reap_dead(worker_id) for worker_id in ids]
+    assert passes == [{}] * 16  # nobody is dead
+    exists = rds.info("commandstats").get("cmdstat_exists", {}).get("calls", 0)
+    # One look is 16 EXISTS; a slow pass may outlast the turn (0.18 s here) and let another look. Before: 256.
+    assert 16 <= exists <= 64, exists

@@ -63,11 +63,11 @@ def control_latency(
 async def _measure_control(settings: Settings, workers: int, cycles: int) -> ControlFigures:
     async with RolloutClient(settings) as client:
         await client.generate([[1, 2, 3]] * 100, {"max_tokens": 3})  # warm-up: connections, scripts
-        idle, resumes = await _cycles(client, cycles)
+        idle, resumes = await pause_cycles(client, cycles)
         stop = asyncio.Event()
         load = asyncio.create_task(_steady_load(client, stop))
         try:
-            loaded, _ = await _cycles(client, cycles)
+            loaded, _ = await pause_cycles(client, cycles)
         finally:
             stop.set()
             await load
@@ -86,7 +86,7 @@ async def _measure_control(settings: Settings, workers: int, cycles: int) -> Con
     )
 
 
-async def _cycles(client: RolloutClient, cycles: int) -> tuple[list[float], list[float]]:
+async def pause_cycles(client: RolloutClient, cycles: int) -> tuple[list[float], list[float]]:
     """`cycles` keep-pauses and resumes, back to back; the seconds each pause and each resume took."""
     pauses, resumes = [], []
     for _ in range(cycles):

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from rollout_svc.tools.bench import api as bench_api
 from rollout_svc.tools.bench import batch as bench_batch
 from rollout_svc.tools.bench import control as bench_control
 from rollout_svc.tools.bench import hop as bench_hop
+from rollout_svc.tools.bench import scale as bench_scale
 from rollout_svc.tools.bench import shards as bench_shards
 from rollout_svc.tools.bench import simpublished as bench_published
 from rollout_svc.tools.bench import simsessions as bench_sessions
@@ -127,10 +129,19 @@ SECTIONS = {
     "published": "## (m) ",
     "weights": "## (e) ",
     "gpu": "## (n) ",
+    "scale": "## (o) ",
 }
 
 
-def run_section(redis_url: str | None, output: Path, section: str, command: str, requests: int = 20_000) -> None:
+def run_section(
+    redis_url: str | None,
+    output: Path,
+    section: str,
+    command: str,
+    requests: int = 20_000,
+    *,
+    scale: bench_scale.ScalePlan | None = None,
+) -> None:
     """Measure one section (`SECTIONS`) and put it in `output` in place of the same section (or after the last one),
     keeping every other section as it was; the section names its own command, and a line under it names the date and
     commit of this run. Raises `ValueError` for an unknown section."""
@@ -149,6 +160,10 @@ def run_section(redis_url: str | None, output: Path, section: str, command: str,
     elif section == "sessions":
         run = bench_sessions.run_sessions_bench(redis_url, console, _log_dir(), command=command)
         body = bench_sessions.render_sessions(run)
+    elif section == "scale":  # `scale`: the fleets (default `ScalePlan()`)
+        fleet = bench_scale.run_scale_bench(redis_url, console, _log_dir(), scale, command=command)
+        fleet.plot = _draw_beside(output, lambda path: bench_scale.draw_scale(fleet, path), bench_scale.PLOT)
+        body = bench_scale.render_scale(fleet)
     elif section == "published":
         body = bench_published.render_published(bench_published.run_published_bench(), command)
     elif section == "weights":
@@ -178,12 +193,19 @@ def run_section(redis_url: str | None, output: Path, section: str, command: str,
 
 
 def _draw_timeline(step: bench_step.StepFigures, output: Path) -> None:
-    """Draw the step's timelines beside `output` and, where the docs include it (`docs/benchmarks-report.md`
-    includes BENCHMARKS.md whole, so its relative link resolves in `docs/`), beside the docs too."""
-    step.timeline = bench_step.draw_timeline(step, output.parent / "step-timeline.png")
+    """Draw the step's timelines beside `output` (and the docs: `_draw_beside`)."""
+    step.timeline = _draw_beside(output, lambda path: bench_step.draw_timeline(step, path), "step-timeline.png")
+
+
+def _draw_beside(output: Path, draw: Callable[[Path], str], name: str) -> str:
+    """Draw a figure (`draw(path)` writes the PNG, returns its file name) beside `output` and, where the docs include
+    it (`docs/benchmarks-report.md` includes BENCHMARKS.md whole, so its relative link resolves in `docs/`), beside
+    the docs too. Returns the file name."""
+    drawn = draw(output.parent / name)
     docs = output.parent / "docs"
     if docs.is_dir():
-        shutil.copyfile(output.parent / step.timeline, docs / step.timeline)
+        shutil.copyfile(output.parent / drawn, docs / drawn)
+    return drawn
 
 
 def replace_section(report: str, heading: str, body: str) -> str:
