@@ -351,11 +351,17 @@ class Keys:
         return f"{self.tagged}:reap-turn"
 
     @property
+    def load_keys(self) -> list[str]:
+        """The loads hash and the open workers' two sorted sets, in the order `dataplane.levels.with_levels` binds
+        them: what every script that changes a load declares."""
+        return [self.loads, self.levels, self.open_at]
+
+    @property
     def fleet(self) -> list[str]:
         """The keys a placement script declares: the state hash, the loads hash and the two sorted sets of open
         workers (`levels`, `open_at`). The keys of the one worker it places on (its heartbeat hash, session set and
         pinned stream) it builds from `worker_stems`: they share this shard's hash tag, so one slot holds them all."""
-        return [self.state, self.loads, self.levels, self.open_at]
+        return [self.state, *self.load_keys]
 
     @property
     def worker_stems(self) -> list[str]:

@@ -58,7 +58,8 @@ class Liveness:
     """Registers a worker and keeps it alive: heartbeats (its free slots first, `WorkerStreams.report_load`), a
     Redis that restarted or failed over reconciled with, and a worker presumed dead fenced and registered anew.
 
-    `status()` is the heartbeat to send and `load_after(released)` its (worker id, free slots)."""
+    `status()` is the heartbeat to send, `load_after(released)` its (worker id, free slots) and `holds()` what its
+    engine holds (KV cache and context, in tokens; 0 while not known)."""
 
     def __init__(
         self,
@@ -75,10 +76,12 @@ class Liveness:
         converger: Converger,
         status: Callable[[], WorkerStatus],
         load_after: Callable[[list[InFlight]], tuple[str, int]],
+        holds: Callable[[], tuple[int, int]],
     ) -> None:
         self.settings, self.keys, self.state, self.index = settings, settings.keys, state, index
         self.lease, self.wakes, self.streams, self.reaper, self.registry = lease, wakes, streams, reaper, registry
         self.router, self.converger, self.status, self.load_after = router, converger, status, load_after
+        self.holds = holds
         self.redis_run_id: str | None = None  # the Redis server's run_id when last asked (a new one: it restarted)
         self._beat_lock = asyncio.Lock()
         self._forgotten_check = False  # after a reconcile: requeue what Redis holds pending here that is not in flight
@@ -110,8 +113,7 @@ class Liveness:
             # Its free slots first: once a heartbeat says it serves, other workers' takes count it open. What its
             # engine holds (KV cache, context) goes with them: takes weigh the work by it. The heartbeat itself is
             # read after: a state that changed meanwhile (starting to serving) goes out in this beat, not the next.
-            holds = self.status()
-            widest = await self.streams.report_load(*self.load_after([]), holds.kv_cache_tokens, holds.max_model_len)
+            widest = await self.streams.report_load(*self.load_after([]), *self.holds())
             self.state.widest_context = widest
             sent_at = time.monotonic()
             status = self.status()

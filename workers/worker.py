@@ -161,6 +161,7 @@ class Worker:
             converger=self.converger,
             status=self._status,
             load_after=self._load_after,
+            holds=lambda: (self.engine.kv_cache_tokens, self.engine.max_model_len),
         )
         try:
             await self.engine.start()

@@ -44,6 +44,7 @@ local function now_ms()
 end
 """)
 
+# weight_of(kv, kv_sum, kv_count): a worker's weight.
 # relevel(L, id, open, at_ms): worker `id`'s level and its part of the sums, from its load fields as they are now.
 # L: {loads = the loads hash, levels = `Keys.levels`, open_at = `Keys.open_at`}. `open`: true (it said it has a free
 # slot, at `at_ms`: it joins or stays), false (it leaves), nil (it stays as it is, member or not: a change of load
@@ -56,6 +57,12 @@ local function num(v)
   local n = tonumber(v or '0')
   if not n or not (n > 0) then return 0 end
   return n
+end
+-- a worker's weight: its KV cache in tokens, or for one that has not said it the mean of those that did (1 where none
+-- did), from the KV sum and count of the others
+local function weight_of(kv, kv_sum, kv_count)
+  if kv > 0 then return kv end
+  return kv_count > 0 and math.max(1, math.floor(kv_sum / kv_count)) or 1
 end
 local function relevel(L, id, open, at_ms)
   local h = redis.call('HMGET', L.loads, id, id .. '${PINNED_SUFFIX}', id .. '${HOLDS_SUFFIX}', id .. '${IN_SUFFIX}',
@@ -71,11 +78,7 @@ local function relevel(L, id, open, at_ms)
   if open then
     load = num(h[1]) + num(h[2])
     kv = num(string.match(h[3] or '', '^(%d+) '))
-    weight = kv
-    if kv == 0 then
-      local s, n = num(h[5]) - old_kv, num(h[6]) - (old_kv > 0 and 1 or 0)
-      weight = n > 0 and math.max(1, math.floor(s / n)) or 1
-    end
+    weight = weight_of(kv, num(h[5]) - old_kv, num(h[6]) - (old_kv > 0 and 1 or 0))
   end
   if load ~= old_load then redis.call('HINCRBY', L.loads, '${SUM_FIELD}', load - old_load) end
   if weight ~= old_w then redis.call('HINCRBY', L.loads, '${WEIGHTS_FIELD}', weight - old_w) end

@@ -51,9 +51,9 @@ local function hash_of(text)
 end
 local function place(f, epoch, ttl_ms, skey, sid, preferred, keep_draining)
   local at = now_ms()
-  local function pin(w)
+  local function pin(w, new)  -- `new`: a session new to w, whose set is then cleared of expired ones
     redis.call('SET', skey, w, 'PX', ttl_ms)
-    redis.call('ZREMRANGEBYSCORE', f.zs .. w, '-inf', at)
+    if new then redis.call('ZREMRANGEBYSCORE', f.zs .. w, '-inf', at) end
     redis.call('ZADD', f.zs .. w, at + ttl_ms, sid)
     return w
   end
@@ -73,7 +73,7 @@ local function place(f, epoch, ttl_ms, skey, sid, preferred, keep_draining)
   end
   if preferred then
     local state = redis.call('HGET', f.hb .. preferred, '${HeartbeatField.STATE}')
-    if state == '${WorkerLabel.SERVING}' or state == '${WorkerLabel.PAUSED}' then return pin(preferred) end
+    if state == '${WorkerLabel.SERVING}' or state == '${WorkerLabel.PAUSED}' then return pin(preferred, true) end
   end
   local first = redis.call('ZRANGE', f.levels, 0, 0, 'WITHSCORES')
   if #first == 0 then return false end
@@ -89,9 +89,9 @@ local function place(f, epoch, ttl_ms, skey, sid, preferred, keep_draining)
       best, best_level, best_sessions = id, level, sessions
     end
   end
-  if best and placeable(best) then return pin(best) end
+  if best and placeable(best) then return pin(best, true) end
   for _, id in ipairs(redis.call('ZRANGE', f.levels, 0, PLACE_WALK - 1)) do
-    if placeable(id) then return pin(id) end
+    if placeable(id) then return pin(id, true) end
   end
   return false
 end
@@ -298,8 +298,7 @@ if free > 0 and queued > 0 then
       local a, b = string.match(s[3], '^(%S+) (%S+) ')
       in_load, in_w = num(a), num(b)
     end
-    local w_me = kv_me
-    if w_me == 0 then w_me = num(s[5]) > 0 and math.max(1, math.floor(num(s[4]) / num(s[5]))) or 1 end
+    local w_me = weight_of(kv_me, num(s[4]), num(s[5]))
     local mine = held + spent + my_pinned
     local level_sum, weight_sum = num(s[1]) - in_load + mine, num(s[2]) - in_w + w_me
     local least = true

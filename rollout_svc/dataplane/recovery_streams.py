@@ -138,5 +138,4 @@ class RecoveryStreams(StreamSide):
     async def forget_load(self, worker_id: str) -> None:
         """Close a departed worker (`dataplane.levels`: out of the open workers and their sums) and delete its fields of
         `Keys.loads` (its load, free slots, pinned tokens and holdings)."""
-        keys = [self.keys.loads, self.keys.levels, self.keys.open_at]
-        await self.connection.scripts["forget_load"](keys=keys, args=[worker_id])
+        await self.connection.scripts["forget_load"](keys=self.keys.load_keys, args=[worker_id])

@@ -57,8 +57,6 @@ from rollout_svc.keys import (
     ScriptReply,
 )
 
-ScriptCall = tuple[list[str], list[Any]]  # a script call's (KEYS, ARGV)
-
 
 @dataclass(frozen=True, slots=True)
 class Entry:

@@ -58,7 +58,7 @@ class WorkerStreams(StreamSide):
         (ID:pinned); `idle` (it holds nothing, every result published) sets its load to 0 first. Returns the entries
         and whether queued entries were left to other workers' shares."""
         worker_id = options.worker_id
-        keys = [self.keys.pinned_requests(worker_id), self.keys.requests, *self._levels]
+        keys = [self.keys.pinned_requests(worker_id), self.keys.requests, *self.keys.load_keys]
         args: list[str | int] = [WORKERS_GROUP, worker_id, free, options.loads_ttl_ms, TAKE_PEEK, carried[0], int(idle)]
         args += [int(options.share), carried[1], options.kv_cache_tokens, options.max_model_len]
         reply: Any = await self.connection.script("take", keys, args)
@@ -103,7 +103,7 @@ class WorkerStreams(StreamSide):
         `Keys.loads` in the same call, so a take's fair share never counts work already answered; `woken`:
         (tokens, pinned tokens) its blocking reads took that no take counted yet (`workers.inflight.Woken`): added
         to its load, and taken off its pinned tokens, first. Neither goes below 0."""
-        keys = {key: i for i, key in enumerate(self._levels, 1)}  # stream name -> its 1-based index in KEYS
+        keys = {key: i for i, key in enumerate(self.keys.load_keys, 1)}  # stream name -> its 1-based index in KEYS
         load_args = ["", ""] if load is None else [load[0], str(max(load[1], 0))]
         args: list[str | bytes | int] = [int(results_ttl_s), WORKERS_GROUP, *load_args, *woken]
         for entry, result in items:
@@ -121,17 +121,12 @@ class WorkerStreams(StreamSide):
         await pipe.execute()
 
     async def report_load(self, worker_id: str, free: int, kv_cache_tokens: int = 0, max_model_len: int = 0) -> int:
-        """Record this worker's free slots (0 while it takes nothing: paused, draining), stamped with Redis's clock
-        as the take script reads them (`REPORT_LOAD_LUA`; a worker host's clock may be off), and what its engine
+        """Record this worker's free slots (0 while it takes nothing: paused, draining): open while it has one, stamped
+        with Redis's clock (`dataplane.levels`; a worker host's clock may be off), and what its engine
         holds (its KV cache and context in tokens; 0: not known yet), by which takes weigh and fit work. Its load is
         left as it is. Returns the widest context any worker has said (0: none)."""
         holds = f"{kv_cache_tokens} {max_model_len}" if kv_cache_tokens > 0 and max_model_len > 0 else ""
-        return int(await self.connection.script("report_load", self._levels, [worker_id, max(free, 0), holds]))
-
-    @property
-    def _levels(self) -> list[str]:
-        """The loads hash and the open workers' sorted sets, which every change of a load keeps (`dataplane.levels`)."""
-        return [self.keys.loads, self.keys.levels, self.keys.open_at]
+        return int(await self.connection.script("report_load", self.keys.load_keys, [worker_id, max(free, 0), holds]))
 
     async def pin_session(self, session_id: str, worker_id: str) -> str | None:
         """Pin a session to `worker_id` unless a live worker already holds it (a draining one included: it may be
@@ -148,7 +143,7 @@ class WorkerStreams(StreamSide):
         fields: list[bytes | int] = [PAYLOAD_FIELD, item.payload, EPOCH_FIELD, item.epoch or 0]
         if item.cost:
             fields += [COST_FIELD, item.cost]
-        keys = [self.keys.pinned_requests(worker_id), *self._levels]  # counted as placement counts it (ID:pinned)
+        keys = [self.keys.pinned_requests(worker_id), *self.keys.load_keys]  # counted as placement counts it
         entry_id = await self.connection.scripts["hand_over"](keys=keys, args=[worker_id, item.cost, *fields])
         return entry_id if isinstance(entry_id, bytes) else entry_id.encode()
 

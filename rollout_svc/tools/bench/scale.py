@@ -27,6 +27,7 @@ import statistics
 import struct
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.client.weight_sender import WeightSender
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.deploy.local import LocalCluster
-from rollout_svc.deploy.redis_cluster import free_cluster_ports
+from rollout_svc.deploy.redis_cluster import cluster_ports, free_cluster_ports
 from rollout_svc.tools.bench.control import pause_cycles
 from rollout_svc.tools.progress import Progress
 from rollout_svc.tools.runs import percentile, private_settings
@@ -143,8 +144,10 @@ def run_scale_bench(
 
 def _measure_fleet(redis_url: str | None, plan: ScalePlan, workers: int, shards: int, log_dir: Path) -> ScaleRow:
     settings = private_settings(None if shards > 1 else redis_url, "bench-scale")
+    urls = [settings.redis_url]
     if shards > 1:  # the cluster's bus ports (+10000) must stay under 65536
-        settings = settings.copy_with(redis_url=f"redis://127.0.0.1:{free_cluster_ports(shards)}/0")
+        urls = [f"redis://127.0.0.1:{port}/0" for port in cluster_ports(free_cluster_ports(shards), shards)]
+        settings = settings.copy_with(redis_url=urls[0])
     root = Path(tempfile.mkdtemp(prefix="rollout-scale-"))
     settings = settings.copy_with(
         checkpoint_root=root,
@@ -158,9 +161,6 @@ def _measure_fleet(redis_url: str | None, plan: ScalePlan, workers: int, shards:
     processes = -(-workers // per_process)
     engine = EngineSettings(engine="sim", sim_engines=per_process, sim_time_scale=plan.time_scale)
     cluster = LocalCluster(settings, processes, engine, log_dir=log_dir, redis_cluster=shards if shards > 1 else 0)
-    port = int(settings.redis_url.rsplit(":", 1)[1].split("/")[0])
-    host = settings.redis_url.split("//", 1)[1].rsplit(":", 1)[0]
-    urls = [f"redis://{host}:{port + i}/0" for i in range(shards)] if shards > 1 else [settings.redis_url]
     with cluster.running(ready_timeout_s=600):
         meter = _RedisMeter(urls)
         try:
@@ -196,9 +196,7 @@ async def _measure(
             commands[kind] = max(0.0, (calls_after - calls) - idle_rate * elapsed) / n
         pauses, resumes = await pause_cycles(client, plan.cycles)
         batch = await client.generate([[7, 8, 9]] * (2 * workers), params)
-        served: dict[str, int] = {}
-        for t in batch:
-            served[t.worker_id or ""] = served.get(t.worker_id or "", 0) + 1
+        served = Counter(t.worker_id for t in batch)
         max_over_ideal = max(served.values()) / (len(batch) / workers)
     commits = []
     async with WeightSender(settings=settings) as sender:
