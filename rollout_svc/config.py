@@ -260,6 +260,12 @@ class ClientSettings(_Concern):
     stale_policy: Literal["regenerate", "mark"] = Field(
         "regenerate", description="a too-stale trajectory is generated again, or returned with its staleness"
     )
+    step_ttl_s: float = Field(
+        3600.0,
+        gt=0,
+        description="a named step (`generate(..., step_id=)`) whose client died is kept this long for a new client to "
+        "attach to (`attach_step`), renewed while one is attached; then it goes, counted, its results uncollected",
+    )
     control_timeout_s: float = Field(60.0, gt=0, description="how long a control command waits for every ack")
     pause_lease_s: float = Field(
         20.0,
@@ -312,6 +318,12 @@ class ApiSettings(_Concern):
     admin_token: str | None = Field(None, description="the bearer token of /admin/* (none: admin routes off)")
     served_model_name: str = Field("", description="the model name served ('': the workers' model folder name)")
     api_default_max_tokens: int = Field(1024, ge=1, description="max_tokens of a chat request that sets none")
+    api_pause_lease_s: float = Field(
+        600.0,
+        ge=0,
+        le=MAX_LEASE_S,
+        description="an HTTP /pause's lease: it lapses this long after its holder's last call (0: held until resumed)",
+    )
     open_control: bool = Field(
         False,
         description="serve the control routes of SkyRL's server protocol (/pause, /sleep, ...) without the admin "

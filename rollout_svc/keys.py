@@ -147,7 +147,6 @@ class ScriptReply:
 
     OK = b"ok"
     FULL = b"full"  # a target stream is over the admission limit: nothing was added
-    LEFT = b"left"  # a take left queued entries to other workers' shares (`dataplane.scripts.TAKE_LUA`)
 
 
 class StreamSyntax:
@@ -159,6 +158,7 @@ class StreamSyntax:
     FIRST_ID = "0-0"
     GROUP_NAME = "name"
     LAST_DELIVERED_ID = "last-delivered-id"
+    PENDING = "pending"
 
 
 class EnqueueKind:
@@ -259,7 +259,7 @@ class Keys:
     def loads(self) -> str:
         """Hash: field ID -> the work worker ID holds (tokens to prefill and to generate), ID:pinned -> the tokens
         placed in its pinned stream that it has not taken, ID:holds -> what its engine holds:
-        what a take's fair share (`placement.TAKE_LUA`) and a new session's worker (`placement.PLACE_LUA`) come from,
+        what a take's fair share (`take.TAKE_LUA`) and a new session's worker (`placement.PLACE_LUA`) come from,
         with the open workers' sums (`dataplane.levels`)."""
         return f"{self.tagged}:loads"
 
@@ -274,6 +274,13 @@ class Keys:
         """Sorted set: each open worker scored by when it last said so (unix ms, Redis's clock): the silent ones are
         found first, to be closed once their word is older than the heartbeat TTL."""
         return f"{self.tagged}:open-at"
+
+    @property
+    def queued_costs(self) -> str:
+        """List: "entry-id cost" of each entry added to the shared requests stream and not yet taken, in stream order
+        (the enqueue script pushes, takes trim): a take weighs its share by these without reading the entries
+        (`take.TAKE_LUA`, which rebuilds it from the entries when it stops matching them)."""
+        return f"{self.tagged}:queued-costs"
 
     @property
     def token_requests(self) -> str:
@@ -325,6 +332,23 @@ class Keys:
         """The RQ queue name that batch jobs go to (RQ keeps its own keys under `rq:`)."""
         return f"{self.prefix}-batches"
 
+    # --- named steps (`RolloutClient.generate(..., step_id=)`) ------------------------------------------------
+
+    def step(self, step_id: str) -> str:
+        """Hash, with TTL: a named step's requests (`requests`: a msgpack list of their envelopes, in order) and the
+        attempt each position is awaited under (`a:<index>` -> request id), for a client that attaches to it."""
+        return f"{self.prefix}:step:{step_id}"
+
+    @property
+    def steps(self) -> str:
+        """Sorted set: every named step, scored by when its record expires unless renewed (unix s)."""
+        return f"{self.prefix}:steps"
+
+    @property
+    def steps_expired(self) -> str:
+        """String: how many named steps expired unattached, their results left uncollected (a counter)."""
+        return f"{self.prefix}:steps:expired"
+
     # --- workers ----------------------------------------------------------------------------------------
 
     def worker(self, worker_id: str) -> str:
@@ -352,15 +376,16 @@ class Keys:
 
     @property
     def load_keys(self) -> list[str]:
-        """The loads hash and the open workers' two sorted sets, in the order `dataplane.levels.with_levels` binds
-        them: what every script that changes a load declares."""
-        return [self.loads, self.levels, self.open_at]
+        """The loads hash, the open workers' two sorted sets and the queued costs, in the order
+        `dataplane.levels.with_levels` binds them: what every script that changes a load declares."""
+        return [self.loads, self.levels, self.open_at, self.queued_costs]
 
     @property
     def fleet(self) -> list[str]:
-        """The keys a placement script declares: the state hash, the loads hash and the two sorted sets of open
-        workers (`levels`, `open_at`). The keys of the one worker it places on (its heartbeat hash, session set and
-        pinned stream) it builds from `worker_stems`: they share this shard's hash tag, so one slot holds them all."""
+        """The keys a placement script declares: the state hash, the loads hash, the two sorted sets of open
+        workers (`levels`, `open_at`) and the queued costs. The keys of the one worker it places on (its heartbeat
+        hash, session set and pinned stream) it builds from `worker_stems`: they share this shard's hash tag, so one
+        slot holds them all."""
         return [self.state, *self.load_keys]
 
     @property
@@ -403,6 +428,12 @@ class Keys:
     def weight_sync(self) -> str:
         """String: the current weight sync order (msgpack `WeightSyncOrder`), kept until the next one."""
         return f"{self.tagged}:weight-sync"
+
+    def engine_group(self, master: str) -> str:
+        """String, with TTL (the sync timeout): the `rank_offset` at which a `serve` made the fleet join the NCCL group
+        of the trainer at `master` (`address:port`), so that a second `serve` of the same fleet asked to join it
+        again (SkyRL given two replicas in `server_urls`) is refused rather than join every engine twice."""
+        return f"{self.tagged}:engine-group:{master}"
 
     def weight_manifest(self, sync_id: str) -> str:
         """String, with TTL: the tensors a broadcast sync announces (msgpack `WeightManifest`)."""

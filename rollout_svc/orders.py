@@ -67,7 +67,8 @@ class EngineWeightOp(Message):
 class WeightSyncOrder(Message):
     """One weight sync, as the trainer publishes it (`Keys.weight_sync`). `transport` broadcast: the members of
     `group` receive the announced tensors from rank 0; checkpoint: every member loads `path` (a directory holding
-    `model.safetensors`, under its checkpoint root); engine: every member makes the call `engine_op` on vLLM's own
+    `model.safetensors` or a shard index, under its checkpoint root; with `stable_wait_s`, once its `STABLE` marker is
+    there, waiting that long for it); engine: every member makes the call `engine_op` on vLLM's own
     weight transfer engine (the trainer sends through vLLM's NCCL group, not ours). `members`: the workers expected
     at the barriers. `staged` (broadcast): the members receive while they go on generating on their old weights,
     keep what they received, reach barrier `received`, and load only once the trainer paused the fleet and wrote
@@ -80,6 +81,7 @@ class WeightSyncOrder(Message):
     staged: bool = False
     group: TransferGroup | None = None
     path: str | None = None
+    stable_wait_s: float | None = None
     engine_op: EngineWeightOp | None = None
     issued_at: float = Field(default_factory=time.time)
 

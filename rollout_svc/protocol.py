@@ -50,9 +50,11 @@ M = TypeVar("M", bound=BaseModel)
 FinishReason = Literal["stop", "length", "abort", "error"]
 # Why a request stopped early (finish_reason "abort"): a pause in abort mode, an explicit abort or cancel, its
 # deadline, its worker shutting down, its worker found stale (it missed a weight sync), its call's completion
-# target (a partial rollout, cut to be continued by a later call), or a straggler move whose hand-over failed.
-# "pause", "shutdown", "stale" and "migrate" are retried token-exact by RolloutClient.
-AbortCause = Literal["pause", "user", "deadline", "shutdown", "stale", "partial", "migrate"]
+# target (a partial rollout, cut to be continued by a later call), a straggler move whose hand-over failed, or its
+# own staleness bound (`RolloutRequest.max_staleness`, `min_weight_version`: its tokens would be staler than it allows).
+# "pause", "shutdown", "stale" and "migrate" are retried token-exact by RolloutClient; "staleness" is generated again
+# from scratch (or returned as it is, `stale_policy="mark"`).
+AbortCause = Literal["pause", "user", "deadline", "shutdown", "stale", "partial", "migrate", "staleness"]
 PauseMode = Literal["keep", "abort", "wait"]
 WeightSpan = tuple[int, int]  # (weight version, index of the first completion token generated under it)
 ErrorCode = Literal[
@@ -200,6 +202,11 @@ class RolloutRequest(Message):
     `adapter`: the LoRA adapter to generate with, by the name it was loaded under (`ControlPlane.load_adapter`),
     at its newest version when the attempt starts; None: the base model. A worker that does not hold it answers
     `unknown_adapter`, never the base model.
+    Staleness bound (`staleness_floor`; None: none): `max_staleness` (weight versions; the client copies
+    `ClientSettings.max_staleness`) and `min_weight_version` (absolute; prime-rl's `max_async_level` and AReaL's
+    `max_head_offpolicyness` as a version floor). The worker checks it when it takes the request and at each weight
+    sync while it holds it: where its first token would come from a version below the floor, it answers at once with
+    `abort_cause="staleness"` (its tokens so far kept in the answer) instead of generating on.
     """
 
     request_id: str = Field(min_length=1)
@@ -220,6 +227,8 @@ class RolloutRequest(Message):
     text_as_detokenized: bool = False
     expected_tokens: int | None = Field(None, ge=1)
     adapter: str | None = None
+    max_staleness: int | None = Field(None, ge=0)
+    min_weight_version: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RolloutRequest:
@@ -262,6 +271,16 @@ class RolloutRequest(Message):
         `submitted_at`). A copy, not validated again."""
         prompt = {"prompt_token_ids": result.prompt_token_ids, "messages": None, "prompt": None}
         return self.model_copy(update={**prompt, "continuation": Continuation.of(result, retry_of), **fields})
+
+    def staleness_floor(self, committed_version: int) -> int | None:
+        """The oldest weight version this request's first token may come from while `committed_version` is the
+        fleet's: `committed_version - max_staleness` (the staleness a client measures at receipt, `staleness_at`,
+        judged before generating) and `min_weight_version`, the higher; None where the request sets neither."""
+        floors = [self.min_weight_version]
+        if self.max_staleness is not None:
+            floors.append(committed_version - self.max_staleness)
+        given = [floor for floor in floors if floor is not None]
+        return max(given) if given else None
 
     @property
     def original_request_id(self) -> str:
@@ -487,7 +506,11 @@ def decode(data: bytes, committed_version: int | None = None) -> Any:
             values = trusted.values(body)
             if committed_version is not None and type_name == "Trajectory":
                 spans, version = values["weight_versions"], values["weight_version"]
-                values["staleness"] = staleness_at(spans, version, committed_version)
+                # Cut by its worker as too stale: judged by the version it gives, whose commit may not be read yet.
+                committed = committed_version
+                if values["abort_cause"] == "staleness":
+                    committed = max(committed, version)
+                values["staleness"] = staleness_at(spans, version, committed)
             return trusted.make(values)
         return cls.model_validate(msgspec.msgpack.decode(body))
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:

@@ -196,6 +196,21 @@ class Results:
         return results
 
 
+def python312() -> str | None:
+    """A Python 3.12 on this machine, as the Makefile finds one (`python3.12` on the PATH, else pyenv's), or None."""
+    with contextlib.suppress(OSError):
+        found = subprocess.run(
+            ["python3.12", "-c", "import sys; print(sys.executable)"], capture_output=True, text=True
+        )
+        if found.returncode == 0:
+            return found.stdout.strip()
+    with contextlib.suppress(OSError):
+        root = subprocess.run(["pyenv", "root"], capture_output=True, text=True).stdout.strip()
+        if root:
+            return next((str(p) for p in sorted(Path(root).glob("versions/3.12*/bin/python3.12"))), None)
+    return None
+
+
 class WorkerProcs:
     """Starts `python -m workers` subprocesses and kills whatever is left at teardown."""
 
@@ -203,10 +218,13 @@ class WorkerProcs:
         self.settings, self.log_dir = settings, log_dir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, worker_id: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def start(
+        self, worker_id: str, *args: str, env: dict[str, str] | None = None, python: str = sys.executable
+    ) -> subprocess.Popen[bytes]:
+        """`python -m workers` (this venv's Python, or `python`: another venv's) as `worker_id`."""
         with open(self.log_dir / f"{worker_id}.log", "wb") as log:  # the child keeps its own descriptor
             proc = subprocess.Popen(
-                [sys.executable, "-m", "workers", "--worker-id", worker_id, *args],
+                [python, "-m", "workers", "--worker-id", worker_id, *args],
                 env={**settings_env(self.settings), **(env or {})},
                 cwd=ROOT,
                 stdout=log,

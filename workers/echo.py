@@ -12,17 +12,20 @@ from typing import Any
 
 from rollout_svc.errors import InvalidRequestError
 from rollout_svc.protocol import PauseMode, PromptLogprob, SamplingParams, TransferGroup, WeightManifest
+from rollout_svc.weightsync.plane import checkpoint_files
 from workers.engine import ChatMessages, Completion, Generation, OnDelta, ParallelSizes, ToolSpecs
 
 
 class _EchoRun:
-    """One request the echo engine is generating; `aborted` is set to stop it."""
+    """One request the echo engine is generating; `aborted` is set to stop it. `stepping`: a token of it is under
+    way (a pause lets it complete before it returns, as vLLM's does)."""
 
-    __slots__ = ("aborted", "produced")
+    __slots__ = ("aborted", "produced", "stepping")
 
     def __init__(self) -> None:
         self.aborted = asyncio.Event()
         self.produced = 0
+        self.stepping = False
 
 
 class EchoEngine:
@@ -149,9 +152,10 @@ class EchoEngine:
         due, produced = loop.time(), 0
         while produced < count and not run.aborted.is_set():
             due += self.token_delay_s
+            run.stepping = True
             await asyncio.sleep(max(0.0, due - loop.time()))
             produced += 1  # a step that started completes, as in vLLM
-            run.produced = produced
+            run.produced, run.stepping = produced, False
             if produced_one is not None:
                 await produced_one(produced - 1)
             if not self._unpaused.is_set():
@@ -181,6 +185,10 @@ class EchoEngine:
             for run in self._runs.values():
                 run.aborted.set()
         self._unpaused.clear()
+        # As vLLM's pause, which returns once the step under way has sent its output: what a run reports then is
+        # all it makes until resumed (a weight sync's version marks and staleness cuts read it).
+        while any(run.stepping for run in self._runs.values()):
+            await asyncio.sleep(self.token_delay_s / 4)
 
     async def resume(self) -> None:
         self._unpaused.set()
@@ -299,7 +307,11 @@ class EchoEngine:
 
     async def load_checkpoint(self, path: str) -> dict[str, float]:
         started = time.perf_counter()
-        data = await asyncio.to_thread((Path(path) / "model.safetensors").read_bytes)
+
+        def read() -> bytes:  # one file or the shards, in order: their digest is the weights'
+            return b"".join(f.read_bytes() for f in checkpoint_files(Path(path)))
+
+        data = await asyncio.to_thread(read)
         await asyncio.sleep(self.load_delay_s)
         self.weights_digest = hashlib.sha256(data).hexdigest()
         if self._loads is not None:

@@ -18,21 +18,31 @@ from workers.engine import Engine
 
 @dataclass(slots=True)
 class Woken:
-    """The cost of the entries a worker's blocking reads took, not yet counted in Redis: tokens for its load
-    (`Keys.loads` ID) and those of them read from its pinned stream (placement's ID:pinned still counts them).
-    Whichever of its scripts goes to Redis first counts them, once: the take that follows the read, or a publish
-    sent before it (an idle worker's answer goes out ahead of its next take)."""
+    """The cost of the entries a worker's reads took, not yet counted in Redis: tokens for its load (`Keys.loads`
+    ID) and those of them read from its pinned stream (placement's ID:pinned still counts them). Whichever of its
+    scripts goes to Redis first counts them, once: the take that follows the read, or a publish sent before it (an
+    idle worker's answer goes out ahead of its next take). A blocking read adds what it took; a take (whose plan
+    counted what it planned) what it read beyond the plan, or, negative, short of it."""
 
     tokens: int = 0
     pinned: int = 0
-    drained: bool = False  # its last read took fewer entries of each stream than it asked: none was left to take
+    drained: bool = False  # its last read or take left nothing waiting for it: its next read blocks
 
-    def add(self, entries: list[Entry], pinned_stream: str, asked: int) -> None:
-        """What a blocking read that asked for up to `asked` entries of each stream took."""
+    def add(self, entries: list[Entry], pinned_stream: str, asked: int, drained: bool | None = None) -> None:
+        """What a read that asked for up to `asked` entries of each stream took outside a take. `drained`: whether
+        nothing is left waiting for it, where the caller knows; else it took fewer than it asked of each stream."""
         for entry in entries:
             self.tokens += entry.cost
             self.pinned += entry.cost if entry.stream == pinned_stream else 0
-        self.drained = bool(entries) and asked > 1 and max(Counter(e.stream for e in entries).values()) < asked
+        if drained is None:
+            drained = bool(entries) and asked > 1 and max(Counter(e.stream for e in entries).values()) < asked
+        self.drained = drained
+
+    def unplanned(self, cost: tuple[int, int], drained: bool) -> None:
+        """What a take read beyond its plan (tokens, pinned tokens; negative: short of it), and whether it left
+        nothing waiting for this worker."""
+        self.tokens, self.pinned = self.tokens + cost[0], self.pinned + cost[1]
+        self.drained = drained
 
     @contextlib.contextmanager
     def claimed(self, claim: bool = True) -> Iterator[tuple[int, int]]:
@@ -75,6 +85,22 @@ class InFlight:
     version_marks: list[tuple[int, int]] = field(default_factory=list)  # weight syncs while in it: (version, token)
     entered_at: float = 0.0  # monotonic time it entered the engine
     move_to: str | None = None  # the idle worker a straggler move hands it to (abort cause "migrate")
+
+    def first_token_version(self, made: int) -> int | None:
+        """The weight version of its completion's first token, having made `made` tokens in the engine (after its
+        continuation's): the continuation's first, else the version at its first token here (`start_version`, or a
+        sync's mark reached before any token); None while it has no token."""
+        request = self.request
+        prior = request.continuation if isinstance(request, RolloutRequest) else None
+        if prior is not None and prior.token_ids:
+            return prior.weight_versions[0][0] if prior.weight_versions else self.start_version
+        if made <= 0:
+            return None
+        version = self.start_version
+        for marked, token in self.version_marks:
+            if token <= 0:
+                version = marked  # a sync before its first token: that token came from the new version
+        return version
 
     @property
     def request_ids(self) -> tuple[str, ...]:

@@ -85,6 +85,12 @@ class WorkerMetrics:
         )
         self.errors = Counter("rollout_worker_errors", "Error results, by error code.", ["code"], registry=r)
         self.moves = Counter("rollout_worker_moves", "Generations moved from here to an idle worker.", registry=r)
+        self.stale_tokens = Counter(
+            "rollout_worker_stale_discarded_tokens",
+            "Tokens generated, then dropped as staler than their request's bound: cut at a weight sync, or a "
+            "continuation's found too stale when taken (the goal is 0).",
+            registry=r,
+        )
         self.engine_s = Histogram(
             "rollout_worker_engine_seconds",
             "Seconds a generation ran on the engine.",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
@@ -33,28 +32,13 @@ class Publisher:
     ) -> None:
         self.streams, self.state, self.results_ttl_s, self.released = streams, state, results_ttl_s, released
         self.load_after = load_after  # (worker id, free slots) once a batch is released
-        self.woken = woken or Woken()  # what the worker's blocking reads took: counted by a publish sent first
+        self.woken = woken or Woken()  # what the worker's reads took outside a plan: counted by a publish sent first
         self._queue: asyncio.Queue[InFlight | None] = asyncio.Queue()  # answered requests; None: stop
-        self._put = self._sent = 0  # results queued, and those of them whose publish returned (or failed for good)
-        self._sent_changed = asyncio.Event()
 
     def put(self, record: InFlight) -> None:
         """Queue an answered request (its `reply_to` and `payload` set; `reply_to` None: ack without an answer)."""
         record.publishing = True
-        self._put += 1
         self._queue.put_nowait(record)
-
-    async def caught_up(self, timeout_s: float) -> None:
-        """Until every result queued before this call was published (its script call returned), or `timeout_s`. An
-        idle worker woken by one request waits for this before its next take, so that the answer goes to Redis
-        ahead of a take that, at one request in flight, would only find the queue empty (measured: a take sent
-        first held the answer back by ~0.2 ms, the take script's run included)."""
-        target = self._put
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                while self._sent < target:
-                    self._sent_changed.clear()
-                    await self._sent_changed.wait()
 
     def close(self) -> None:
         """Stop the loop once everything queued before this is published."""
@@ -68,12 +52,8 @@ class Publisher:
             while not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             ready = [item for item in batch if item is not None]
-            try:
-                if ready:
-                    await self.publish(ready, attempts=3 if stopping.is_set() else None)
-            finally:
-                self._sent += len(ready)
-                self._sent_changed.set()
+            if ready:
+                await self.publish(ready, attempts=3 if stopping.is_set() else None)
             if len(ready) < len(batch):
                 return  # the stop sentinel: everything before it is published
 

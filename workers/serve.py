@@ -228,10 +228,14 @@ class RequestServer:
             params = params.model_copy(
                 update={"max_tokens": params.max_tokens - kept, "min_tokens": max(0, params.min_tokens - kept)}
             )
+        if record.abort_cause is None and self._too_stale(request, record):
+            record.abort_cause = "staleness"
         if record.abort_cause is not None:  # stopped before it reached the engine: it never will
-            return unrun_trajectory(request, record.abort_cause, self.state.worker_id).model_copy(
-                update={"prompt_token_ids": prompt}
-            )
+            unrun = unrun_trajectory(request, record.abort_cause, self.state.worker_id)
+            update: dict[str, object] = {"prompt_token_ids": prompt}
+            if record.abort_cause == "staleness":  # judged by this worker's version: its producer's staleness too
+                update["weight_version"] = max(unrun.weight_version, self.state.weight_version)
+            return unrun.model_copy(update=update)
         adapter = None
         if request.adapter is not None and (adapter := self.state.adapters.acquire(request.adapter)) is None:
             raise UnknownAdapter(
@@ -272,6 +276,7 @@ class RequestServer:
             content, calls = self.engine.parse_tool_calls(text, request.tools)
             tool_calls = calls or None
         spans = weight_spans(prior.weight_versions if prior else [], record, len(tokens))
+        stale_cut = aborted and record.abort_cause == "staleness"
         # Built from this engine's own output, not validated again: the producer validates what it decodes.
         return construct(
             Trajectory,
@@ -283,7 +288,8 @@ class RequestServer:
             logprobs=logprobs,
             finish_reason=completion.finish_reason,
             text=text,
-            weight_version=spans[-1][0],
+            # A cut for staleness names the version that judged it (its producer may not have read its commit yet).
+            weight_version=max(spans[-1][0], self.state.weight_version) if stale_cut else spans[-1][0],
             weight_versions=spans,
             worker_id=self.state.worker_id,
             queue_time_s=max(0.0, taken_at - request.submitted_at),
@@ -301,6 +307,22 @@ class RequestServer:
             adapter=request.adapter,
             adapter_versions=adapter_spans(prior.adapter_versions if prior else [], adapter, len(prior_ids), tokens),
         )
+
+    def _too_stale(self, request: RolloutRequest, record: InFlight) -> bool:
+        """Whether `request` (`record`'s), being taken, would begin with a token staler than its bound: its
+        continuation's first (those tokens are counted as discarded), else the first this worker would make now (its
+        weights older than the request's `min_weight_version`)."""
+        state = self.state
+        floor = request.staleness_floor(max(state.committed_version, state.weight_version))
+        if floor is None:
+            return False
+        first = record.first_token_version(0)  # the continuation's; None: it has no token yet
+        if (state.weight_version if first is None else first) >= floor:
+            return False
+        prior = request.continuation
+        if prior is not None and self.metrics is not None:
+            self.metrics.stale_tokens.inc(len(prior.token_ids))
+        return True
 
     async def _prompt(self, request: RolloutRequest) -> list[int]:
         """The prompt's token ids: given, or text tokenized with special tokens (as vLLM's completions API does), or

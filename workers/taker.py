@@ -17,7 +17,6 @@ from rollout_svc.dataplane.streams import Entry
 from rollout_svc.dataplane.worker_streams import TakeOptions
 from workers.inflight import InFlight, Woken
 from workers.liveness import Lease
-from workers.publisher import Publisher
 from workers.serve import REDIS_ERRORS, RequestServer, backoff_s, idle
 from workers.state import Wakes
 
@@ -32,20 +31,19 @@ class Taker:
     `token_loop` (tokenize requests, always), each entry put in flight and served on `server`, whose settings,
     engine, state, in-flight index and streams it reads.
 
-    `publisher.caught_up` goes before a take after a wake (`woken`); `wakes.slot_freed` wakes a take loop waiting for
+    `woken` carries what its reads took that no script counted yet; `wakes.slot_freed` wakes a take loop waiting for
     capacity; `released(record)` takes a record out of the index once its serve task ended unanswered.
     `stop_taking()` is what a pause calls."""
 
     def __init__(
         self,
         server: RequestServer,
-        publisher: Publisher,
         lease: Lease,
         woken: Woken,
         wakes: Wakes,
         released: Callable[[InFlight], None],
     ) -> None:
-        self.server, self.publisher, self.lease, self.woken = server, publisher, lease, woken
+        self.server, self.lease, self.woken = server, lease, woken
         self.wakes, self.released = wakes, released
         self.settings, self.engine, self.state, self.index = server.settings, server.engine, server.state, server.index
         self.keys, self.streams, self.metrics = server.keys, server.streams, server.metrics
@@ -81,19 +79,16 @@ class Taker:
                 self.wakes.slot_freed.clear()
                 await self.wakes.slot_freed.wait()
                 continue
-            if self.woken.tokens and not self.woken.drained:  # woken: its answers go out before the next take
-                await self.publisher.caught_up(block_s)
             if (taken := await self._read("take", self._take(free))) is None:
                 continue
             entries, left = taken
-            if left and not entries:  # the queued work is other workers' share: until one of ours ends, or a moment
-                self.index.changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.index.changed.wait(), SHARE_WAIT_S)
-                continue
             self._start(entries, generation=True)
             if entries:
                 await asyncio.sleep(0)  # start the new requests before sending the next read
+            if left:  # what waits is other workers' share: until one of ours ends, or a moment
+                self.index.changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.index.changed.wait(), SHARE_WAIT_S)
 
     async def _resumed_and_announced(self) -> None:
         """Until it serves and its heartbeat says so (`Lease.serving`)."""
@@ -111,16 +106,16 @@ class Taker:
 
     async def _take(self, free: int) -> tuple[list[Entry], bool]:
         """A take of its fair share (`WorkerStreams.take`); with nothing to take, one blocking read of the next
-        entry, on the connection a pause can unblock. Returns the entries and whether queued ones were left to
+        entries, on the connection a pause can unblock, and where it found more waiting, its share of them taken at
+        once (one batch: their answers go out together). Returns the entries and whether waiting ones were left to
         other workers' shares."""
         await self._direct.client_id()  # known to `stop_taking`
         # No await between the take loop's `resumed` check and here: a pause sees `_reading` and unblocks the read.
         self._reading = True
         try:
-            idle, options = not (self.index.generating or self.woken.tokens), self._take_options()
+            options = self._take_options()
             if not self.woken.drained:  # else its last read found nothing more queued: to the next read at once
-                with self.woken.claimed() as carried:
-                    entries, left = await self._own.take(options, free, carried, idle=idle)
+                entries, left = await self._planned(options, free)
                 if entries or left or free <= 0:
                     return entries, left
             worker_id = options.worker_id
@@ -128,12 +123,35 @@ class Taker:
             # entry whether it fits here or not; its take's share leaves it what only a wider worker holds
             shared = not 0 < options.max_model_len < self.state.widest_context
             block_ms, asked = self.settings.read_block_ms, min(free, 2)
+            pinned = self.keys.pinned_requests(worker_id)
             woken = await self._own.wait_for_entries(worker_id, block_ms, asked, shared)
-            self.woken.add(woken, self.keys.pinned_requests(worker_id), asked)  # counted by a take or publish
-            return woken, False
+            self.woken.add(woken, pinned, asked)  # counted by a take or publish
+            if not woken or self.woken.drained or free <= len(woken):
+                return woken, False
+            if sum(e.stream != pinned for e in woken) < asked:  # more of its own sessions' only: no share to weigh
+                more = await self._own.read_pinned(worker_id, free - len(woken))
+                # drained where it read fewer than it asked, the shared stream having given less than asked already
+                self.woken.add(more, pinned, free - len(woken), drained=len(more) < free - len(woken))
+                return woken + more, False
+            entries, left = await self._planned(options, free - len(woken))
+            return woken + entries, left
         finally:
             self._reading = False
             self._read_returned.set()
+
+    async def _planned(self, options: TakeOptions, free: int) -> tuple[list[Entry], bool]:
+        """One take (`plan_take`, then `read_plan`), what it read beyond or short of its plan kept in `woken` for the
+        next script call. Returns the entries and whether waiting ones were left to other workers' shares."""
+        idle = not (self.index.generating or self.woken.tokens)
+        with self.woken.claimed() as carried:
+            plan = await self._own.plan_take(options, free, carried, idle=idle)
+        try:
+            taken = await self._own.read_plan(plan)
+        except BaseException:
+            self.woken.unplanned((-plan.counted[0], -plan.counted[1]), drained=False)  # counted, not read
+            raise
+        self.woken.unplanned(taken.unplanned, taken.drained)
+        return taken.entries, taken.left
 
     async def token_loop(self) -> None:
         """Tokenize, detokenize and chat-template requests: served while paused or asleep too."""

@@ -423,10 +423,14 @@ class VLLMEngine:
 
 def engine_config(config: Any) -> str:
     """A started engine's settings as vLLM resolved them (its `VllmConfig`), as the heartbeat carries them:
-    `dtype=bfloat16 quantization=fp8 cuda_graphs=on prefix_caching=on speculative=eagle3` ("none" where unset)."""
+    `dtype=bfloat16 quantization=fp8 cuda_graphs=on prefix_caching=on speculative=eagle3 logprobs_mode=raw_logprobs
+    lora=16x4 weight_transfer=nccl` ("none" where unset; `lora`: max rank x adapters at once). `/server_info` reads
+    its `VllmConfig` back from them (`rollout_svc.api.server_info`)."""
     model = config.model_config
     graphs = getattr(config.compilation_config.cudagraph_mode, "name", "NONE") != "NONE" and not model.enforce_eager
     speculative = getattr(config.speculative_config, "method", None) or "none"
+    lora = getattr(config, "lora_config", None)
+    transfer = getattr(getattr(config, "weight_transfer_config", None), "backend", None)
     return " ".join(
         [
             f"dtype={str(model.dtype).removeprefix('torch.')}",
@@ -434,5 +438,8 @@ def engine_config(config: Any) -> str:
             f"cuda_graphs={'on' if graphs else 'off'}",
             f"prefix_caching={'on' if config.cache_config.enable_prefix_caching else 'off'}",
             f"speculative={speculative}",
+            f"logprobs_mode={getattr(model, 'logprobs_mode', 'raw_logprobs')}",
+            f"lora={f'{lora.max_lora_rank}x{lora.max_loras}' if lora is not None else 'none'}",
+            f"weight_transfer={transfer or 'none'}",
         ]
     )

@@ -29,10 +29,17 @@ from rollout_svc.control.plane import ControlPlane
 from rollout_svc.errors import EngineDeadError, InvalidRequestError
 from rollout_svc.keys import JOINED, LOADED, OK, RECEIVED
 from rollout_svc.protocol import RolloutRequest, WeightManifest, WeightSyncOrder
-from rollout_svc.weightsync.plane import SYNC_HOLDER, WeightSyncPlane, advertise_address, checkpoint_dir
+from rollout_svc.weightsync.plane import (
+    SYNC_HOLDER,
+    WeightSyncPlane,
+    advertise_address,
+    await_stable,
+    checkpoint_dir,
+    checkpoint_folder,
+)
 from workers.catch_up import PeerCatchUp
 from workers.engine import Engine, ReceivedFrom
-from workers.inflight import InFlightIndex
+from workers.inflight import InFlight, InFlightIndex
 from workers.state import WorkerState
 
 log = logging.getLogger("rollout_svc.worker")
@@ -58,9 +65,11 @@ class WeightReceiver:
         index: InFlightIndex,
         on_version: Callable[[], None],
         wake: Callable[[], None] = lambda: None,
+        discarded: Callable[[int], None] = lambda tokens: None,
     ) -> None:
         self.settings, self.plane, self.control, self.engine = settings, plane, control, engine
         self.state, self.index, self._on_version, self._wake = state, index, on_version, wake
+        self.discarded = discarded  # tokens generated, then cut as too stale for their request's bound
         self._following: asyncio.Task[None] | None = None  # the sync order being followed
         self._failure: Exception | None = None  # met while following (an engine that died, a bug): raised by `step`
         self.host = advertise_address(settings)
@@ -140,7 +149,7 @@ class WeightReceiver:
         worker_id = self.state.worker_id
         log.info("weight sync %s: version %d by %s", order.sync_id, order.version, order.transport)
         if order.transport == "checkpoint":
-            outcome = await self._load_checkpoint(order.path or "", order.version)
+            outcome = await self._load_checkpoint(order.path or "", order.version, order.stable_wait_s)
             await self.plane.arrive(order.sync_id, LOADED, worker_id, outcome)
             return
         if order.transport == "engine":
@@ -278,10 +287,14 @@ class WeightReceiver:
         self._shelve()  # vLLM's transfer engine loaded it: nothing is held to send
         return await self._loaded(order.version)
 
-    async def _load_checkpoint(self, path: str, version: int) -> str:
-        """Load a checkpoint under the checkpoint root as `version`: "ok", or why not."""
+    async def _load_checkpoint(self, path: str, version: int, stable_wait_s: float | None = None) -> str:
+        """Load a checkpoint under the checkpoint root as `version` (once its `STABLE` marker is there, if
+        `stable_wait_s`): "ok", or why not."""
         try:
-            resolved = checkpoint_dir(self.settings.weight_sync.checkpoint_root, path)
+            root = self.settings.weight_sync.checkpoint_root
+            if stable_wait_s is not None:  # a folder still being written may hold no weights yet: its marker first
+                await await_stable(str(checkpoint_folder(root, path)), stable_wait_s)
+            resolved = checkpoint_dir(root, path)
             self._shelve()
             async with self._loading:
                 await self.engine.load_checkpoint(str(resolved))
@@ -310,23 +323,37 @@ class WeightReceiver:
         if not reset:
             log.error("weight version %d loaded, but the prefix cache reset failed (%s): stale", version, why)
             return f"the prefix cache reset failed: {why}"
-        self._switch(version, digest)
+        too_stale = self._switch(version, digest)
+        if too_stale:
+            self.discarded(sum(tokens for _, tokens in too_stale))
+            log.info("weight version %d: %d held requests too stale for their bound, cut", version, len(too_stale))
+            await self.index.cancel_all((record for record, _ in too_stale), "staleness")
         return OK
 
-    def _switch(self, version: int, digest: str) -> None:
+    def _switch(self, version: int, digest: str) -> list[tuple[InFlight, int]]:
         """From now on this engine generates with `version`: every request in it records the token it reached.
+        Returns those whose first token `version` makes staler than their bound (`RolloutRequest.staleness_floor`),
+        with the tokens each made: they are cut before the engine resumes, not generated on.
 
         The engine is paused (a sync pauses first), so what it generated before is all it has reported: vLLM's
         engine core sends each step's output before the pause's reply. A request not yet in the engine has 0."""
+        too_stale: list[tuple[InFlight, int]] = []
         for record in self.index.records():
-            if not (record.generation and record.in_engine) or not isinstance(record.request, RolloutRequest):
+            request = record.request
+            if not (record.generation and record.in_engine) or not isinstance(request, RolloutRequest):
                 continue
-            continuation = record.request.continuation
+            continuation = request.continuation
             kept = len(continuation.token_ids) if continuation else 0
-            made = self.engine.output_tokens(record.request.request_id) or 0
+            made = self.engine.output_tokens(request.request_id) or 0
+            first, floor = record.first_token_version(made), request.staleness_floor(version)
+            whole = kept + made >= request.sampling_params.max_tokens  # made before the load: answered as it is
+            stopping = record.abort_cause is not None  # cut already, for another cause: answered as that
+            if first is not None and floor is not None and first < floor and not whole and not stopping:
+                too_stale.append((record, kept + made))
             record.version_marks.append((version, kept + made))
         self.state.weight_version, self.state.weight_digest = version, digest
         self._on_version()
+        return too_stale
 
     async def _catch_up(self, version: int, path: str) -> None:
         """Load the committed checkpoint this worker lacks (once per version: a refusal is not retried)."""

@@ -89,6 +89,10 @@ class Worker:
     def worker_id(self) -> str:
         return self.state.worker_id
 
+    def _stale_discarded(self, tokens: int) -> None:
+        if self.metrics is not None:
+            self.metrics.stale_tokens.inc(tokens)
+
     def stop(self) -> None:
         """Ask the worker to drain and exit (signal-safe from the event loop thread)."""
         self.wakes.stop()
@@ -120,6 +124,7 @@ class Worker:
             self.index,
             self.wakes.control.set,
             self.wakes.weights.set,
+            self._stale_discarded,
         )
         # The publisher's publishes go over a connection of its own, used directly (`DirectConnection`), as the take
         # loop's takes do: the request's hot path.
@@ -144,7 +149,7 @@ class Worker:
             self.metrics,
         )
         self.mover = StragglerMover(self.settings, self.worker_id, self.index, self.streams, self.metrics)
-        self.taker = Taker(self.server, self.publisher, self.lease, self._woken, self.wakes, self._release)
+        self.taker = Taker(self.server, self.lease, self._woken, self.wakes, self._release)
         self.converger = Converger(
             self.control, self.engine, self.index, self.state, self.rules, self.taker.stop_taking
         )

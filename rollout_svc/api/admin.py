@@ -116,13 +116,16 @@ def admin_router(client: RolloutClient) -> APIRouter:
     return router
 
 
-async def sync_from_checkpoint(client: RolloutClient, path: str, version: int, pause_mode: PauseMode) -> SyncReport:
+async def sync_from_checkpoint(
+    client: RolloutClient, path: str, version: int, pause_mode: PauseMode, stable_wait_s: float | None = None
+) -> SyncReport:
     """`WeightSender.update_from_checkpoint` for an HTTP route: a `WeightSyncError` (no worker loaded it) becomes
-    `APIError` 409 naming why; `InvalidRequestError` (a version not above the committed one) is the app's 400."""
+    `APIError` 409 naming why; `InvalidRequestError` (a version not above the committed one, a `stable_wait_s` not
+    under the sync timeout) is the app's 400."""
     from rollout_svc.client.weight_sender import WeightSender  # imports torch: only when a sync is asked for
 
     async with WeightSender(settings=client.settings) as sender:
         try:
-            return await sender.update_from_checkpoint(path, version, pause_mode)
+            return await sender.update_from_checkpoint(path, version, pause_mode, stable_wait_s=stable_wait_s)
         except WeightSyncError as exc:
             raise APIError(409, str(exc), code="weight_sync_failed") from exc

@@ -28,7 +28,9 @@ from rollout_svc.api.generation import Generation, until_disconnected
 from rollout_svc.api.hot import FastJSONResponse, HotLane
 from rollout_svc.api.lora_routes import adapter_router
 from rollout_svc.api.metrics import install_metrics
+from rollout_svc.api.pause_holders import PauseHolders, RenewOnCall
 from rollout_svc.api.served import ServedModels, session_header
+from rollout_svc.api.server_info import server_info_router
 from rollout_svc.api.skyrl.control_routes import control_router
 from rollout_svc.api.skyrl.data_routes import data_router
 from rollout_svc.api.skyrl.records import DetokenizedTexts, InFlight
@@ -37,6 +39,7 @@ from rollout_svc.batch.store import BatchStore
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.config import Settings
 from rollout_svc.errors import GenerationError
+from rollout_svc.integrations.skyrl.weights import EngineWeightTransfer
 from rollout_svc.openai.errors import APIError
 from rollout_svc.openai.plans import chat_plan, completion_plan
 from rollout_svc.openai.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody
@@ -60,6 +63,8 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
         await client.close()
         await served.close()
         await batches.close()
+        await transfer.close()
+        await holders.close()
 
     app = FastAPI(
         title="rollout-svc",
@@ -70,6 +75,12 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     install_error_handlers(app)
     metrics = install_metrics(app, client)
     lane = HotLane(auth.data, metrics.observe_request)  # SkyRL's two calls per completion (rollout_svc.api.hot)
+
+    async def in_force() -> set[str]:
+        return set((await client.fleet_state()).holders)
+
+    holders = PauseHolders(client.renew_pause, in_force, lambda _: metrics.pause_lapses.inc())
+    app.add_middleware(RenewOnCall, holders=holders)  # a holder's calls renew its leased pause
     lane.outermost(app)  # in front of the middlewares: it counts its requests in `metrics` itself
     generation = Generation(client, metrics, settings.client.request_timeout_s)
     generation.client_for = served.client_for
@@ -170,12 +181,15 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     app.include_router(batch_router(batches), dependencies=data)
     inflight = InFlight()
     default_max_tokens = settings.api.api_default_max_tokens
+    transfer = EngineWeightTransfer(client.settings)  # one per server: vLLM's weight transfer, fleet-wide
     app.include_router(
-        data_router(client, served, generation, inflight, default_max_tokens, detokenized, lane), dependencies=data
+        data_router(client, served, generation, inflight, default_max_tokens, detokenized, lane, transfer),
+        dependencies=data,
     )
+    app.include_router(server_info_router(client, served), dependencies=data)
     control = [] if settings.api.open_control else [auth.admin_dependency()]  # open: loopback only (`serve`)
-    app.include_router(control_router(client, inflight), dependencies=control)
-    app.include_router(weights_router(client), dependencies=control)
+    app.include_router(control_router(client, inflight, holders, auth), dependencies=control)
+    app.include_router(weights_router(client, transfer), dependencies=control)
     app.include_router(adapter_router(client), dependencies=control)
     app.include_router(admin_router(client), dependencies=[auth.admin_dependency()])
     return app

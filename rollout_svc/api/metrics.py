@@ -5,6 +5,7 @@ Served at `GET /metrics` in Prometheus' text format (`install_metrics`). Names:
 - `rollout_api_requests_total{route,status}`: `route` is the matched route's path template (`/v1/models`), or
   `other` for a path no route matches, so the label's values stay bounded whatever clients send.
 - `rollout_api_request_duration_seconds{route}` (histogram): until the response's last byte (a stream's too).
+- `rollout_api_pause_lapses_total`: HTTP pauses whose holder went quiet past its lease (`api/pause_holders.py`).
 - `rollout_api_prompt_tokens_total`, `rollout_api_completion_tokens_total`, and the histogram
   `rollout_api_time_to_first_token_seconds`: reported by the routes (`count_tokens`, `observe_first_token`).
 - Fleet gauges, read from Redis at each scrape (what `rollout-svc status` reads): `rollout_redis_up` (0 or 1; while
@@ -107,6 +108,11 @@ class ApiMetrics:
         )
         self.completion_tokens = Counter(
             "rollout_api_completion_tokens", "Completion tokens of served requests.", registry=self.registry
+        )
+        self.pause_lapses = Counter(
+            "rollout_api_pause_lapses",
+            "HTTP pauses that lapsed: their holder stopped calling before its lease ran out (it died or hung).",
+            registry=self.registry,
         )
         self.first_token = Histogram(
             "rollout_api_time_to_first_token_seconds",

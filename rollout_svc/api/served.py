@@ -105,6 +105,10 @@ class ServedModels:
         self._seen.update(w.model for w in workers if w.model)
         return workers
 
+    async def first(self) -> str | None:
+        """The name `/v1/models` lists first (None while no model is known)."""
+        return next(iter(await self.models()), None)
+
     async def models(self) -> list[str]:
         """The default model's names (configured, or what its workers reported), then the named models."""
         named = await self.named()

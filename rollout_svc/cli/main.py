@@ -379,6 +379,13 @@ def serve(
             "/abort_requests) without the admin token, as SkyRL's client sends none: on a loopback address only."
         ),
     ] = False,
+    pause_lease_s: Annotated[
+        float | None,
+        typer.Option(
+            help="An HTTP /pause lapses this long after its holder's last call unless resumed (0: held until "
+            "resumed; default ROLLOUT_API_PAUSE_LEASE_S, 600)."
+        ),
+    ] = None,
 ) -> None:
     """Serve the OpenAI-compatible API and SkyRL's server protocol (and /admin, /health, /metrics) in front of the
     queue.
@@ -391,7 +398,10 @@ def serve(
     from rollout_svc.api import create_app
     from rollout_svc.connections.urls import is_loopback
 
-    settings = Settings(redis_url=redis_url, **({"open_control": True} if open_control else {}))
+    overrides = ({"open_control": True} if open_control else {}) | (
+        {"api_pause_lease_s": pause_lease_s} if pause_lease_s is not None else {}
+    )
+    settings = Settings(redis_url=redis_url, **overrides)
     if settings.api.open_control and not is_loopback(host):
         typer.echo(
             f"rollout-svc serve: refusing to serve the control routes without the admin token on {host}: "
@@ -477,7 +487,8 @@ def _print_status(report: dict) -> None:
         + (f"; LoRA adapters: {adapters}" if adapters else ""),
         workers,
         streams,
-        f"dead letters: {report['dead_letters']}",
+        f"dead letters: {report['dead_letters']}; named steps: {report['steps']['live']} live, "
+        f"{report['steps']['expired']} expired unattached (their results uncollected)",
     )
 
 
@@ -631,7 +642,9 @@ def bench(
             "and checked against the real engine; sessions: multi-turn agent sessions on a simulated fleet, sticky "
             "and not; published: the simulator's GPU profiles beside published vLLM figures; weights: weight sync "
             "into two vLLM workers, the transfer outside the pause and inside it; scale: Redis work, control and "
-            "commits over fleets of up to 1,024 simulated GPUs on one Redis) and replace it in --output."
+            "commits over fleets of up to 1,024 simulated GPUs on one Redis; beside: the hop's Redis and worker CPU "
+            "per request beside an earlier commit of this checkout, --beside-commit) and replace it in --output; "
+            "several, comma-separated, run in one go (scale,hop,skyrl: the fleet's figures beside their anchors)."
         ),
     ] = None,
     scale_fleets: Annotated[
@@ -641,6 +654,9 @@ def bench(
     scale_cluster_shards: Annotated[
         int, typer.Option(min=0, help="--only scale: the largest fleet again on a Redis Cluster of this many (0: not).")
     ] = 3,
+    beside_commit: Annotated[
+        str, typer.Option(help="--only beside: the earlier commit (in this checkout's history) to measure beside.")
+    ] = "ed982d0",
 ) -> None:
     """Measure queue overhead, control latency and the HTTP API beside the Python client (echo engine),
     generation efficiency (vLLM through the service vs direct), weight sync (vLLM workers vs a bare gloo
@@ -650,8 +666,10 @@ def bench(
 
     _logging("WARNING")
     if only is not None:
-        if only not in SECTIONS:
+        sections = [name.strip() for name in only.split(",") if name.strip()]
+        if not sections or any(name not in SECTIONS for name in sections):
             raise typer.BadParameter(f"choose from {', '.join(sorted(SECTIONS))}", param_hint="--only")
+        from rollout_svc.tools.bench.beside import BesidePlan
         from rollout_svc.tools.bench.scale import ScalePlan
 
         try:
@@ -662,7 +680,10 @@ def bench(
         if not fleets or min(fleets) < 1:
             raise typer.BadParameter("give at least one fleet of 1 or more", param_hint="--scale-fleets")
         scale = ScalePlan(fleets=fleets, requests=scale_requests, cluster_shards=scale_cluster_shards)
-        run_section(redis_url, output, only, " ".join(["rollout-svc", *sys.argv[1:]]), requests, scale=scale)
+        beside = BesidePlan(commit=beside_commit)
+        command = " ".join(["rollout-svc", *sys.argv[1:]])
+        for section in sections:  # in one run: the same machine, minutes apart
+            run_section(redis_url, output, section, command, requests, scale=scale, beside=beside)
         return
     if not skip_vllm and model is None:
         with Progress(None, "preparing the model"):
@@ -694,10 +715,19 @@ def chaos(
     syncs: Annotated[
         bool, typer.Option(help="A trainer process syncs weights every 1-3 s (gloo), and the nemesis kills it.")
     ] = True,
+    http_pauses: Annotated[
+        bool,
+        typer.Option(help="A `serve` of the soak's own; trainers that pause through it are killed before resuming."),
+    ] = True,
+    step_restarts: Annotated[
+        bool, typer.Option(help="Trainers killed mid-step; a new process attaches to the step and collects it.")
+    ] = True,
 ) -> None:
     """Jepsen-style soak: sessions and batches through echo workers while workers are killed (-9) and stalled past
-    their heartbeat TTL, Redis restarts, the fleet pauses, sessions are aborted and the trainer that syncs weights is
-    killed mid-sync; then the ledger is checked (answers exactly once, versions on tokens committed ones).
+    their heartbeat TTL, Redis restarts, the fleet pauses, sessions are aborted, the trainer that syncs weights is
+    killed mid-sync, trainers holding an HTTP pause are killed before their resume and trainers are killed mid-step;
+    then the ledger is checked (answers exactly once, versions on tokens committed ones, agents' chats answered once a
+    dead holder's lease lapsed, a dead trainer's step collected whole by a new process).
     Ends with one JSON line {"requests", "faults", "violations", ...}; exits 1 if there are violations."""
     import random
 
@@ -705,7 +735,16 @@ def chaos(
 
     seed = random.randrange(10**6) if seed is None else seed
     try:
-        summary = run_chaos(ChaosConfig(minutes=minutes, seed=seed, workers=workers, log_dir=log_dir, syncs=syncs))
+        config = ChaosConfig(
+            minutes=minutes,
+            seed=seed,
+            workers=workers,
+            log_dir=log_dir,
+            syncs=syncs,
+            http_pauses=http_pauses,
+            step_restarts=step_restarts,
+        )
+        summary = run_chaos(config)
     except KeyboardInterrupt:
         typer.echo("chaos: interrupted; every child process was killed", err=True)
         raise typer.Exit(130) from None

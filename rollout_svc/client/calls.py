@@ -17,7 +17,9 @@ from rollout_svc.protocol import Request, Trajectory, TrajectoryChunk
 class ClientStats:
     """What a connection has seen. `duplicates`: results no caller awaited (an at-least-once redelivery, or the
     answer to a cancelled request); `retries`: token-exact resubmissions; `cancelled`: requests cancelled;
-    `regenerated`: trajectories dropped as staler than `max_staleness` and generated again; `staleness`: how many
+    `regenerated`: trajectories dropped as staler than `max_staleness` and generated again (`stale_tokens`: the
+    tokens they had, generated and then discarded; the goal is 0, which the workers' bound checks keep near);
+    `staleness`: how many
     trajectories arrived at each staleness (committed weight version at receipt minus their first token's);
     `redis_changes`: times Redis restarted or failed over under this connection; `resubmitted`: requests sent again
     because Redis no longer held them then."""
@@ -28,6 +30,7 @@ class ClientStats:
     resubmitted: int = 0
     cancelled: int = 0
     regenerated: int = 0
+    stale_tokens: int = 0
     staleness: Counter[int] = field(default_factory=Counter)
 
 
@@ -64,14 +67,15 @@ class Position:
     """One position of a call. `request`: the caller's. `attempt_id`: the request id it is awaited under now (a
     retry or a regeneration has a new one). `partial`: what its last aborted attempt returned, being continued.
     `spent_s`: the (queue, generation) seconds of the earlier attempts it continues. `regenerations`: times it was
-    dropped as staler than `max_staleness` and generated again. `cutting`: cut by a completion target (its answer is
-    final). `result`: its answer, None until it came."""
+    dropped as staler than `max_staleness` and generated again (`stale_tokens`: the tokens those dropped).
+    `cutting`: cut by a completion target (its answer is final). `result`: its answer, None until it came."""
 
     request: Request
     attempt_id: str
     partial: Trajectory | None = None
     spent_s: tuple[float, float] = (0.0, 0.0)
     regenerations: int = 0
+    stale_tokens: int = 0
     cutting: bool = False
     result: Any = None
 
@@ -152,15 +156,16 @@ class Call:
     def unfinished(self) -> list[int]:
         return [i for i, position in enumerate(self.positions) if position.result is None]
 
-    def renew(self, index: int, request_id: str, partial: Trajectory | None) -> None:
+    def renew(self, index: int, request_id: str, partial: Trajectory | None, discarded: int = 0) -> None:
         """Await position `index` under a new attempt, `request_id`: a retry that continues `partial` (what the last
         attempt returned; its times count towards the position's), or, `partial` None, a regeneration, which starts
-        over (the times so far are dropped) and counts in `regenerations`."""
+        over (the times so far are dropped, and the `discarded` tokens made so far) and counts in `regenerations`."""
         position = self.positions[index]
         position.attempt_id, position.partial = request_id, partial
         if partial is None:
             position.spent_s = (0.0, 0.0)
             position.regenerations += 1
+            position.stale_tokens += discarded
             return
         queue_s, generation_s = position.spent_s
         position.spent_s = (queue_s + partial.queue_time_s, generation_s + partial.generation_time_s)

@@ -21,7 +21,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
@@ -82,6 +82,8 @@ class Connection:
         self._rotation: Iterator[str] = iter(())  # unkeyed requests' shards, round robin
         self._rotation_of: tuple[str, ...] = ()  # the live shards (one entry per live worker) it cycles through
         self.attempts: dict[str, Attempt] = {}  # request id -> the attempt awaited (or being cancelled) under it
+        # Told (position, request id) of each retry or regeneration once Redis took it: a named step records them.
+        self.on_attempt: Callable[[int, str], None] | None = None
         self.stats = ClientStats()
         self._closed = asyncio.Event()
         self.router = ResultRouter(
@@ -201,7 +203,29 @@ class Connection:
                 items.append(Enqueue(encode(request), tokens=True))
             shards.append(shard)
         self.submitter.outbox.put_nowait(EnqueueOp(items, limit, list(attempts), shards, done))
+        if self.on_attempt is not None:
+            self._tell_attempts(attempts, done, self.on_attempt)
         return done
+
+    @staticmethod
+    def _tell_attempts(
+        attempts: Sequence[Attempt], done: asyncio.Future[None], tell: Callable[[int, str], None]
+    ) -> None:
+        """Once Redis took them, `tell` (position, request id) of each attempt that is not its position's first."""
+        moved = [
+            (a.index, a.request.request_id)
+            for a in attempts
+            if a.request.request_id != a.call.positions[a.index].request.request_id
+        ]
+        if not moved:
+            return
+
+        def taken(future: asyncio.Future[None]) -> None:
+            if not future.cancelled() and future.exception() is None:
+                for index, request_id in moved:
+                    tell(index, request_id)
+
+        done.add_done_callback(taken)
 
     def cancel(self, call: Call) -> None:
         """Stop awaiting a call's unfinished requests and cancel them on the workers (queued or in flight)."""
@@ -363,6 +387,8 @@ class RequestBuilder:
         the shard its session goes to, its deadline `budget_s` from now."""
         now = time.time()
         fields.setdefault("request_id", self.connection.new_id())
+        if cls is RolloutRequest:  # its staleness bound travels with it: the worker checks it before it generates
+            fields.setdefault("max_staleness", self.connection.settings.client.max_staleness)
         try:
             return cls(  # type: ignore[call-arg]
                 reply_to=self.connection.reply_to(fields.get("session_id")),
@@ -389,15 +415,19 @@ class CallRunner:
         raise_on_error: bool,
         target: Target = NO_TARGET,
         enqueued: bool = False,
+        attempt_ids: Sequence[str] | None = None,
     ) -> list[Any]:
         """Every request's answer, in order: a trajectory (an error result as one with `finish_reason="error"`, or
         `GenerationError` with `raise_on_error`), or a tokenizer result. `enqueued`: do not send them, only await
-        them (`Connection.attach`). Raises `QueueFullError`, `RequestTimeoutError` (positions being retried end with
+        them (`Connection.attach`), each position under its id in `attempt_ids` where given (a named step's
+        latest attempts). Raises `QueueFullError`, `RequestTimeoutError` (positions being retried end with
         their partial tokens first: `Call.expire`), or the Redis error."""
         if not requests:
             return []
         connection = build.connection
         call, started, timer = Call(requests, connection.loop), time.time(), None
+        for position, attempt_id in zip(call.positions, attempt_ids or (), strict=False):
+            position.attempt_id = attempt_id
         try:
             if enqueued:
                 connection.attach(call)

@@ -114,13 +114,15 @@ def regeneration_of(
     new_attempt: NewAttempt,
 ) -> RolloutRequest | None:
     """`request` (the caller's) to generate again, from scratch, because `result` (its final trajectory, `staleness`
-    and `adapter_staleness` set) is staler than `limits.max_staleness` (its weights or its adapter); None if the
-    caller gets `result` as it is: fresh enough, no limit, policy `mark`, not a rollout request, `regenerations` (of
-    this position so far) at `limits.max_abort_retries`, or its deadline (unix s) not after `now`. The regeneration
-    is `request` under the id and `reply_to` `new_attempt` gives."""
+    and `adapter_staleness` set) is staler than `limits.max_staleness` (its weights or its adapter), or was cut by
+    its worker as staler than its own bound (`abort_cause="staleness"`); None if the caller gets `result` as it is:
+    fresh enough, no limit, policy `mark`, not a rollout request, `regenerations` (of this position so far) at
+    `limits.max_abort_retries`, or its deadline (unix s) not after `now`. The regeneration is `request` under the id
+    and `reply_to` `new_attempt` gives, without the continuation it may carry (those tokens are the stale ones)."""
     limit = limits.max_staleness
     stalest = max((s for s in (result.staleness, result.adapter_staleness) if s is not None), default=None)
-    if limit is None or stalest is None or stalest <= limit:
+    cut = result.abort_cause == "staleness"
+    if not cut and (limit is None or stalest is None or stalest <= limit):
         return None
     if limits.stale_policy != "regenerate" or not isinstance(request, RolloutRequest):
         return None
@@ -129,7 +131,7 @@ def regeneration_of(
     if request.deadline is not None and request.deadline <= now:
         return None
     request_id, reply_to = new_attempt(request)
-    return request.model_copy(update={"request_id": request_id, "reply_to": reply_to})
+    return request.model_copy(update={"request_id": request_id, "reply_to": reply_to, "continuation": None})
 
 
 def error_trajectory(request: RolloutRequest, error: ErrorResult) -> Trajectory:

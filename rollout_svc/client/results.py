@@ -148,8 +148,9 @@ class ResultRouter:
         again = regeneration_of(request, final, self.settings.client, position.regenerations, now, self._new_attempt)
         if again is None:
             return final
-        call.renew(index, again.request_id, None)
+        call.renew(index, again.request_id, None, discarded=len(final.completion_token_ids))
         self.stats.regenerated += 1
+        self.stats.stale_tokens += len(final.completion_token_ids)
         # Not enqueued (Redis away): the caller gets the stale trajectory, marked.
         self._resubmit(call, index, again, lambda: call.set(index, final))
         return None

@@ -9,20 +9,19 @@ from typing import Any, Literal
 
 from rollout_svc.client.calls import ClientStats
 from rollout_svc.client.connection import CallRunner, Connection, IdsPrompt, Params, Prompt, RequestBuilder
+from rollout_svc.client.control_verbs import ControlVerbs
 from rollout_svc.client.expected import ExpectedLengths
 from rollout_svc.client.partial import check_target
+from rollout_svc.client.step_store import finish_step, run_step
 from rollout_svc.client.steps import StepReport, step_report
 from rollout_svc.config import Settings
 from rollout_svc.connections.urls import warn_if_evicting
 from rollout_svc.control import commands
-from rollout_svc.control.commands import DEFAULT_HOLDER, Command
 from rollout_svc.control.lora import AdapterSpec
-from rollout_svc.control.plane import FleetState
 from rollout_svc.errors import InvalidRequestError, ModelNotFoundError
 from rollout_svc.protocol import (
     ChatMessage,
     DetokenizeRequest,
-    PauseMode,
     RolloutRequest,
     TokenizeRequest,
     Trajectory,
@@ -34,7 +33,7 @@ _CHECKED_EVICTION: set[str] = set()  # Redis URLs whose maxmemory-policy this pr
 __all__ = ["AdapterSpec", "IdsPrompt", "Params", "Prompt", "RolloutClient"]
 
 
-class RolloutClient:
+class RolloutClient(ControlVerbs):
     """Async client of the rollout service. Holds only its settings, so it pickles (to Ray actors, say).
 
     Example (start a local cluster first: `rollout-svc up --workers 2 --engine vllm`)::
@@ -117,6 +116,7 @@ class RolloutClient:
         timeout_s: float | None = None,
         raise_on_error: bool = False,
         adapter: str | None = None,
+        step_id: str | None = None,
     ) -> list[Trajectory]:
         """Generate one completion per prompt; returns trajectories in input order.
 
@@ -140,6 +140,10 @@ class RolloutClient:
                 trajectory with `finish_reason == "error"` for it.
             adapter: the LoRA adapter to generate with, by the name it was loaded under (`load_adapter`), at its
                 newest version (`Trajectory.adapter_versions` says which); None: the base model.
+            step_id: name the call as a step that survives this process: if it dies mid-step (or before it used
+                the results), a client in another process calls `attach_step(step_id)` and collects every result, in
+                order, under the same ids, while the fleet goes on generating (nothing is generated twice). Call
+                `finish_step(step_id)` once the results are used; unique until then (or `step_ttl_s`).
 
         Retries after an abort are token-exact for greedy sampling without penalties; with penalties, a
         `seed` or stop strings that span the cut, the continuation may differ from an uninterrupted run.
@@ -154,7 +158,40 @@ class RolloutClient:
         build = RequestBuilder(await self._connect(), timeout_s)
         requests = build.rollout(build.ids(prompt_token_ids), sampling_params, session_ids, group_ids, adapter=adapter)
         await self._check_adapter(adapter)
-        return await self._runner.run(build, requests, raise_on_error, (completion_target, cut_after_s))
+        target = (completion_target, cut_after_s)
+        if step_id is not None:
+            return await run_step(
+                self.settings,
+                self._runner,
+                step_id,
+                requests,
+                timeout_s=timeout_s,
+                raise_on_error=raise_on_error,
+                target=target,
+            )
+        return await self._runner.run(build, requests, raise_on_error, target)
+
+    async def attach_step(
+        self, step_id: str, *, timeout_s: float | None = None, raise_on_error: bool = False
+    ) -> list[Trajectory]:
+        """Collect the trajectories of the step `step_id` (named by `generate(..., step_id=)` or `run(...,
+        step_id=)` in a process that may have died since): every one, in the step's order, under its requests'
+        ids; those still generating are awaited (within `timeout_s`, default `request_timeout_s`), those retried or
+        regenerated since are awaited under their latest attempt. The step is kept until `finish_step` (or its TTL):
+        attaching again collects it again. A step not collected within `step_ttl_s` of its last client expires
+        (counted, `rollout-svc status`).
+
+        Raises `InvalidRequestError` if no such step lives (collected already, expired, or never started), and what
+        `generate` raises."""
+        return await run_step(
+            self.settings, self._runner, step_id, None, timeout_s=timeout_s, raise_on_error=raise_on_error
+        )
+
+    async def finish_step(self, step_id: str) -> bool:
+        """Say the named step's results are used (trained on, checkpointed): its record and results go, its id is
+        free. Until then a process that died after collecting them collects them again with `attach_step`. Returns
+        False if there was no such step (finished already, or expired)."""
+        return await finish_step(await self._connect(), self.settings, step_id)
 
     async def as_completed(
         self,
@@ -241,6 +278,7 @@ class RolloutClient:
         raise_on_error: bool = False,
         expected_lengths: bool = True,
         adapter: str | None = None,
+        step_id: str | None = None,
     ) -> list[list[Trajectory]]:
         """Draw `n` samples of each prompt (a group): returns B lists of n trajectories, in input order.
 
@@ -253,8 +291,9 @@ class RolloutClient:
         whole (`generate`'s; continue a cut sample with `generate`, which keeps its group id). `expected_lengths`:
         each request carries its prompt's expected output length, learned from this client's earlier groups of it
         (`self.expected_lengths`), which placement by cost counts in place of `max_tokens`, and the groups are
-        enqueued longest expected first (`client/expected.py`); the result is in input order either way. `adapter`
-        and the errors are `generate`'s.
+        enqueued longest expected first (`client/expected.py`); the result is in input order either way. `adapter`,
+        `step_id` (`attach_step` returns the step's n x B trajectories flat, in the order they were enqueued) and the
+        errors are `generate`'s.
         """
         if n < 1:
             raise InvalidRequestError(f"n must be >= 1, got {n}")
@@ -266,8 +305,15 @@ class RolloutClient:
         pack = group_placement == "pack"
         requests, groups = build.samples(prompt_token_ids, n, sampling_params, order, pack, adapter=adapter)
         await self._check_adapter(adapter)
+        target = (completion_target, cut_after_s)
         try:
-            flat = await self._runner.run(build, requests, raise_on_error, (completion_target, cut_after_s))
+            if step_id is not None:
+                flat = await run_step(
+                    self.settings, self._runner, step_id, requests, timeout_s=timeout_s,
+                    raise_on_error=raise_on_error, target=target,
+                )  # fmt: skip
+            else:
+                flat = await self._runner.run(build, requests, raise_on_error, target)
         finally:
             if pack:  # unpin the groups: their pins would count as sessions for an hour
                 await asyncio.gather(*(self.finish_session(g) for g in groups), return_exceptions=True)
@@ -338,13 +384,21 @@ class RolloutClient:
         enqueued: bool = False,
         timeout_s: float | None = None,
         raise_on_error: bool = False,
+        step_id: str | None = None,
     ) -> list[Trajectory]:
         """Send requests built by `rollout_requests` and return their trajectories in order (as `generate`).
 
         `enqueued=True`: do not send them, only await their results: an earlier run of this named producer
         (`producer_id`) enqueued them and their results come to its stream. Same errors as `generate`; a timeout or
-        a cancel cancels the unfinished requests on the workers.
+        a cancel cancels the unfinished requests on the workers. `step_id`: run them as a named step, as
+        `generate`'s (not with `enqueued`: a step's own client attaches with `attach_step`).
         """
+        if step_id is not None:
+            if enqueued:
+                raise InvalidRequestError("a named step is attached to with attach_step(step_id), not enqueued=True")
+            return await run_step(
+                self.settings, self._runner, step_id, requests, timeout_s=timeout_s, raise_on_error=raise_on_error
+            )
         build = RequestBuilder(await self._connect(), timeout_s)
         return await self._runner.run(build, requests, raise_on_error, enqueued=enqueued)
 
@@ -357,93 +411,8 @@ class RolloutClient:
         call, started, ended = self._runner.last_step
         trajectories = [r for r in call.results if isinstance(r, Trajectory)]
         live = [w.worker_id for w in await self.workers()]
-        return step_report(trajectories, started, ended, live)
-
-    # --- control ----------------------------------------------------------------------------------------
-
-    async def pause(
-        self,
-        mode: PauseMode = "keep",
-        *,
-        holder: str = DEFAULT_HOLDER,
-        timeout_s: float | None = None,
-        lease_s: float | None = None,
-        renew: bool = True,
-    ) -> int:
-        """Pause the fleet: no worker takes rollout requests (they wait in the queue; deadlines keep running).
-
-        `mode`: `keep` freezes in-flight requests with their KV cache until `resume`; `abort` cuts them (this
-        client's own come back whole, retried token-exact after `resume`); `wait` returns once they finished.
-        `holder` names who pauses (the fleet stays paused while any holder does). The pause is held under a lease
-        of `lease_s` seconds (default `Settings.client.pause_lease_s`, 20 s) that this client renews while it is
-        open: if this process dies, hangs or closes without `resume`, the pause lapses and the fleet serves again
-        within the lease plus one heartbeat. `lease_s=0`: held until `resume`, whatever becomes of this process;
-        `renew=False`: a timed pause, lapsing `lease_s` after it was issued. Returns the control epoch once every
-        live worker acknowledged. Raises `ControlTimeoutError` naming those that did not within `timeout_s`
-        (default `Settings.client.control_timeout_s`); the pause stays written, so a retry converges.
-        """
-        lease_s = self.settings.client.pause_lease_s if lease_s is None else lease_s
-        return await self._issue(commands.pause(mode, holder=holder, lease_s=lease_s, renew=renew), timeout_s)
-
-    async def resume(self, *, holder: str = DEFAULT_HOLDER, timeout_s: float | None = None) -> int:
-        """Release `holder`'s pause; kept requests continue, queued ones start. Returns the epoch once acked."""
-        return await self._issue(commands.resume(holder=holder), timeout_s)
-
-    async def pause_generation(self, mode: PauseMode = "keep", *, timeout_s: float | None = None) -> int:
-        """SkyRL's name for `pause` (keep mode by default: in-flight requests freeze and continue on resume)."""
-        return await self.pause(mode, timeout_s=timeout_s)
-
-    async def resume_generation(self, *, timeout_s: float | None = None) -> int:
-        """SkyRL's name for `resume`."""
-        return await self.resume(timeout_s=timeout_s)
-
-    async def is_paused(self, per_worker: bool = False) -> bool | dict[str, bool]:
-        """Whether the fleet is paused (its desired state); `per_worker=True`: {worker id: paused or asleep}."""
-        connection = await self._connect()
-        if per_worker:
-            return {w.worker_id: w.state in ("paused", "sleeping") for w in await connection.registry.live_workers()}
-        return (await connection.control.state()).paused
-
-    async def abort(
-        self,
-        request_ids: Sequence[str] | None = None,
-        *,
-        session_id: str | None = None,
-        all: bool = False,
-        timeout_s: float | None = None,
-    ) -> int:
-        """Abort requests without pausing: exactly one of `request_ids`, `session_id` or `all=True`.
-
-        In-flight ones return partial trajectories and queued ones are answered unrun, all with
-        `finish_reason="abort"`, `abort_cause="user"`; an explicit abort is final (not retried). A session or
-        `all` abort hits requests enqueued before it; later ones run. Returns the epoch once every live worker
-        acknowledged (`ControlTimeoutError` otherwise).
-        """
-        command = commands.abort(request_ids, session_id=session_id, all_requests=all)
-        return await self._issue(command, timeout_s)
-
-    async def sleep(self, level: int = 1, mode: PauseMode = "abort", *, timeout_s: float | None = None) -> int:
-        """Put every engine to sleep (vLLM sleep mode; on CPU no memory is freed: `WorkerStatus.memory_released`).
-
-        A sleeping worker takes no rollout requests; in-flight ones are first paused as `mode` says.
-        """
-        return await self._issue(commands.sleep(level, mode), timeout_s)
-
-    async def wake_up(self, tags: Sequence[str] | None = None, *, timeout_s: float | None = None) -> int:
-        """Wake the engines (all memory, or only the pools `tags` names); the pause state from before returns."""
-        return await self._issue(commands.wake_up(tags), timeout_s)
-
-    async def reset_prefix_cache(self, reset_running_requests: bool = False, *, timeout_s: float | None = None) -> int:
-        """Drop every engine's prefix cache (`ControlCommandError` names workers whose engine refused)."""
-        return await self._issue(commands.reset_prefix_cache(reset_running_requests), timeout_s)
-
-    async def _issue(self, command: Command, timeout_s: float | None) -> int:
-        """Issue `command` in every shard; the epoch once every live worker acknowledged it (`FleetControl.issue`)."""
-        return await (await self._connect()).control.issue(command, timeout_s=timeout_s)
-
-    async def fleet_state(self) -> FleetState:
-        """The fleet's desired control state: epoch, pause holders and mode, sleep level."""
-        return await (await self._connect()).control.state()
+        stale = (sum(p.regenerations for p in call.positions), sum(p.stale_tokens for p in call.positions))
+        return step_report(trajectories, started, ended, live, stale)
 
     # --- LoRA adapters ----------------------------------------------------------------------------------
 

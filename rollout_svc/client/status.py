@@ -18,7 +18,8 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
     "sleep_level": n, "epoch": n, "weight_version": n (committed), "weight_checkpoint": path or None,
     "adapters": {name: {"version": n, "path": directory}} (the LoRA adapters the fleet holds),
     "workers": [WorkerStatus dict], "loads": {worker id: tokens of work it holds (what placement shares by)},
-    "streams": {name: {length, pending, queued}}, "dead_letters": n,
+    "streams": {name: {length, pending, queued}}, "dead_letters": n, "steps": {"live": named steps not yet
+    collected, "expired": those that expired unattached (`RolloutClient.attach_step`)},
     "shards": [name], "unreachable_shards": [name], "model_name": this model's name ("": the default),
     "named_models": {name: the same report of that named model} (from the default model's report only)}`: every
     reachable shard's workers, streams and dead letters,
@@ -34,6 +35,11 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
             named = await fleet.named_models()
         desired = await FleetControl(fleet).state()
         by_shard = await FleetRegistry(fleet).live_workers_by_shard()
+        keys = settings.keys
+        steps = {
+            "live": int(await fleet.router.zcard(keys.steps)),
+            "expired": int(await fleet.router.get(keys.steps_expired) or 0),
+        }
         workers = sorted_workers(by_shard)
         depths: dict[str, dict[str, int]] = {}
         dead_letters = 0
@@ -67,6 +73,7 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
         "loads": {w.worker_id: loads.get(w.worker_id, 0) for w in workers},
         "streams": depths,
         "dead_letters": dead_letters,
+        "steps": steps,
         "shards": shards,
         "unreachable_shards": sorted(unreachable),
         "model_name": settings.model_name,

@@ -24,6 +24,9 @@ class StepReport:
       `moves` (interruptions the requests were continued through: straggler moves, pauses, shutdowns; a cut's own
       not counted),
       `output_tokens` (all, cut ones included) and `cut_tokens` (the tokens the cut ones carry to a later call).
+    - `regenerated` and `stale_tokens`: requests generated again as staler than their bound, and the tokens they had
+      made, then discarded (the goal is 0: workers check the bound before they generate,
+      `RolloutRequest.max_staleness`).
     """
 
     makespan_s: float
@@ -34,6 +37,8 @@ class StepReport:
     moves: int = 0
     output_tokens: int = 0
     cut_tokens: int = 0
+    regenerated: int = 0
+    stale_tokens: int = 0
 
     @property
     def idle_fraction(self) -> float:
@@ -53,6 +58,8 @@ class StepReport:
             self.moves,
             self.output_tokens,
             self.cut_tokens,
+            self.regenerated,
+            self.stale_tokens,
         )
 
     def summary(self) -> str:
@@ -61,16 +68,22 @@ class StepReport:
         return (
             f"step: {self.requests} requests in {self.makespan_s:.2f} s on {len(self.busy_s)} workers "
             f"(busy {busy[-1]:.2f} s at most, {busy[0]:.2f} s at least; idle fraction {self.idle_fraction:.2f}); "
-            f"{self.finished} finished, {self.cut} cut ({self.cut_tokens} tokens carried), {self.moves} moves"
+            f"{self.finished} finished, {self.cut} cut ({self.cut_tokens} tokens carried), {self.moves} moves, "
+            f"{self.regenerated} regenerated as stale ({self.stale_tokens} tokens discarded)"
         )
 
 
 def step_report(
-    trajectories: Sequence[Trajectory], started_at: float, ended_at: float, workers: Iterable[str] = ()
+    trajectories: Sequence[Trajectory],
+    started_at: float,
+    ended_at: float,
+    workers: Iterable[str] = (),
+    stale: tuple[int, int] = (0, 0),
 ) -> StepReport:
     """The report of a step whose calls started at `started_at` and ended at `ended_at` (unix s; every request
     submitted at `started_at` or later, its own `submitted_at` unknown here), over `workers` (the fleet: those that
-    served none count as idle the whole step) and the workers the trajectories name."""
+    served none count as idle the whole step) and the workers the trajectories name. `stale`: (regenerations as
+    stale, tokens they discarded), which the trajectories do not show."""
     spans = worker_spans(trajectories, started_at, workers)
     cut = [t for t in trajectories if t.abort_cause == "partial"]
     return StepReport(
@@ -82,6 +95,8 @@ def step_report(
         moves=sum(t.interruptions for t in trajectories) - len(cut),
         output_tokens=sum(len(t.completion_token_ids) for t in trajectories),
         cut_tokens=sum(len(t.completion_token_ids) for t in cut),
+        regenerated=stale[0],
+        stale_tokens=stale[1],
     )
 
 

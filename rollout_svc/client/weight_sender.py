@@ -171,10 +171,19 @@ class WeightSender:
             raise InvalidRequestError("update() got no tensors; pass model.named_parameters() or a state dict's items")
         return await self._sync(version, pause_mode, tensors=tensors, staged=not pause_during_transfer)
 
-    async def update_from_checkpoint(self, path: str, version: int, pause_mode: PauseMode = "keep") -> SyncReport:
-        """Make every worker load the checkpoint at `path` (a directory holding `model.safetensors`, under the
-        workers' `checkpoint_root`) as `version`. Workers refuse a path outside their root."""
-        return await self._sync(version, pause_mode, path=str(path))
+    async def update_from_checkpoint(
+        self, path: str, version: int, pause_mode: PauseMode = "keep", *, stable_wait_s: float | None = None
+    ) -> SyncReport:
+        """Make every worker load the checkpoint at `path` (a directory holding `model.safetensors`, or Hugging
+        Face's shards with their `model.safetensors.index.json`, under the workers' `checkpoint_root`) as `version`.
+        Workers refuse a path outside their root. `stable_wait_s`: each worker waits up to that for the folder's
+        `STABLE` marker (prime-rl's trainer writes it last) and refuses the folder without it; it must be shorter
+        than this sender's `timeout_s`, which bounds the load. Raises `InvalidRequestError` otherwise."""
+        if stable_wait_s is not None and not 0 <= stable_wait_s < self.timeout_s:
+            raise InvalidRequestError(
+                f"stable_wait_s must be >= 0 and under the sync timeout ({self.timeout_s:g} s), got {stable_wait_s}"
+            )
+        return await self._sync(version, pause_mode, path=str(path), stable_wait_s=stable_wait_s)
 
     async def close(self) -> None:
         """Leave the transfer group and disconnect. The committed version stays."""
@@ -193,6 +202,7 @@ class WeightSender:
         tensors: list[tuple[str, torch.Tensor]] | None = None,
         path: str | None = None,
         staged: bool = False,
+        stable_wait_s: float | None = None,
     ) -> SyncReport:
         await self.init()
         assert self._lock is not None
@@ -207,7 +217,7 @@ class WeightSender:
                     report = await self._broadcast(version, tensors, pause if staged else None)
                 else:
                     assert path is not None
-                    report = await self._checkpoint(version, path)
+                    report = await self._checkpoint(version, path, stable_wait_s)
                 if not report.loaded:
                     failed = {**report.stale, **dict.fromkeys(report.dead, "dead")}
                     raise WeightSyncError(
@@ -232,14 +242,20 @@ class WeightSender:
         statuses = await self.control.registry.statuses(await self.control.registry.live_ids())
         return {w: s.weight_ranks for w, s in statuses.items() if s is not None and s.state != "draining"}
 
-    async def _checkpoint(self, version: int, path: str) -> SyncReport:
+    async def _checkpoint(self, version: int, path: str, stable_wait_s: float | None) -> SyncReport:
         members = sorted(await self._members())
         if not members:
             raise WeightSyncError(version, "no live worker")
         sync_id = f"v{version}-{uuid.uuid4().hex[:8]}"
-        await self.plane.publish(
-            WeightSyncOrder(sync_id=sync_id, version=version, transport="checkpoint", members=members, path=path)
+        order = WeightSyncOrder(
+            sync_id=sync_id,
+            version=version,
+            transport="checkpoint",
+            members=members,
+            path=path,
+            stable_wait_s=stable_wait_s,
         )
+        await self.plane.publish(order)
         started = time.monotonic()
         outcome = await self.plane.await_barrier(sync_id, LOADED, members, self.timeout_s)
         report = _report(version, "checkpoint", outcome)

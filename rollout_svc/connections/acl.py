@@ -56,6 +56,7 @@ _WORKER_COMMANDS = (
     "+hincrby", "+hdel",  # the loads placement shares work by (Keys.loads)
     "+zadd", "+zrem", "+zcard", "+zremrangebyscore", "+zrangebyscore",  # session sets, command log, tombstones
     "+zrange", "+zcount", "+zmscore",  # the open workers by level (Keys.levels, Keys.open_at)
+    "+rpush", "+lrange", "+ltrim", "+llen", "+lindex", "+lrem",  # the queued costs (Keys.queued_costs)
     "+multi", "+exec", "+subscribe", "+unsubscribe", "+publish",
 )  # fmt: skip
 _ADMIN_COMMANDS = ("+@all", "-@dangerous")  # no FLUSHALL, KEYS, CONFIG, ACL, CLIENT KILL, MONITOR, SHUTDOWN ...
@@ -132,7 +133,8 @@ def _producer(k: Keys) -> Role:
     requests = (k.requests, k.pinned_requests("*"), k.token_requests)
     grants = (
         Grant(("+xadd", "+xlen", "+xrange", "+xpending", "+xdel"), requests),  # enqueue, the cancel sweep
-        Grant(("+xread", "+xdel", "+del"), (k.results("*"),)),  # its results (no XADD: it cannot forge one)
+        # its results (no XADD: it cannot forge one); EXPIRE: a named step's are kept while the step lives
+        Grant(("+xread", "+xdel", "+del", "+expire"), (k.results("*"),)),
         Grant(("+get", "+set", "+del"), (k.session("*"),)),  # session pins
         Grant(("+zadd", "+zrem", "+zcard", "+zcount", "+zremrangebyscore"), (k.worker_sessions("*"), k.cancelled)),
         Grant(_READ_FLEET, read_only=(k.state, k.workers, k.worker("*"))),  # placement, `workers()`, weight version
@@ -140,6 +142,11 @@ def _producer(k: Keys) -> Role:
         # a new session's worker: the least loaded open one (Keys.levels), and its level and the sums kept
         Grant(("+hget", "+hmget", "+hgetall", "+hincrby", "+hset", "+hdel"), (k.loads,)),
         Grant(("+zadd", "+zrem", "+zrange", "+zcount", "+zrangebyscore"), (k.levels, k.open_at)),
+        Grant(("+rpush", "+lrem"), (k.queued_costs,)),  # the costs of what it queued (and swept) in the shared stream
+        # named steps: their records, the index of them by expiry, the count of those that expired
+        Grant(("+hset", "+hsetnx", "+hgetall", "+del", "+expire", "+exists"), (k.step("*"),)),
+        Grant(("+zadd", "+zrem", "+zrangebyscore"), (k.steps,)),
+        Grant(("+incrby", "+get"), (k.steps_expired,)),
     )
     declared = tuple(p for grant in grants for p in (*grant.read_write, *grant.read_only))
     evalsha = Grant(("+evalsha",), declared)  # passes EVALSHA's own check; each redis.call is checked by the rest
@@ -151,7 +158,7 @@ def _worker(k: Keys) -> Role:
     streams = (k.requests, k.pinned_requests("*"), k.token_requests, k.results("*"), k.dead)
     barriers = tuple(k.weight_barrier("*", phase) for phase in (JOINED, RECEIVED, LOADED))
     fleet: tuple[str, ...] = (k.session("*"), k.worker_sessions("*"), k.workers, k.worker("*"), k.reap_lock("*"))
-    fleet += (k.shards, k.loads, k.levels, k.open_at)  # the loads and the open workers by level (`dataplane.levels`)
+    fleet += (k.shards, *k.load_keys)  # the loads, the open workers by level (`dataplane.levels`), queued costs
     fleet += (k.reap_turn,)
     catch_ups = (k.weight_catch_ups, k.weight_catch_up_answer("*"))  # peer catch-up, among workers
     read_write = (*streams, *fleet, *barriers, *catch_ups)

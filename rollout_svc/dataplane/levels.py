@@ -48,7 +48,8 @@ end
 # relevel(L, id, open, at_ms): worker `id`'s level and its part of the sums, from its load fields as they are now.
 # L: {loads = the loads hash, levels = `Keys.levels`, open_at = `Keys.open_at`}. `open`: true (it said it has a free
 # slot, at `at_ms`: it joins or stays), false (it leaves), nil (it stays as it is, member or not: a change of load
-# others made). Returns its level (load / weight), nil if it is not open.
+# others made). `at_ms` 0: no fresh word (a publish: its takes and load reports renew the stamp), read from Redis's
+# clock only if it joins. Returns its level (load / weight), nil if it is not open.
 # close_silent(L, ttl_ms, at_ms, limit): closes up to `limit` open workers silent since before at_ms - ttl_ms (a
 # dead worker, until its reaper forgets it).
 RESTAMP_MS = 250
@@ -96,6 +97,7 @@ local function relevel(L, id, open, at_ms)
     return nil
   end
   -- the stamp of `Keys.open_at` is renewed once per RESTAMP_MS at most: closing the silent needs no finer clock
+  if at_ms == 0 then at_ms = not was and now_ms() or nil end
   local stamp = at_ms and (not was or at_ms - old_at >= RESTAMP_MS)
   if stamp then old_at = at_ms end
   if not was or load ~= old_load or weight ~= old_w or kv ~= old_kv or stamp then
@@ -114,8 +116,9 @@ end
 
 
 def with_levels(template: str, first_key: int = 1) -> str:
-    """A script that counts work (`COST_LUA`, `LOADS_LUA`, `LEVELS_LUA`), its KEYS from `first_key` on the loads hash,
-    `Keys.levels` and `Keys.open_at`, bound to the table `L` that `relevel` takes; `template` rendered by `lua`."""
+    """A script that counts work (`COST_LUA`, `LOADS_LUA`, `LEVELS_LUA`), its KEYS from `first_key` on
+    `Keys.load_keys` (the loads hash, `Keys.levels`, `Keys.open_at`, `Keys.queued_costs`), bound to the table `L`
+    that `relevel` takes (`L.costs`: the queued costs); `template` rendered by `lua`."""
     k = first_key
-    bind = f"local L = {{loads = KEYS[{k}], levels = KEYS[{k + 1}], open_at = KEYS[{k + 2}]}}\n"
+    bind = f"local L = {{loads = KEYS[{k}], levels = KEYS[{k + 1}], open_at = KEYS[{k + 2}], costs = KEYS[{k + 3}]}}\n"
     return COST_LUA + LOADS_LUA + LEVELS_LUA + bind + lua(template)

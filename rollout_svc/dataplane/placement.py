@@ -1,5 +1,6 @@
-"""The data plane's placement scripts: where a rollout request goes (the enqueue script places sessions, a take
-shares the shared queue), each O(log W) in the fleet's size W (`dataplane.levels` keeps what they read).
+"""The data plane's placement scripts: where a rollout request goes (the enqueue script places sessions; a take
+shares the shared queue, `dataplane.take`), each O(log W) in the fleet's size W (`dataplane.levels` keeps what they
+read).
 
 Each declares the keys it names in KEYS (`Keys.fleet`: the state hash, the loads hash, the two sorted sets of open
 workers); the keys of the one worker a session goes to (heartbeat, session set, pinned stream) are built from
@@ -29,7 +30,12 @@ PLACE_LUA = (
     + lua("""
 local function fleet_at(kf, af)
   return {state = KEYS[kf], loads = KEYS[kf + 1], levels = KEYS[kf + 2], open_at = KEYS[kf + 3],
-          hb = ARGV[af], zs = ARGV[af + 1], pinned = ARGV[af + 2], placed = {}, next_key = kf + 4, next_arg = af + 3}
+          costs = KEYS[kf + 4], hb = ARGV[af], zs = ARGV[af + 1], pinned = ARGV[af + 2], placed = {},
+          next_key = kf + 5, next_arg = af + 3}
+end
+local function push_costs(f, costs)  -- "id cost" of entries added to the shared stream (`Keys.queued_costs`)
+  if #costs > 0 then redis.call('RPUSH', f.costs, unpack(costs)) end
+  return {}
 end
 local function queued(f, w, cost)
   local c = clamp_cost(cost)
@@ -106,7 +112,7 @@ end
 # empty EPOCH, and no delivery count); 'f' (a forward, `EnqueueKind.FORWARD`, as 'g' otherwise) keeps its session's
 # pin to a worker that drains. Returns (`ScriptReply`) {'full', stream, length} or {'ok', entry id per item, then the
 # worker each session item went to ('' for the shared stream)}. The tokens of what goes to the shared stream are
-# added to the queued tokens (`keys.QUEUED_FIELD`).
+# added to the queued tokens (`keys.QUEUED_FIELD`), and its id and cost to the queued costs (`Keys.queued_costs`).
 # Placement happens before the admission check, so a refused chunk may still have pinned its sessions: harmless,
 # the pins expire (what it placed is taken off the workers' loads again).
 ENQUEUE_LUA = PLACE_LUA + lua("""
@@ -145,7 +151,7 @@ if limit >= 0 then
     end
   end
 end
-local reply, to_shared = {'${ScriptReply.OK}'}, 0
+local reply, to_shared, costs = {'${ScriptReply.OK}'}, 0, {}
 for i = 1, n do
   local at = first + 4 * (i - 1)
   local kind, sid, key = ARGV[at], ARGV[at + 1], targets[i]
@@ -159,9 +165,15 @@ for i = 1, n do
   if d ~= '0' then fields[#fields + 1], fields[#fields + 2] = '${DELIVERIES_FIELD}', d end
   if ARGV[at + 2] ~= '0' then fields[#fields + 1], fields[#fields + 2] = '${COST_FIELD}', ARGV[at + 2] end
   local id = redis.call('XADD', key, '*', unpack(fields))
-  if key == KEYS[shared] then to_shared = to_shared + clamp_cost(ARGV[at + 2]) end
+  if key == KEYS[shared] then
+    local c = clamp_cost(ARGV[at + 2])
+    to_shared = to_shared + c
+    costs[#costs + 1] = string.format('%s %d', id, c)
+    if #costs == 1000 then costs = push_costs(f, costs) end
+  end
   reply[i + 1] = id
 end
+push_costs(f, costs)
 if to_shared > 0 then redis.call('HINCRBY', f.loads, '${QUEUED_FIELD}', to_shared) end
 for _, w in ipairs(workers) do reply[#reply + 1] = w end
 a = first + 4 * n
@@ -207,141 +219,4 @@ relevel(L, ARGV[1], nil)
 return id
 """,
     first_key=2,
-)
-
-# A worker's take of rollout requests, non-blocking, by fair share of the work (`WorkerStreams.take`).
-# KEYS: [1] its pinned stream, [2] the shared stream, [3] the loads hash, [4] `Keys.levels`, [5] `Keys.open_at`.
-# ARGV: [1] group, [2] worker id, [3] free slots, [4] the open workers' TTL ms (a worker silent longer is closed),
-# [5] the most queued entries it peeks at, [6] tokens it took outside (its blocking read of the next entry), added
-# to its load, [7] 1 if it holds nothing (its load is then 0: a request that left it other than by a publish,
-# requeued or forwarded, would otherwise count for ever), [8] 1 to share (placement `cost`), 0 to take whatever fits
-# (`fifo`), [9] the part of [6] read from its pinned stream (taken off ID:pinned first; the rest off the queued
-# tokens), [10] its engine's KV cache and [11] its context, in tokens (0: not known).
-# 1. Its pinned entries (its sessions), up to its free slots (ID:pinned less their cost, or 0 once none is left).
-# 2. If tokens are queued in the shared stream (`keys.QUEUED_FIELD`; the queue ahead of the group read only then),
-# the share that brings its load to the level the open workers' loads would reach if the queued work were spread
-# over them in proportion to their weights (water level: queued tokens plus the open workers' loads, over their
-# weights: the sums `dataplane.levels` keeps). It stops at an entry costing more than its context that a wider
-# context holds (the widest said, `WIDEST_FIELD`; a long-context request goes where it fits; one that fits nowhere
-# is taken as before), and past its share takes only what no other context holds (`NARROWEST_FIELD`). At least one
-# entry if it is the least loaded open worker (the first of `Keys.levels`), so nothing waits while it has room.
-# 3. Its load, free slots and level. Every step is O(log W) in the open workers.
-# Returns the entries as XREADGROUP does: {stream, {{id, fields}, ...}} per stream with entries, then 'left' if it
-# left queued entries to other workers' shares (the caller then waits for a slot of its own, not for new entries).
-TAKE_LUA = with_levels(
-    """
-local pinned, shared = KEYS[1], KEYS[2]
-local group, me, free = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local ttl_ms, peek = tonumber(ARGV[4]), tonumber(ARGV[5])
-local kv_me, ctx_me = tonumber(ARGV[10] or '0') or 0, tonumber(ARGV[11] or '0') or 0
-local at = now_ms()
-local reply, left, spent = {}, false, tonumber(ARGV[6])
-local carried_pinned = tonumber(ARGV[9])
-local h = redis.call('HMGET', L.loads, me, me .. '${PINNED_SUFFIX}', '${QUEUED_FIELD}')
-local held, my_pinned, queued = num(h[1]), num(h[2]), num(h[3])
-if carried_pinned > 0 then my_pinned = math.max(0, my_pinned - carried_pinned) end
-if spent > carried_pinned and queued > 0 then  -- what its blocking reads took from the shared stream
-  queued = math.max(0, queued - (spent - carried_pinned))
-  redis.call('HSET', L.loads, '${QUEUED_FIELD}', queued)
-end
-if ARGV[7] == '1' and held > 0 then
-  held = 0
-  redis.call('HSET', L.loads, me, 0)
-end
-local function cost_of(fields)
-  for i = 1, #fields, 2 do
-    if fields[i] == '${COST_FIELD}' then return clamp_cost(fields[i + 1]) end
-  end
-  return 1
-end
-local function take(stream, count)
-  local r = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', count, 'STREAMS', stream, '${StreamSyntax.NEW}')
-  if not r or not r[1] then return 0 end
-  local read = r[1][2] and r[1] or r  -- {{stream, entries}}; fakeredis (the `up` fallback): flat
-  local cost = 0
-  for _, e in ipairs(read[2]) do cost = cost + cost_of(e[2]) end
-  spent = spent + cost
-  reply[#reply + 1] = {read[1], read[2]}
-  free = free - #read[2]
-  return cost
-end
--- 1. pinned, and what it leaves there (ID:pinned, which placement adds to): 0 once nothing new is left in it, so a
--- count that missed an entry (one taken by the blocking read, or moved out by a reaper) is set right
-if free > 0 then
-  local cost = take(pinned, free)
-  my_pinned = free > 0 and 0 or math.max(0, my_pinned - cost)
-end
-if my_pinned ~= num(h[2]) then redis.call('HSET', L.loads, me .. '${PINNED_SUFFIX}', my_pinned) end
--- 2. shared, only while tokens are queued there (nothing: done, the common case of a fleet that keeps up)
-local function ahead_of_group()
-  local last = '${StreamSyntax.FIRST_ID}'
-  for _, g in ipairs(redis.call('XINFO', 'GROUPS', shared)) do
-    local info = {}
-    for i = 1, 11, 2 do  -- not #g: a null field (entries-read) may end the table early under fakeredis
-      if g[i] then info[g[i]] = g[i + 1] end
-    end
-    if info['${StreamSyntax.GROUP_NAME}'] == group then last = info['${StreamSyntax.LAST_DELIVERED_ID}'] end
-  end
-  return '${StreamSyntax.EXCLUSIVE}' .. last
-end
-if free > 0 and queued > 0 then
-  local after = redis.call('EXISTS', shared) == 1 and ahead_of_group()
-  local ahead = after and redis.call('XRANGE', shared, after, '+', 'COUNT', math.min(free, peek)) or {}
-  if #ahead == 0 then
-    redis.call('HSET', L.loads, '${QUEUED_FIELD}', 0)  -- nothing is queued: a count that drifted is set right
-  else
-    close_silent(L, ttl_ms, at, 4)
-    local s = redis.call('HMGET', L.loads, '${SUM_FIELD}', '${WEIGHTS_FIELD}', me .. '${IN_SUFFIX}',
-      '${KV_SUM_FIELD}', '${KV_COUNT_FIELD}')
-    local in_load, in_w = 0, 0
-    if s[3] then
-      local a, b = string.match(s[3], '^(%S+) (%S+) ')
-      in_load, in_w = num(a), num(b)
-    end
-    local w_me = weight_of(kv_me, num(s[4]), num(s[5]))
-    local mine = held + spent + my_pinned
-    local level_sum, weight_sum = num(s[1]) - in_load + mine, num(s[2]) - in_w + w_me
-    local least = true
-    local lowest = redis.call('ZRANGE', L.levels, 0, 1, 'WITHSCORES')
-    for i = 1, #lowest, 2 do
-      local id, level = lowest[i], tonumber(lowest[i + 1])
-      if id ~= me then
-        if level < mine / w_me or (level == mine / w_me and id < me) then least = false end
-        break
-      end
-    end
-    local contexts = redis.call('HMGET', L.loads, '${WIDEST_FIELD}', '${NARROWEST_FIELD}')
-    local widest, narrowest = num(contexts[1]), num(contexts[2])
-    local function fits(c)  -- false: a wider context holds it and mine does not: left to it
-      return ctx_me == 0 or c <= ctx_me or c > widest
-    end
-    local count = 0
-    if ARGV[8] == '0' then
-      for i, e in ipairs(ahead) do
-        if not fits(cost_of(e[2])) then left = true break end
-        count = i
-      end
-    else
-      local budget = (queued + level_sum) * w_me / weight_sum - mine
-      for _, e in ipairs(ahead) do
-        local c = cost_of(e[2])
-        -- past its share what no other context holds: over the widest said (none holds it), or, for a worker of
-        -- the widest context, over the narrowest (a narrower one leaves it)
-        local only_mine = (ctx_me == 0 or c <= ctx_me) and (c > widest or (ctx_me >= widest and c > narrowest))
-        local over_share = budget < c / 2 and not (count == 0 and least) and not only_mine
-        if count >= free or not fits(c) or over_share then break end
-        count, budget = count + 1, budget - c
-      end
-      left = count < #ahead
-    end
-    if count > 0 then redis.call('HSET', L.loads, '${QUEUED_FIELD}', math.max(0, queued - take(shared, count))) end
-  end
-end
--- 3. its load, free slots and level
-if spent > 0 then redis.call('HINCRBY', L.loads, me, spent) end
-relevel(L, me, free > 0, at)
-if left then reply[#reply + 1] = '${ScriptReply.LEFT}' end
-return reply
-""",
-    first_key=3,
 )

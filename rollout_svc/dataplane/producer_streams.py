@@ -128,7 +128,7 @@ class ProducerStreams(StreamSide):
     async def sweep(self, stream: str, entries: Sequence[Sweep], results_ttl_s: float) -> list[bytes]:
         """Delete the entries still undelivered and send each its answer, atomically. Returns the ids of those that
         went (a delivered one is its worker's to answer)."""
-        keys: dict[str, int] = {stream: 1, self.keys.loads: 2}
+        keys: dict[str, int] = {stream: 1, self.keys.loads: 2, self.keys.queued_costs: 3}
         args: list[str | bytes | int] = [WORKERS_GROUP, int(results_ttl_s), int(stream == self.keys.requests)]
         for item in entries:
             reply_index = keys.setdefault(item.reply[0], len(keys) + 1) if item.reply else 0

@@ -9,21 +9,23 @@ from rollout_svc.keys import lua
 
 # KEYS: [1] the loads hash, [2] `Keys.levels`, [3] `Keys.open_at`, then the streams named (results and requests
 # streams), each once. ARGV: [1] results ttl s, [2] group, [3] the worker's id, [4] its free slots after this publish
-# ('' to leave them and its load), [5] tokens its blocking reads took that no take counted yet, [6] the part of them
-# read from its pinned stream (both `workers.inflight.Woken`), then 5 per item: results key index (0: no result),
+# ('' to leave them and its load), [5] tokens its reads took that no script counted yet (signed: a take's read
+# beyond or short of its plan), [6] the part of them read from its pinned stream (both `workers.inflight.Woken`),
+# then 5 per item: results key index (0: no result),
 # payload, requests key index, entry id, its cost. The load (`Keys.loads` ID) gets [5] less the items' costs,
 # ID:pinned loses [6], the queued tokens the rest of [5]; none goes below 0. Its level follows (`dataplane.levels`).
 # An item's result is added only if its XACK returned 1, that is if the entry was still pending here; 0 means it was
-# requeued while this worker was presumed dead, and the worker that takes the requeued copy answers it. Returns how
-# many were fenced.
+# requeued while this worker was presumed dead, and the worker that takes the requeued copy answers it. The acked
+# entries are deleted with one XDEL a stream. Returns how many were fenced.
 PUBLISH_LUA = with_levels("""
 local results_ttl_s, group, worker, free = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local fenced, touched, done = 0, {}, 0
+local fenced, touched, done, acked = 0, {}, 0, {}
 for a = 7, #ARGV, 5 do
   local stream, id = KEYS[tonumber(ARGV[a + 2])], ARGV[a + 3]
   done = done + tonumber(ARGV[a + 4])
   if redis.call('XACK', stream, group, id) == 1 then
-    redis.call('XDEL', stream, id)
+    local ids = acked[stream] or {}
+    acked[stream], ids[#ids + 1] = ids, id
     local r = tonumber(ARGV[a])
     if r > 0 then
       redis.call('XADD', KEYS[r], '*', '${PAYLOAD_FIELD}', ARGV[a + 1])
@@ -33,14 +35,16 @@ for a = 7, #ARGV, 5 do
     fenced = fenced + 1
   end
 end
+for stream, ids in pairs(acked) do  -- deleted once answered: one XDEL a stream
+  for i = 1, #ids, 1000 do redis.call('XDEL', stream, unpack(ids, i, math.min(i + 999, #ids))) end
+end
 for key in pairs(touched) do redis.call('EXPIRE', key, results_ttl_s) end
 if free ~= '' then
   local woken = tonumber(ARGV[5])
   if done ~= woken then add_to_load(KEYS[1], worker, woken - done) end
-  if tonumber(ARGV[6]) > 0 then add_to_load(KEYS[1], worker .. '${PINNED_SUFFIX}', -tonumber(ARGV[6])) end
+  if tonumber(ARGV[6]) ~= 0 then add_to_load(KEYS[1], worker .. '${PINNED_SUFFIX}', -tonumber(ARGV[6])) end
   add_to_load(KEYS[1], '${QUEUED_FIELD}', tonumber(ARGV[6]) - woken)
-  local at = now_ms()
-  relevel(L, worker, tonumber(free) > 0, at)
+  relevel(L, worker, tonumber(free) > 0, 0)  -- no clock read unless it joins: its takes and reports stamp it
 end
 return fenced
 """)
@@ -95,10 +99,10 @@ end
 return 1
 """)
 
-# KEYS: [1] a requests stream, [2] the loads hash, then results streams. ARGV: [1] group, [2] results ttl s, [3] 1 if
-# [1] is the shared stream (what it deletes is taken off the queued tokens), then 3 per entry (entry id, results key
-# index or 0, result payload). Deletes each entry that is still undelivered (it exists and no consumer holds it) and
-# answers it; an entry a worker took meanwhile is that worker's to answer.
+# KEYS: [1] a requests stream, [2] the loads hash, [3] `Keys.queued_costs`, then results streams. ARGV: [1] group,
+# [2] results ttl s, [3] 1 if [1] is the shared stream (what it deletes is taken off the queued tokens and costs),
+# then 3 per entry (entry id, results key index or 0, result payload). Deletes each entry that is still undelivered
+# (it exists and no consumer holds it) and answers it; an entry a worker took meanwhile is that worker's to answer.
 SWEEP_LUA = (
     COST_LUA
     + LOADS_LUA
@@ -117,6 +121,7 @@ for a = 4, #ARGV, 3 do
         if fields[i] == '${COST_FIELD}' then cost = clamp_cost(fields[i + 1]) end
       end
       unqueued = unqueued + cost
+      if ARGV[3] == '1' then redis.call('LREM', KEYS[3], 1, string.format('%s %d', id, cost)) end
       local r = tonumber(ARGV[a + 1])
       if r > 0 then
         redis.call('XADD', KEYS[r], '*', '${PAYLOAD_FIELD}', ARGV[a + 2])

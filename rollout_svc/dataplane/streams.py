@@ -34,7 +34,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from rollout_svc.dataplane.direct import DirectConnection, borrowed
-from rollout_svc.dataplane.placement import ENQUEUE_LUA, FINISH_SESSION_LUA, HAND_OVER_LUA, PIN_LUA, TAKE_LUA
+from rollout_svc.dataplane.placement import ENQUEUE_LUA, FINISH_SESSION_LUA, HAND_OVER_LUA, PIN_LUA
 from rollout_svc.dataplane.scripts import (
     DEAD_LETTER_LUA,
     FORGET_CONSUMER_LUA,
@@ -43,6 +43,7 @@ from rollout_svc.dataplane.scripts import (
     REPORT_LOAD_LUA,
     SWEEP_LUA,
 )
+from rollout_svc.dataplane.take import TAKE_LUA
 from rollout_svc.errors import QueueFullError
 from rollout_svc.keys import (
     COST_FIELD,

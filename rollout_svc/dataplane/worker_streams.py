@@ -7,10 +7,36 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_svc.dataplane.direct import stream_records
-from rollout_svc.dataplane.streams import Enqueue, Entry, StreamSide, parse_entry, script_fields
-from rollout_svc.keys import COST_FIELD, EPOCH_FIELD, PAYLOAD_FIELD, WORKERS_GROUP, ScriptReply
+from rollout_svc.dataplane.streams import Enqueue, Entry, StreamSide, parse_entry
+from rollout_svc.keys import COST_FIELD, EPOCH_FIELD, PAYLOAD_FIELD, WORKERS_GROUP
 
-TAKE_PEEK = 4096  # the most queued entries a take looks at to compute its fair share (TAKE_LUA)
+TAKE_PEEK = 4096  # the most queued entries a take weighs to compute its fair share (TAKE_LUA)
+
+
+@dataclass(frozen=True, slots=True)
+class TakePlan:
+    """A take's plan (`WorkerStreams.plan_take`): entries to read from `worker_id`'s pinned stream and from the
+    shared one, the (tokens, pinned tokens) it `counted` for them, whether it `left` waiting entries to other workers'
+    shares, and whether nothing is left waiting for it (`drained`)."""
+
+    worker_id: str
+    pinned: int
+    shared: int
+    counted: tuple[int, int]
+    left: bool
+    drained: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """What one take read (`WorkerStreams.take`): its `entries`; `left`: waiting entries were left to other workers'
+    shares; `drained`: nothing was left waiting for it (its next read may block); `unplanned`: (tokens, pinned
+    tokens) its reads cost beyond the plan (negative: short of it), for its next script call to count."""
+
+    entries: list[Entry]
+    left: bool
+    drained: bool
+    unplanned: tuple[int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,25 +75,40 @@ class WorkerStreams(StreamSide):
 
     async def take(
         self, options: TakeOptions, free: int, carried: tuple[int, int] = (0, 0), *, idle: bool = False
-    ) -> tuple[list[Entry], bool]:
-        """One non-blocking take (`TAKE_LUA`) of up to `free` entries: pinned entries, then the share of the shared
-        queue that brings this worker's load (tokens) to the level of the open workers' loads with the queued work
-        spread over them; at least one entry if it is the least loaded (without `options.share`: whatever fits).
-        Adds what it took to its load in `Keys.loads`, and `carried`: (tokens, pinned tokens) that its
-        `wait_for_entries` took (`workers.inflight.Woken`), the pinned ones also taken off its pinned tokens
-        (ID:pinned); `idle` (it holds nothing, every result published) sets its load to 0 first. Returns the entries
-        and whether queued entries were left to other workers' shares."""
+    ) -> Taken:
+        """One non-blocking take of up to `free` entries: `plan_take`, then `read_plan` (two round trips)."""
+        return await self.read_plan(await self.plan_take(options, free, carried, idle=idle))
+
+    async def plan_take(
+        self, options: TakeOptions, free: int, carried: tuple[int, int] = (0, 0), *, idle: bool = False
+    ) -> TakePlan:
+        """How many entries of its pinned stream and of the shared one this worker takes, of up to `free`
+        (`TAKE_LUA`, one script call, which reads no entry): its pinned entries, then the share of the shared queue
+        that brings its load (tokens) to the level of the open workers' loads with the queued work spread over them;
+        at least one entry if it is the least loaded (without `options.share`: whatever fits). The plan counts what
+        it takes in `Keys.loads` at once, with `carried`: (tokens, pinned tokens) that earlier reads took and no
+        script counted yet (`workers.inflight.Woken`); `idle` (it holds nothing, every result published) sets its
+        load to 0 first."""
         worker_id = options.worker_id
-        keys = [self.keys.pinned_requests(worker_id), self.keys.requests, *self.keys.load_keys]
+        pinned = self.keys.pinned_requests(worker_id)
         args: list[str | int] = [WORKERS_GROUP, worker_id, free, options.loads_ttl_ms, TAKE_PEEK, carried[0], int(idle)]
         args += [int(options.share), carried[1], options.kv_cache_tokens, options.max_model_len]
-        reply: Any = await self.connection.script("take", keys, args)
-        left = bool(reply) and reply[-1] == ScriptReply.LEFT
-        entries = []
-        for stream, records in reply[:-1] if left else reply or []:
-            name = stream.decode() if isinstance(stream, bytes) else stream
-            entries += [parse_entry(name, entry_id, script_fields(fields), delivered=1) for entry_id, fields in records]
-        return entries, left
+        reply: Any = await self.connection.script("take", [pinned, self.keys.requests, *self.keys.load_keys], args)
+        pinned_count, shared_count, tokens, pinned_tokens, left, drained = (int(v) for v in reply)
+        return TakePlan(worker_id, pinned_count, shared_count, (tokens, pinned_tokens), bool(left), bool(drained))
+
+    async def read_plan(self, plan: TakePlan) -> Taken:
+        """Read what `plan` counted, plainly (one round trip: XREADGROUP from a script costs Redis several times
+        more, `dataplane.take`). Returns the entries and what they cost beyond (or short of) the plan: another
+        worker's read may have come between, taking entries of other costs."""
+        pinned = self.keys.pinned_requests(plan.worker_id)
+        reads = [(pinned, plan.pinned), (self.keys.requests, plan.shared)]
+        commands = [self._readgroup_command(plan.worker_id, {s: ">"}, count, None) for s, count in reads if count]
+        entries = self._entries(await self.connection.execute(*commands)) if commands else []
+        tokens = sum(e.cost for e in entries)
+        pinned_tokens = sum(e.cost for e in entries if e.stream == pinned)
+        unplanned = (tokens - plan.counted[0], pinned_tokens - plan.counted[1])
+        return Taken(entries, plan.left, plan.drained, unplanned)
 
     async def wait_for_entries(self, worker_id: str, block_ms: int, count: int = 1, shared: bool = True) -> list[Entry]:
         """Block up to `block_ms` on the worker's pinned stream and the shared one (`shared` False: its pinned one
@@ -76,18 +117,31 @@ class WorkerStreams(StreamSide):
         streams = {self.keys.pinned_requests(worker_id): ">"} | ({self.keys.requests: ">"} if shared else {})
         return await self._readgroup(worker_id, streams, count, block_ms)
 
+    async def read_pinned(self, worker_id: str, count: int) -> list[Entry]:
+        """Take up to `count` entries of the worker's pinned stream (its sessions'), without blocking: they are its own,
+        no share to weigh. What they cost is for its next script call to count (`workers.inflight.Woken`)."""
+        return await self._readgroup(worker_id, {self.keys.pinned_requests(worker_id): ">"}, count, None)
+
     async def read_tokens(self, worker_id: str, count: int, block_ms: int) -> list[Entry]:
         """Take at most `count` tokenize / detokenize / chat-template requests."""
         return await self._readgroup(worker_id, {self.keys.token_requests: ">"}, count, block_ms)
 
     async def _readgroup(self, consumer: str, streams: dict, count: int, block_ms: int | None) -> list[Entry]:
+        return self._entries(await self.connection.execute(self._readgroup_command(consumer, streams, count, block_ms)))
+
+    @staticmethod
+    def _readgroup_command(consumer: str, streams: dict, count: int, block_ms: int | None) -> tuple[Any, ...]:
         block = [] if block_ms is None else ["BLOCK", block_ms]
         read = ("XREADGROUP", "GROUP", WORKERS_GROUP, consumer, "COUNT", count, *block, "STREAMS", *streams)
-        [reply] = await self.connection.execute((*read, *streams.values()))
+        return (*read, *streams.values())
+
+    @staticmethod
+    def _entries(replies: list[Any]) -> list[Entry]:
         entries = []
-        for stream, records in stream_records(reply):
-            name = stream.decode() if isinstance(stream, bytes) else stream
-            entries += [parse_entry(name, entry_id, fields, delivered=1) for entry_id, fields in records]
+        for reply in replies:
+            for stream, records in stream_records(reply):
+                name = stream.decode() if isinstance(stream, bytes) else stream
+                entries += [parse_entry(name, entry_id, fields, delivered=1) for entry_id, fields in records]
         return entries
 
     async def publish(

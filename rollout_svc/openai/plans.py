@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rollout_svc.client.rollout_client import Prompt
-from rollout_svc.openai.errors import APIError
+from rollout_svc.openai.errors import APIError, invalid_body
 from rollout_svc.openai.render import Reply
 from rollout_svc.openai.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Sampling
 from rollout_svc.protocol import SamplingParams, StructuredOutputs, Trajectory
@@ -74,6 +74,7 @@ def sampling_params(
         "logprobs": logprobs,
         "structured_outputs": structured,
         "seed": body.seed,
+        "prompt_logprobs": body.prompt_logprobs,
     }
     fields.update({name: getattr(body, name) for name in _SAMPLING_FIELDS if getattr(body, name) is not None})
     if body.stop is not None:
@@ -84,6 +85,49 @@ def sampling_params(
         error = exc.errors()[0]
         param = ".".join(str(p) for p in error.get("loc", ()))
         raise APIError(400, f"{param or 'sampling params'}: {error.get('msg')}", param=param or None) from exc
+
+
+# vLLM's `StructuredOutputsParams` options we do not serve: dropped when unset (falsy), refused when set
+_UNSERVED_STRUCTURED = frozenset(
+    {
+        "disable_fallback",
+        "disable_any_whitespace",
+        "disable_additional_properties",
+        "whitespace_pattern",
+        "structural_tag",
+        "_backend",
+        "_backend_was_auto",
+    }
+)
+
+
+def vllm_structured_outputs(body: _Sampling) -> StructuredOutputs | None:
+    """`structured_outputs` as vLLM's server takes it (`StructuredOutputsParams`: exactly one of `json`, `regex`,
+    `choice`, `grammar`, `json_object`), as ours; an option we do not serve (`structural_tag`, `whitespace_pattern`,
+    the `disable_*` switches) set away from its default is refused by name. Raises `APIError` 400."""
+    given = body.structured_outputs
+    if given is None:
+        return None
+    unserved = sorted(k for k, v in given.items() if k in _UNSERVED_STRUCTURED and v)
+    if unserved:
+        raise APIError(
+            400,
+            f"structured_outputs.{unserved[0]} is not supported by rollout-svc: give one of json, regex, choice, "
+            "grammar, json_object",
+            param=f"structured_outputs.{unserved[0]}",
+        )
+    fields = {k: v for k, v in given.items() if k not in _UNSERVED_STRUCTURED}
+    try:
+        return StructuredOutputs.model_validate(fields)
+    except ValidationError as exc:
+        raise invalid_body([{**e, "loc": ("structured_outputs", *e["loc"])} for e in exc.errors()]) from exc
+
+
+def _show_asked(reply: Reply, body: _Sampling) -> None:
+    """What the reply shows besides the text, as the body asks (vLLM's fields): token ids, tokens named by their
+    ids in logprobs, prompt logprobs."""
+    reply.return_token_ids, reply.token_ids_as_tokens = body.return_token_ids, body.return_tokens_as_token_ids
+    reply.prompt_logprobs = body.prompt_logprobs is not None
 
 
 def _expand(
@@ -111,8 +155,14 @@ def chat_plan(body: ChatCompletionRequest, model: str, session_id: str | None, d
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
     reply = Reply("chat", model, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0)
-    reply.return_token_ids = body.return_token_ids
-    structured: StructuredOutputs | None = None
+    _show_asked(reply, body)
+    structured = vllm_structured_outputs(body)
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    formatted = body.response_format is not None and body.response_format.type != "text"
+    if structured is not None and (forced or formatted):
+        raise APIError(
+            400, "give structured_outputs, or response_format or a tool_choice, not both", param="structured_outputs"
+        )
     if isinstance(choice, NamedToolChoice):
         reply.forced_tool = choice.function.name
         [function] = [t.function for t in body.tools or [] if t.function.name == choice.function.name][:1]
@@ -159,8 +209,8 @@ def completion_plan(body: CompletionRequest, model: str, session_id: str | None)
     except ValueError as exc:
         raise APIError(400, str(exc), param="prompt") from exc
     reply = Reply("text", model, logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
-    reply.return_token_ids = body.return_token_ids
-    params = sampling_params(body, body.max_tokens or 16, body.logprobs, None)
+    _show_asked(reply, body)
+    params = sampling_params(body, body.max_tokens or 16, body.logprobs, vllm_structured_outputs(body))
     all_prompts, all_params, indices, groups = _expand(reply, body, prompts, params, session_id)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Plan(reply, all_prompts, all_params, indices, session_id, groups, body.stream, include_usage)

@@ -34,6 +34,8 @@ class Reply:
     logprobs: bool = False
     top_logprobs: int = 0
     return_token_ids: bool = False
+    token_ids_as_tokens: bool = False  # vLLM's `return_tokens_as_token_ids`: logprobs' tokens as "token_id:N"
+    prompt_logprobs: bool = False  # vLLM's `prompt_logprobs`: per prompt position, {token id: logprob, rank, text}
     forced_tool: str | None = None  # a named tool_choice: the output is that function's arguments
     required_tools: bool = False  # tool_choice "required": the output is a JSON list of calls
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -62,6 +64,8 @@ class Reply:
         body["usage"] = usage(trajectories, prompt_indices)
         if self.kind == "chat" and self.return_token_ids and trajectories:
             body["prompt_token_ids"] = trajectories[0].prompt_token_ids
+        if self.kind == "chat" and self.prompt_logprobs and trajectories:
+            body["prompt_logprobs"] = prompt_logprobs(trajectories[0])
         return body
 
     def choice(self, index: int, t: Trajectory) -> dict[str, Any]:
@@ -69,9 +73,12 @@ class Reply:
         if self.kind == "text":
             choice: dict[str, Any] = {"index": index, "text": t.text, "logprobs": None, "finish_reason": finish}
             if self.logprobs:
-                choice["logprobs"] = text_logprobs(t.completion_token_ids, t.logprobs, t.tokens, t.top_logprobs)
+                tokens, tops = self.named(t.completion_token_ids, t.tokens, t.top_logprobs)
+                choice["logprobs"] = text_logprobs(t.completion_token_ids, t.logprobs, tokens, tops)
             if self.return_token_ids:
                 choice["prompt_token_ids"], choice["token_ids"] = t.prompt_token_ids, t.completion_token_ids
+            if self.prompt_logprobs:
+                choice["prompt_logprobs"] = prompt_logprobs(t)
             return choice
         content, calls = self.message_parts(t)
         message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -80,10 +87,21 @@ class Reply:
             finish = "tool_calls" if finish == "stop" else finish
         choice = {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
         if self.logprobs:
-            choice["logprobs"] = {"content": chat_logprobs(t.logprobs, t.tokens, t.top_logprobs, self.top_logprobs)}
+            tokens, tops = self.named(t.completion_token_ids, t.tokens, t.top_logprobs)
+            choice["logprobs"] = {"content": chat_logprobs(t.logprobs, tokens, tops, self.top_logprobs)}
         if self.return_token_ids:
             choice["token_ids"] = t.completion_token_ids
         return choice
+
+    def named(
+        self, token_ids: list[int], tokens: list[str] | None, tops: list[list[tuple[int, str, float]]] | None
+    ) -> tuple[list[str] | None, list[list[tuple[int, str, float]]] | None]:
+        """The tokens and each position's top logprobs as logprobs name them: their texts, or "token_id:N" (vLLM's
+        `return_tokens_as_token_ids`)."""
+        if not self.token_ids_as_tokens:
+            return tokens, tops
+        named_tops = None if tops is None else [[(i, f"token_id:{i}", lp) for i, _, lp in row] for row in tops]
+        return [f"token_id:{i}" for i in token_ids], named_tops
 
     def message_parts(self, t: Trajectory) -> tuple[str | None, list[dict[str, Any]]]:
         """The assistant message's content and tool calls (parsed by the worker, or forced by tool_choice)."""
@@ -143,13 +161,14 @@ class Reply:
         if self.kind == "text":
             choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
             if self.logprobs and token_ids:
-                choice["logprobs"] = text_logprobs(token_ids, logprobs, tokens, tops)
+                choice["logprobs"] = text_logprobs(token_ids, logprobs, *self.named(token_ids, tokens, tops))
         else:
             delta: dict[str, Any] = {"content": text} if text or not extra_delta else {}
             delta.update(extra_delta or {})
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             if self.logprobs and token_ids:
-                choice["logprobs"] = {"content": chat_logprobs(logprobs, tokens, tops, self.top_logprobs)}
+                named, named_tops = self.named(token_ids, tokens, tops)
+                choice["logprobs"] = {"content": chat_logprobs(logprobs, named, named_tops, self.top_logprobs)}
         if self.return_token_ids:
             choice["token_ids"] = token_ids
         return choice
@@ -218,19 +237,36 @@ def text_logprobs(
     tokens: list[str] | None,
     tops: list[list[tuple[int, str, float]]] | None,
 ) -> dict[str, Any]:
-    """Completions `logprobs`: `tokens`, `token_logprobs`, `top_logprobs` (one {token: logprob} per position),
-    `text_offset` (each token's character offset in the completion)."""
+    """Completions `logprobs`: `tokens`, `token_logprobs`, `top_logprobs` (per position, {token: logprob} of the
+    sampled token, then the top k: vLLM's `_create_completion_logprobs`, so `logprobs: 0` gives the sampled token's
+    alone), `text_offset` (each token's character offset in the completion)."""
     texts = tokens or [""] * len(token_ids)
     offsets, at = [], 0
     for text in texts:
         offsets.append(at)
         at += len(text)
+    rows = tops or [[] for _ in texts]
     return {
         "tokens": texts,
         "token_logprobs": [_finite(lp) for lp in logprobs],
-        "top_logprobs": [{s: _finite(lp) for _, s, lp in row} for row in tops] if tops is not None else None,
+        "top_logprobs": [
+            {text: _finite(lp)} | {s: _finite(top) for _, s, top in row}
+            for text, lp, row in zip(texts, logprobs, rows, strict=False)
+        ],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(t: Trajectory) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` of a choice: per prompt position, None at the first (nothing comes before it), else
+    {token id as text: {"logprob", "rank", "decoded_token"}}, the prompt token's first, then the top k."""
+    if t.prompt_logprobs is None:
+        return None
+    rows: list[dict[str, dict[str, Any]] | None] = []
+    for position in t.prompt_logprobs:
+        entries = {str(i): {"logprob": _finite(lp), "rank": rank, "decoded_token": s} for i, s, lp, rank in position}
+        rows.append(entries or None)
+    return rows
 
 
 def _finite(value: float) -> float:

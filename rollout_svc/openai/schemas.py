@@ -159,8 +159,16 @@ class _Sampling(Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N" (TRL parses them so)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # per prompt position: its token's and the top k
+    structured_outputs: dict[str, Any] | None = None  # vLLM's `StructuredOutputsParams`: json, regex, choice, ...
+    # vLLM's prefix-cache salt: accepted and not needed (a weight sync resets every cache; see docs/prime-rl.md)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     # SkyRL's: the conversation's session (the X-Session-ID header wins)
     session_id: str | None = Field(None, min_length=1, max_length=256)
+
+    def _free_form(self) -> list[tuple[str, Any]]:
+        return [("structured_outputs", self.structured_outputs)]
 
 
 class ChatCompletionRequest(_Sampling):
@@ -178,8 +186,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = Field(None, min_length=1)
-    # vLLM's, not implemented: refused when set (a salt isolates a tenant's prefix cache, a bias changes sampling)
-    cache_salt: str | None = None
+    # OpenAI's, not implemented: refused when set (a bias changes sampling)
     logit_bias: dict[str, float] | None = None
 
     def template_kwargs(self) -> dict[str, Any] | None:
@@ -201,12 +208,10 @@ class ChatCompletionRequest(_Sampling):
         if self.response_format is not None and self.response_format.json_schema is not None:
             parts.append(("response_format.json_schema", self.response_format.json_schema.model_dump()))
         parts.append(("chat_template_kwargs", self.chat_template_kwargs))
-        return parts
+        return parts + super()._free_form()
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
-        if self.cache_salt is not None:
-            raise ValueError("cache_salt is not implemented by rollout-svc (no prefix cache is salted): leave it unset")
         if self.logit_bias:
             raise ValueError("logit_bias is not implemented by rollout-svc: leave it unset")
         if self.continue_final_message and self.add_generation_prompt:

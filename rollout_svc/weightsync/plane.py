@@ -23,6 +23,7 @@ and the rest are named as missing. Every value is msgpack or a plain string: not
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from collections.abc import Sequence
@@ -98,10 +99,14 @@ def advertise_address(settings: Settings) -> str:
         return "127.0.0.1"
 
 
-def checkpoint_dir(root: Path | None, path: str) -> Path:
-    """The checkpoint directory `path` resolved (symlinks followed), if it lies under `root` and holds
-    `model.safetensors` (itself under `root`). Raises `InvalidRequestError` otherwise: a forged sync order cannot
-    make a worker load arbitrary files."""
+SINGLE_FILE, SHARD_INDEX = "model.safetensors", "model.safetensors.index.json"  # Hugging Face's two layouts
+STABLE_MARKER = "STABLE"  # prime-rl's trainer writes it into a checkpoint folder once every file is written
+STABLE_POLL_S = 0.2
+
+
+def checkpoint_folder(root: Path | None, path: str) -> Path:
+    """The checkpoint directory `path` resolved (symlinks followed), if it lies under `root`, whatever it holds yet.
+    Raises `InvalidRequestError` otherwise (or with no root)."""
     if root is None:
         raise InvalidRequestError(
             "this worker has no checkpoint root, so it loads no checkpoint: set ROLLOUT_CHECKPOINT_ROOT to the "
@@ -109,12 +114,56 @@ def checkpoint_dir(root: Path | None, path: str) -> Path:
         )
     base = Path(root).resolve()
     resolved = Path(path).resolve()
-    weights = (resolved / "model.safetensors").resolve()
-    if not (resolved.is_relative_to(base) and weights.is_relative_to(base)):
+    if not resolved.is_relative_to(base):
         raise InvalidRequestError(f"checkpoint {path} is outside this worker's checkpoint root {base}: refused")
-    if not weights.is_file():
-        raise InvalidRequestError(f"checkpoint {path} holds no model.safetensors")
     return resolved
+
+
+def checkpoint_dir(root: Path | None, path: str) -> Path:
+    """`checkpoint_folder`, if it also holds its weights under `root`: `model.safetensors`, or Hugging Face's sharded
+    layout (`model.safetensors.index.json` and every shard its `weight_map` names). Raises `InvalidRequestError`
+    otherwise: a forged sync order cannot make a worker load arbitrary files."""
+    resolved = checkpoint_folder(root, path)
+    assert root is not None  # checkpoint_folder refuses a worker without one
+    base = Path(root).resolve()
+    for weights in checkpoint_files(resolved):
+        if not weights.resolve().is_relative_to(base):
+            raise InvalidRequestError(f"checkpoint {path} is outside this worker's checkpoint root {base}: refused")
+        if not weights.is_file():
+            raise InvalidRequestError(f"checkpoint {path} lacks {weights.name}, which its shard index names")
+    return resolved
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of the checkpoint in `folder`, in order: `model.safetensors`, else the shards
+    `model.safetensors.index.json` names (sorted). Raises `InvalidRequestError` if it holds neither, or a bad index."""
+    if (folder / SINGLE_FILE).is_file():
+        return [folder / SINGLE_FILE]
+    index = folder / SHARD_INDEX
+    if not index.is_file():
+        raise InvalidRequestError(f"checkpoint {folder} holds no {SINGLE_FILE} and no {SHARD_INDEX}")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted({str(name) for name in weight_map.values()})
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise InvalidRequestError(f'{index} is not a safetensors shard index ({{"weight_map": ...}}): {exc}') from exc
+    if not shards or any("/" in name or name.startswith(".") for name in shards):
+        raise InvalidRequestError(f"{index} names no shard, or one outside its folder")
+    return [folder / name for name in shards]
+
+
+async def await_stable(path: str, wait_s: float) -> None:
+    """Return once `path` holds the `STABLE` marker (prime-rl's trainer writes it after the checkpoint), polling
+    for up to `wait_s` seconds. Raises `InvalidRequestError` if it never appears: the folder may be half written."""
+    marker = Path(path) / STABLE_MARKER
+    deadline = time.monotonic() + wait_s
+    while not await asyncio.to_thread(marker.is_file):
+        if time.monotonic() >= deadline:
+            raise InvalidRequestError(
+                f"checkpoint {path} has no {STABLE_MARKER} marker after {wait_s:g} s: its trainer has not finished "
+                "writing it (the old weights stay); retry once the marker is there, or sync without stable_wait_s"
+            )
+        await asyncio.sleep(STABLE_POLL_S)
 
 
 class WeightSyncPlane:

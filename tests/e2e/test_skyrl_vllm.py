@@ -324,4 +324,5 @@ def test_skyrls_fully_async_trainer_sim_trains_on_serve(fleet, vllm_fleet):
             ("/resume", "200"): 5,
         }
     ), made
-    assert httpx.get(f"{base}/is_paused", timeout=30).json() == {"is_paused": False}
+    after = httpx.get(f"{base}/is_paused", timeout=30).json()
+    assert after["is_paused"] is False and after["holders"] == {}, after  # each of its pauses released by its resume

@@ -152,4 +152,7 @@ async def test_close_leaves_no_engine_process(engine: VLLMEngine) -> None:
     before = engine_processes()
     assert before, "expected VLLM::EngineCore (and its worker) to be running"
     await engine.close()
-    assert not [p for p in before if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    # vLLM joins its engine core for a few seconds, then kills it: under make test's load a killed one can still be
+    # listed for a moment (CI saw one at the check), so allow it the time to go.
+    _, alive = psutil.wait_procs(before, timeout=15)
+    assert not [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

@@ -2,8 +2,9 @@
 
 On the session's `TWO_FLOAT32` fleet (tests/e2e/conftest.py): two workers (one CPU core each) under a checkpoint root.
 Greedy float32 outputs are compared token for token: perturbed weights change them on both workers, the original weights
-restore them, a checkpoint of the perturbed weights gives the same output as their broadcast, and a keep-pause across a
-sync splits a generation exactly at the token it was frozen at; a checkpoint or a broadcast loaded but never committed
+restore them, a checkpoint of the perturbed weights gives the same output as their broadcast, a keep-pause across a
+sync splits a generation exactly at the token it was frozen at (or, with `max_staleness=0`, cuts it there and the new
+weights generate it whole); a checkpoint or a broadcast loaded but never committed
 gives way to the committed broadcast version the engines still hold. The last test restarts one worker after a sync it
 missed: it catches up from its peer and generates exactly what the peer generates. Every test ends on the model's own
 weights, for the modules that share the fleet.
@@ -131,6 +132,28 @@ async def test_a_keep_pause_across_a_sync_splits_the_generation_at_the_frozen_to
         after = {**long, "max_tokens": 96 - cut}
         [continued] = await client.generate([prompt + tokens[:cut]], after)
         assert continued.completion_token_ids == tokens[cut:], "the tokens after the cut are the new model's"
+        await sender.update(original.items(), version=old + 2)
+
+
+async def test_a_sync_cuts_a_generation_it_makes_too_stale_and_the_new_weights_generate_it_whole(fleet, weights):
+    """With `max_staleness=0` the generation frozen across the sync is aborted in the paused engine at the load, not
+    generated on: it comes back once, whole, from the new weights, exactly their greedy output, and the tokens the
+    old weights had made are counted as discarded."""
+    original, perturbed = weights
+    long = {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True}
+    async with WeightSender(settings=fleet) as sender, RolloutClient(fleet, max_staleness=0) as client:
+        [prompt] = await client.apply_chat_template([[{"role": "user", "content": "Tell me a long story."}]])
+        old = await sender.committed_version()
+        run = Streaming(client, [prompt], long)
+        [before_sync] = await run.streamed(8, 120)
+        await client.pause("keep", holder="test")
+        await sender.update(perturbed.items(), version=old + 1, pause_mode="keep")
+        await client.resume(holder="test")
+        [whole] = await run.task
+        assert client.stats.regenerated == 1 and client.stats.stale_tokens >= before_sync
+        assert whole.weight_versions == [(old + 1, 0)] and whole.staleness == 0
+        [reference] = await client.generate([prompt], long)  # the new weights, uninterrupted
+        assert whole.completion_token_ids == reference.completion_token_ids
         await sender.update(original.items(), version=old + 2)
 
 

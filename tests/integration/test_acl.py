@@ -118,6 +118,12 @@ async def test_a_producer_generates_tokenizes_and_cancels_but_cannot_steer_the_f
         assert out[0].completion_token_ids == [5] * 3
         assert [t.abort_cause for t in out[1:]] == ["partial", "partial"]
 
+        # A named step (its record, the index of steps, its results kept and renewed), attached to and finished.
+        [first] = await producer.generate([[4, 5, 6]], {"max_tokens": 2}, step_id="acl-step")
+        [again] = await producer.attach_step("acl-step")
+        assert again.completion_token_ids == first.completion_token_ids == [4, 5]
+        assert await producer.finish_step("acl-step")
+
         # Steering is refused with a clear error, and the desired state is unchanged.
         state, commands = admin.hgetall(KEYS.state), admin.zcard(KEYS.commands)
         with pytest.raises(AccessDeniedError, match="`admin` user") as denied:
@@ -188,11 +194,11 @@ async def test_a_worker_reaps_reseeds_and_reaches_barriers_but_cannot_issue_comm
             await plane.streams.connection.ensure_group(KEYS.pinned_requests(worker_id))
         await plane.streams.connection.ensure_group(KEYS.requests)
         await plane.streams.enqueue([request("r-1"), request("r-2"), request("r-3")], 100)
-        assert len((await worker.take(TakeOptions("w-dead", 60_000), 2))[0]) == 2  # the take script, as a worker
+        assert len((await worker.take(TakeOptions("w-dead", 60_000), 2)).entries) == 2  # the take script, as a worker
         admin.delete(KEYS.worker("w-dead"))  # its heartbeat expired
         reaper = Reaper(connection, settings)
         assert await reaper.reap_dead("w-live") == {"w-dead": 2}  # reap lock, requeue script, forget
-        [taken], _ = await worker.take(TakeOptions("w-live", 60_000), 1)
+        [taken] = (await worker.take(TakeOptions("w-live", 60_000), 1)).entries
         assert await plane.recovery.dead_letter(
             taken, "max_deliveries", "a test", "w-live", maxlen=100, results_ttl_s=60
         )

@@ -136,7 +136,8 @@ def test_a_session_sticks_to_one_worker_until_finished(api):
 
 def test_chat_templating_fields_reach_the_template_and_unserved_ones_are_refused(api):
     """vLLM's `add_generation_prompt` and `continue_final_message` reach the worker's template (the echo engine's
-    answer is its templated prompt); `cache_salt` and `logit_bias` are refused, never dropped."""
+    answer is its templated prompt); `logit_bias` is refused, never dropped; `cache_salt` (prime-rl's policy version)
+    is accepted: a weight sync resets every prefix cache, so no salt is needed to keep versions apart."""
     _, client = api
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
 
@@ -147,9 +148,9 @@ def test_chat_templating_fields_reach_the_template_and_unserved_ones_are_refused
     assert text() == "<|user|>hi\n<|assistant|>Hel\n<|assistant|>"
     assert text(add_generation_prompt=False) == "<|user|>hi\n<|assistant|>Hel\n"
     assert text(add_generation_prompt=False, continue_final_message=True) == "<|user|>hi\n<|assistant|>Hel"
+    assert text(cache_salt="policy-3") == text()
     for extra, named in (
         ({"continue_final_message": True}, "add_generation_prompt"),
-        ({"cache_salt": "tenant-1"}, "cache_salt"),
         ({"logit_bias": {"42": 5.0}}, "logit_bias"),
     ):
         with pytest.raises(openai.BadRequestError, match=named):

@@ -1,6 +1,6 @@
-"""`rollout-svc chaos`, briefly: the soak's machinery (its fleet, every kind of fault, the ledger and its checks) runs
-and finds a clean ledger. The minute-long soak is tests/long/test_chaos.py (`make test-long`); operators run
-`rollout-svc chaos --minutes M`."""
+"""`rollout-svc chaos`, briefly: the soak's machinery (its fleet and `serve`, every kind of fault, the ledger and its
+checks) runs and finds a clean ledger. The minute-long soak is tests/long/test_chaos.py (`make test-long`); operators
+run `rollout-svc chaos --minutes M`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from rollout_svc.tools.chaos.soak import FAULT_KINDS
+from rollout_svc.tools.chaos.step_restarts import STEP_REQUESTS
 from tests.support import ROOT
 
 
@@ -23,7 +24,7 @@ def named_logs(violations: list[dict[str, str]], log_dir: Path) -> dict[str, str
     return {p.name: p.read_text(errors="replace")[-2500:] for p in [*paths, log_dir / "chaos.log"] if p.exists()}
 
 
-@pytest.mark.timeout(120)  # 24 s of faults, the start, the drain and the checks: ~30 s
+@pytest.mark.timeout(120)  # 24 s of faults, the start (serve's too), the drain and the checks: ~30 s
 def test_a_short_chaos_run_injects_every_kind_of_fault_and_leaves_a_clean_ledger(tmp_path):
     command = [sys.executable, "-m", "rollout_svc", "chaos", "--minutes", "0.4", "--seed", "7", "--no-syncs"]
     command += ["--log-dir", str(tmp_path)]
@@ -44,4 +45,9 @@ def test_a_short_chaos_run_injects_every_kind_of_fault_and_leaves_a_clean_ledger
     assert summary["answered"] == summary["requests"]
     assert set(summary["faults"]) == set(FAULT_KINDS)
     assert all(count >= 1 for count in summary["faults"].values()), summary["faults"]
+    # a trainer killed holding an HTTP pause: serve counted the lapse, and the agents' chats were answered meanwhile
+    assert summary["http_pauses"]["http_pause_lapses"] >= 1 and summary["http_pauses"]["agent_chats_ok"] >= 1, story
+    # a trainer killed mid-step: a new process attached to its step and collected every request of it, echoed
+    assert summary["step_restarts"]["steps_restarted"] >= 1, story
+    assert summary["step_restarts"]["trajectories_collected"] >= STEP_REQUESTS, story
     assert "SIGKILL" in story or "SIGSTOP" in story, story

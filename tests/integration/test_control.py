@@ -178,12 +178,16 @@ async def test_a_stalled_worker_is_named_then_reaped_then_fenced_and_comes_back(
     async with RolloutClient(settings) as client:
         task = asyncio.create_task(client.generate(batch, PARAMS))
         await async_wait_until(lambda: pending(rds, settings.keys.requests) == 16, 5, "16 requests in flight")
+        # Its id now: a CI host loaded at its start once stalled it past the 2 s TTL already (`echo-0~1`).
+        [stalled] = [w.worker_id for w in await client.workers() if w.worker_id.split("~")[0] == "echo-0"]
+        base, _, incarnation = stalled.partition("~")
+        after = f"{base}~{int(incarnation or 0) + 1}"  # the incarnation it comes back as
         workers.kill("echo-0", signal.SIGSTOP)  # stalled, not dead: its heartbeat stops
         try:
             with pytest.raises(ControlTimeoutError, match="echo-0") as info:
                 await client.pause("keep", timeout_s=0.5)  # shorter than the heartbeat TTL
-            assert info.value.workers == ["echo-0"]
-            await async_wait_until(lambda: not rds.sismember(settings.keys.workers, "echo-0"), 10, "echo-0 reaped")
+            assert info.value.workers == [stalled]
+            await async_wait_until(lambda: not rds.sismember(settings.keys.workers, stalled), 10, "echo-0 reaped")
             await client.pause("keep")  # the retry converges: echo-0 was dropped, echo-1 acks
             await client.resume()
         finally:
@@ -191,13 +195,14 @@ async def test_a_stalled_worker_is_named_then_reaped_then_fenced_and_comes_back(
 
         async def back() -> bool:
             statuses = {w.worker_id: w for w in await client.workers()}
-            return "echo-0~1" in statuses and statuses["echo-0~1"].state == "serving"
+            return after in statuses and statuses[after].state == "serving"
 
         await async_wait_until(back, 10, "echo-0 to come back as a new incarnation")
         trajectories = await task
         statuses = {w.worker_id: w for w in await client.workers()}
-        assert statuses["echo-0~1"].applied_epoch == statuses["echo-1"].applied_epoch
-        assert statuses["echo-0~1"].fenced_results > 0  # its answers to requeued requests were dropped
+        [other] = [w for w in statuses.values() if w.worker_id.split("~")[0] == "echo-1"]
+        assert statuses[after].applied_epoch == other.applied_epoch
+        assert statuses[after].fenced_results > 0  # its answers to requeued requests were dropped
         assert client.stats.duplicates == 0  # and none reached the caller
     assert all(whole(t, p) for t, p in zip(trajectories, batch, strict=True))
     assert "outlived its heartbeat TTL" in workers.log("echo-0")

@@ -126,7 +126,7 @@ async def dead_letter_without_workers(settings: Settings, request: RolloutReques
         for stream in (settings.keys.requests, settings.keys.pinned_requests("w-gone")):
             await connection.ensure_group(stream)
         await ProducerStreams(connection).enqueue([Enqueue(encode(request))], 100)
-        [taken], _ = await WorkerStreams(connection).take(TakeOptions("w-gone", 60_000), 1)
+        [taken] = (await WorkerStreams(connection).take(TakeOptions("w-gone", 60_000), 1)).entries
         assert await RecoveryStreams(connection).dead_letter(
             taken,
             "max_deliveries",

@@ -163,44 +163,6 @@ def test_stream_records_reads_both_protocols() -> None:
     assert stream_records(None) == stream_records({}) == []
 
 
-def test_an_idle_worker_s_answer_goes_out_before_its_next_take(settings: Settings, rds: redis.Redis) -> None:
-    """`Publisher.caught_up` returns once every result queued before it is in its results stream: the take loop
-    waits for it after a wake, so at one request in flight the answer is not held behind a take."""
-    from workers.inflight import InFlight
-    from workers.publisher import Publisher
-    from workers.state import WorkerState
-
-    keys = settings.keys
-
-    async def main() -> tuple[int, int]:
-        client = redis_async(settings.redis_url, decode_responses=False)
-        streams = WorkerStreams(StreamConnection(client, keys, settings.session_ttl_s))
-        for name in (keys.requests, keys.pinned_requests("w0")):
-            await streams.connection.ensure_group(name)
-        await client.xadd(keys.requests, {PAYLOAD_FIELD: b"request"})
-        [entry] = await streams.wait_for_entries("w0", 100)
-        released: list[InFlight] = []
-        publisher = Publisher(streams.on_own_connection(), WorkerState("w0"), 60, released.append)
-        stopping = asyncio.Event()
-        running = asyncio.create_task(publisher.run(stopping))
-        try:
-            record = InFlight(entry, True, reply_to="results", payload=b"answer")
-            publisher.put(record)
-            before = await client.xlen("results")
-            await publisher.caught_up(10)
-            after = await client.xlen("results")
-            assert released == [record]
-            await asyncio.wait_for(publisher.caught_up(10), 1)  # nothing queued: at once
-            return before, after
-        finally:
-            publisher.close()
-            await running
-            await publisher.streams.aclose()
-            await client.aclose()
-
-    assert asyncio.run(main()) == (0, 1)
-
-
 async def test_a_worker_counts_no_work_once_its_answer_arrives(settings: Settings, echo_workers, rds) -> None:
     """An idle worker woken by a session's turn (read from its pinned stream by the blocking read) publishes the answer
     before its next take; that publish counts what the read took (`Woken`), so when the answer arrives its load and

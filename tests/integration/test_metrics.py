@@ -38,6 +38,15 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
+def fleet_counter(ports: list[int], name: str) -> float:
+    """`name` summed over the workers whose metrics are served on `ports` (`--metrics-port`)."""
+    total = 0.0
+    for port in ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            total += value(parse(response.read().decode()), name)
+    return total
+
+
 @asynccontextmanager
 async def api(settings: Settings, timeout_s: float = 5.0) -> AsyncIterator[httpx.AsyncClient]:
     """The API app in process, its lifespan run (so its RolloutClient is closed at the end); an HTTP client of it

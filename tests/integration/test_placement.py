@@ -49,11 +49,12 @@ async def test_a_take_shares_tokens_not_requests(settings):
         for stream in (keys.requests, keys.pinned_requests("a"), keys.pinned_requests("b")):
             await connection.ensure_group(stream)
         await producer.enqueue([Enqueue(b"long", cost=400) for _ in range(8)], 100)
-        taken_by_a, _ = await worker.take(TakeOptions("a", 60_000), 64)  # alone: it takes all 8
+        taken_by_a = (await worker.take(TakeOptions("a", 60_000), 64)).entries  # alone: it takes all 8
         assert len(taken_by_a) == 8 and int(await redis.hget(keys.loads, "a")) == 3200
         await worker.report_load("b", 64)  # b is open now: a live worker with free slots
         await producer.enqueue([Enqueue(b"short", cost=40) for _ in range(40)], 100)
-        taken_by_b, left = await worker.take(TakeOptions("b", 60_000), 64)
+        taken = await worker.take(TakeOptions("b", 60_000), 64)
+        taken_by_b, left = taken.entries, taken.left
         assert len(taken_by_b) == 40 and not left
         # a publishes its 8: its load drops to 0 in the same script call
         await worker.publish([(entry, None) for entry in taken_by_a], 60, load=("a", 64))

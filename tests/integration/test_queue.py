@@ -39,6 +39,7 @@ async def test_batch_comes_back_in_input_order_across_two_workers(settings, echo
     assert all(t.finish_reason == "stop" and t.logprobs == [0.0] * 3 for t in trajectories)
 
 
+@pytest.mark.heartbeat_ttl(30.0)  # a 2 s stall of this shared machine expired both heartbeats mid-call (CI saw it)
 async def test_many_concurrent_first_calls_of_a_client_all_see_the_fleet(settings, echo_workers):
     """500 first calls of a fresh client at once (a server's first requests, SkyRL's gathered generates) all wait
     for the one connection start, then for a free connection: none sees a fleet whose shards are not discovered
@@ -90,6 +91,7 @@ async def test_finish_session_lets_it_be_placed_anew(settings, echo_workers):
         assert await client.session_worker("s") == again
 
 
+@pytest.mark.timeout(90)  # ~14 s alone; CI's loaded machine took it past the default 30 s
 async def test_kill_9_a_worker_mid_batch_loses_nothing_and_duplicates_nothing(settings, workers, echo_workers):
     echo_workers(2, "--max-num-seqs", "32", "--echo-token-delay-s", "0.1")
     prompts = [[i + 1] * 20 for i in range(200)]  # 20 tokens x 100 ms: 2 s each, 32 at a time per worker

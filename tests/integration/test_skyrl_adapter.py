@@ -58,6 +58,10 @@ async def test_it_is_skyrls_interface_and_serves_every_call_in_process(engine, s
         await engine.generate({"prompt_token_ids": [PROMPT], "sampling_params": {"n": 2}})
     with pytest.raises(ValueError, match="logit_bias"):
         await engine.generate({"prompt_token_ids": [PROMPT], "sampling_params": {"logit_bias": {"1": 1.0}}})
+    salted = {"prompt_token_ids": [PROMPT], "sampling_params": SKYRL_PARAMS, "cache_salt": "step-3"}  # use_cache_salt
+    assert (await engine.generate(salted))["response_ids"] == [PROMPT[:24]]
+    with pytest.raises(ValueError, match="mm_features"):
+        await engine.generate({"prompt_token_ids": [PROMPT], "sampling_params": SKYRL_PARAMS, "mm_features": [{}]})
     named = await engine.generate({"prompt_token_ids": [PROMPT], "sampling_params": SKYRL_PARAMS}, model="echo")
     assert named["response_ids"] == [PROMPT[:24]]
     with pytest.raises(ValueError, match="the model `judge` does not exist"):  # neither the model nor an adapter

@@ -77,6 +77,7 @@ def call(client: Any, method: str, *args: Any) -> Any:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.skyrl03  # 0.4.0's client left the weight-sync calls to its trainer's own client
 def test_skyrls_weight_sync_calls_reach_every_worker_and_name_each_refusal(fleet):
     base, client = fleet
     with httpx.Client(base_url=base, timeout=30) as http:
@@ -124,3 +125,34 @@ def check(client: Any, http: httpx.Client) -> None:
 
     # Nothing of the above moved the committed version.
     assert http.get("/weight_info").json() == {"weight_version": "0"}
+
+
+@pytest.mark.timeout(120)
+def test_a_fleet_counted_twice_or_changed_since_it_was_counted_is_refused_at_init(settings, echo_workers, tmp_path):
+    """SkyRL sums `/get_world_size` over its `server_urls` (per deployment of `data_parallel_size` servers) and
+    caches it at the first call. Two `serve` replicas of one fleet listed as two deployments count every GPU twice:
+    the second's init (at rank 1 + 2) is refused, naming the fix, as the fleet already joins that trainer's group
+    (at rank 1) through the first. Listed as the DP servers of one deployment (SkyRL 0.4 sends each the same init),
+    the second follows: it answers the calls the first makes. A fleet that grew after it was counted is refused at
+    the next init, saying so, before NCCL would wait for ranks that never join."""
+    echo_workers(2)
+    with (
+        serve(settings, tmp_path / "a.log", "--open-control") as a,
+        serve(settings, tmp_path / "b.log", "--open-control") as b,
+    ):
+        info = InitInfo("127.0.0.1", 29511, 1, 5).to_api_payload()
+        assert httpx.get(f"{a}/get_world_size").json() == {"world_size": 2}
+        first = httpx.post(f"{a}/init_weight_transfer_engine", json={"init_info": info}, timeout=60)
+        assert first.status_code == 409, first.text  # the echo engines refuse: the join at rank 1 is recorded
+        twice = httpx.post(f"{b}/init_weight_transfer_engine", json={"init_info": info | {"rank_offset": 3}})
+        assert twice.status_code == 400 and "data-parallel servers of one deployment" in twice.text, twice.text
+        follows = httpx.post(f"{b}/init_weight_transfer_engine", json={"init_info": info})
+        assert follows.status_code == 200 and follows.json()["rank_offsets"] == {"echo-0": 1, "echo-1": 2}
+        assert httpx.post(f"{b}/start_weight_update").status_code == 200  # made by the leader, not again here
+        echo_workers(1)
+        grown = info | {"master_port": 29512, "world_size": 4}
+        changed = httpx.post(f"{a}/init_weight_transfer_engine", json={"init_info": grown}, timeout=60)
+        assert changed.status_code == 400 and "counted a fleet that has changed" in changed.text, changed.text
+        assert httpx.get(f"{a}/get_world_size").json() == {"world_size": 3}  # counted again: the init goes on
+        again = httpx.post(f"{a}/init_weight_transfer_engine", json={"init_info": grown}, timeout=60)
+        assert again.status_code == 409 and "echo-2" in again.text, again.text

@@ -138,11 +138,16 @@ async def test_max_staleness_drops_and_regenerates_or_marks(ws_settings, procs):
                 await client.resume(holder="test")
                 [trajectory] = await run.task
                 assert client.stats.regenerated == expect_regenerated
+                # The bound travels with the request: the worker cut it at the sync, before a token under the new
+                # weights, rather than generating it to the end to be thrown away.
                 if policy == "regenerate":  # generated again, from its first token on the new version
                     assert trajectory.weight_versions == [(version, 0)] and trajectory.staleness == 0
-                else:  # returned, marked by its staleness
-                    assert trajectory.weight_versions[0][0] == version - 1 and trajectory.staleness == 1
-                assert len(trajectory.completion_token_ids) == 30
+                    assert len(trajectory.completion_token_ids) == 30
+                    assert 2 <= client.stats.stale_tokens < 30
+                else:  # returned at the cut, marked by its staleness
+                    assert trajectory.weight_versions == [(version - 1, 0)] and trajectory.staleness == 1
+                    assert trajectory.finish_reason == "abort" and trajectory.abort_cause == "staleness"
+                    assert 2 <= len(trajectory.completion_token_ids) < 30
 
 
 @pytest.mark.timeout(90)
@@ -238,7 +243,7 @@ async def test_a_transfer_outside_the_pause_keeps_200_requests_generating_until_
         sampler.cancel()
         trajectories = await run.task
         assert report.loaded == ["w0", "w1"] and not report.paused_during_transfer and report.buckets == 5
-        assert report.transfer_s >= 1.2 and report.paused_s < report.transfer_s, report
+        assert report.transfer_s >= 1.2, report
         # The fleet pauses only after the group's set-up and the transfer, so it generates for at least `transfer_s`
         # from the sync's start, and a token made then reaches the stream within its 0.2 s chunk. Paused through the
         # transfer, it would make none from 0.3 s into the sync on.
@@ -249,6 +254,9 @@ async def test_a_transfer_outside_the_pause_keeps_200_requests_generating_until_
         assert all(len(t.completion_token_ids) == tokens for t in trajectories)
         old = await sender.update(weights.items(), version=2, pause_during_transfer=True)
         assert old.paused_during_transfer and old.paused_s > old.transfer_s >= 1.2, old
+        # Paused for the load alone, against the whole transfer as well: compared within one run (a loaded CI host
+        # once took 2.5 s to pause, load and resume, past that sync's 1.8 s transfer).
+        assert report.paused_s < old.paused_s, (report, old)
 
 
 # A trainer on a slow link: each bucket's broadcast starts 0.5 s after the last; it says when the first went out.

@@ -28,6 +28,8 @@ def test_a_minute_of_chaos_leaves_a_clean_ledger(tmp_path):
     assert summary["answered"] == summary["requests"]
     assert set(summary["faults"]) == {*FAULT_KINDS, "kill_sender", *SYNC_FAULT_KINDS}  # those aimed at the syncs
     assert summary["syncs"]["syncs_committed"] > 0, summary["syncs"]
+    # bounded requests (max_staleness 0) across those syncs: some cut by their workers, none generated past the bound
+    assert summary["bounded"]["cut_for_staleness"] >= 1, summary["bounded"]
     assert all(count >= 1 for count in summary["faults"].values()), summary["faults"]
     assert summary["syncs"].get("late_workers_on_time", 0) >= 1, summary["syncs"]
     assert summary["outcomes"]["aborted_by_user"] > 0  # the session aborts hit something

@@ -62,3 +62,15 @@ def test_two_steps_train_on_fresh_weights_and_sync_them():
     assert max(steps[1]["versions"]) >= max(steps[0]["versions"])
     [summary] = [line for line in lines if "step" not in line]
     assert {"first3_reward_mean", "last3_reward_mean"} <= set(summary)
+
+
+def test_a_trainer_killed_mid_step_resumes_from_its_checkpoint_and_collects_its_batch():
+    output = run_loop("--steps", "3", "--kill-at-step", "2", "--batch", "4")
+    lines = json_lines(output)
+    assert {"trainer_exit": -signal.SIGKILL, "killed_at_step": 2} in lines, output[-4000:]
+    # step 1 by the first trainer; the second collected batch 1 (sampled by the first, 4 problems x 4 samples)
+    # where it was, without sampling it again, then trained steps 2 and 3
+    [attached] = [line for line in lines if "attached" in line]
+    assert attached["attached"].endswith("-batch-1") and attached["trajectories"] == 4 * 4
+    steps = [line["step"] for line in lines if "step" in line and "reward_mean" in line]
+    assert steps == [1, 2, 3], output[-4000:]

@@ -60,6 +60,7 @@ def test_a_worker_loads_adapters_only_from_under_its_checkpoint_root(tmp_path):
 
 
 @pytest.mark.imports_vllm
+@pytest.mark.imports_vllm
 def test_lora_settings_reach_vllms_engine_arguments_only_when_enabled():
     from workers.vllm_args import vllm_engine_args
 

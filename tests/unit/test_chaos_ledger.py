@@ -11,8 +11,15 @@ T0 = 1_000_000.0
 PROMPT = [72, 101, 108, 108, 111, 33]  # "Hello!"
 
 
-def submit(ledger: Ledger, request_id: str, at: float = T0, session_id: str | None = None, max_tokens: int = 4) -> None:
-    ledger.submit(Submitted(request_id, PROMPT, max_tokens, at, session_id, f"call of {request_id}"))
+def submit(
+    ledger: Ledger,
+    request_id: str,
+    at: float = T0,
+    session_id: str | None = None,
+    max_tokens: int = 4,
+    max_staleness: int | None = None,
+) -> None:
+    ledger.submit(Submitted(request_id, PROMPT, max_tokens, at, session_id, f"call of {request_id}", max_staleness))
 
 
 def echo(request_id: str, max_tokens: int = 4, **fields: Any) -> Trajectory:
@@ -169,6 +176,65 @@ def test_a_workers_answer_that_the_deadline_passed_is_judged_as_a_late_request()
     assert violation["check"] == "late" and violation["what"].startswith("answered abort (deadline)")
 
 
+def test_a_bounded_request_cut_for_staleness_is_an_answer_if_its_tokens_are_a_prefix_of_the_echo():
+    """With `max_staleness=0` and `stale_policy="mark"` a request a commit made too stale comes back `abort` (cause
+    `staleness`) with its tokens so far, all from its first version: an answer, counted apart. Cut with tokens that
+    are not the echo's, it is a wrong answer; a cut of a request that carries no bound is unexplained, as before."""
+    cut = {"finish_reason": "abort", "abort_cause": "staleness"}
+    ledger = Ledger(T0)
+    submit(ledger, "cut", max_staleness=0)
+    answer(ledger, echo("cut", **cut, completion_token_ids=PROMPT[:2], weight_versions=[(3, 0)], weight_version=4))
+    submit(ledger, "cut-unrun", max_staleness=0)  # a continuation taken after the commit: cut before the engine
+    answer(ledger, echo("cut-unrun", **cut, completion_token_ids=[], weight_versions=[], weight_version=4))
+    submit(ledger, "whole", max_staleness=0)  # finished before the load, received after the commit: not cut
+    answer(ledger, echo("whole", weight_versions=[(3, 0)], staleness=1))
+    submit(ledger, "garbled", max_staleness=0)
+    answer(ledger, echo("garbled", **cut, completion_token_ids=[1, 2], weight_versions=[(3, 0)]))
+    submit(ledger, "unbounded")
+    answer(ledger, echo("unbounded", **cut, completion_token_ids=PROMPT[:2], weight_versions=[(3, 0)]))
+    verdict = check(ledger)
+    assert verdict.outcomes == {"cut_for_staleness": 2, "ok": 1, "wrong_answer": 2}
+    assert {v["request_id"]: v["check"] for v in verdict.violations} == {
+        "garbled": "wrong_answer",
+        "unbounded": "wrong_answer",
+    }
+    assert verdict.bounds == {
+        "bounded_requests": 4,
+        "cut_for_staleness": 3,  # the garbled one was cut too (and is a wrong answer)
+        "answered_whole": 1,
+        "whole_stale_at_receipt": 1,
+    }
+
+
+def test_a_bounded_trajectory_generated_across_a_sync_is_a_violation_but_not_an_unbounded_one():
+    """Under a bound of 0 every token must come from its first token's version: spans `[(3, 0), (4, 2)]` are tokens
+    a worker generated on after the load of version 4 made the request too stale (`stale_generated`), whether it came
+    back whole or cut later. A span that holds no token (a sync at its very end), and a version below the first (a
+    load never committed giving way to the committed one), are not. An unbounded request may span versions."""
+    ledger = Ledger(T0)
+    spans = {
+        "across": ([(3, 0), (4, 2)], {}),
+        "cut-across": ([(3, 0), (4, 2)], {"finish_reason": "abort", "abort_cause": "staleness"}),
+        "empty-last-span": ([(3, 0), (4, 4)], {}),
+        "back-down": ([(4, 0), (3, 2)], {}),
+        "within-bound": ([(3, 0), (4, 2)], {}),
+        "unbounded-across": ([(3, 0), (4, 2)], {}),
+    }
+    bounds = {"within-bound": 1, "unbounded-across": None}
+    for request_id, (weight_versions, fields) in spans.items():
+        submit(ledger, request_id, max_staleness=bounds.get(request_id, 0))
+        tokens = PROMPT[:3] if fields else PROMPT[:4]
+        answer(ledger, echo(request_id, completion_token_ids=tokens, weight_versions=weight_versions, **fields))
+    verdict = check(ledger)
+    assert [(v["check"], v["request_id"]) for v in verdict.violations] == [
+        ("stale_generated", "across"),
+        ("stale_generated", "cut-across"),
+    ]
+    assert "spans [(3, 0), (4, 2)] of 4 tokens, the first under version 3" in verdict.violations[0]["what"]
+    assert verdict.bounds["bounded_requests"] == 5 and verdict.bounds["cut_for_staleness"] == 1
+    assert check(Ledger(T0)).bounds == {}  # no bounded request: no figures (the soak without syncs)
+
+
 def test_a_version_committed_by_a_trainer_killed_before_it_said_so_is_known_from_the_next_sync():
     """The trainer prints a line per sync; one SIGKILLed between its commit and its line leaves the ledger knowing
     only what the next sync read from Redis as committed (`base`). Tokens under it are fine; under a version never
@@ -241,3 +307,84 @@ def test_a_late_worker_is_excused_by_a_stopped_peer_it_tried_to_catch_up_from_on
     ledger.fault("kill", "w2-r14", live - 10)  # long before: not what held it back
     assert faults._peers_stopped(slot, live) == ["kill of its peer w1-r20", "stall of its peer w2-r14"]
     assert faults._peers_stopped(Slot("late-39", "late-39"), live) == [], "no log: nothing excused"
+
+
+def test_an_http_holders_pause_runs_alone_with_redis_up_and_only_where_serve_runs():
+    """`http_pause_kill` is drawn neither while the nemesis pauses through its control plane (its pause would hold
+    the fleet past the lapse) nor while Redis restarts (the chats would be refused), and blocks both while it runs."""
+    from types import SimpleNamespace
+
+    from rollout_svc.tools.chaos.fleet import ChaosConfig
+    from rollout_svc.tools.chaos.soak import Nemesis
+
+    http = SimpleNamespace(busy=False)
+    parts = (SimpleNamespace(slots=[]), None, SimpleNamespace(current={}), Ledger(T0), lambda *_: None, ChaosConfig())
+    nemesis = Nemesis(*parts, None, http)  # type: ignore[arg-type]
+    kinds = ("http_pause_kill", "pause", "redis_restart")
+    assert "http_pause_kill" in nemesis.kinds and all(nemesis._possible(kind) for kind in kinds)
+    http.busy = True
+    assert not any(nemesis._possible(kind) for kind in kinds)
+    http.busy = False
+    for flag in ("_pausing", "_redis_busy"):
+        setattr(nemesis, flag, True)
+        assert not nemesis._possible("http_pause_kill"), flag
+        setattr(nemesis, flag, False)
+    assert "http_pause_kill" not in Nemesis(*parts).kinds  # type: ignore[arg-type]
+
+
+def test_a_step_restart_runs_with_redis_up_and_keeps_redis_up_while_it_runs():
+    """`step_restart` is not drawn while Redis restarts (a SIGKILL restart may lose the last second of the step's
+    record), blocks Redis restarts while it runs, lets pauses go on, and is absent where it is left out."""
+    from types import SimpleNamespace
+
+    from rollout_svc.tools.chaos.fleet import ChaosConfig
+    from rollout_svc.tools.chaos.soak import Nemesis
+
+    steps = SimpleNamespace(busy=False)
+    parts = (SimpleNamespace(slots=[]), None, SimpleNamespace(current={}), Ledger(T0), lambda *_: None, ChaosConfig())
+    nemesis = Nemesis(*parts, None, None, steps)  # type: ignore[arg-type]
+    assert "step_restart" in nemesis.kinds and "http_pause_kill" not in nemesis.kinds
+    assert nemesis._possible("step_restart") and nemesis._possible("redis_restart")
+    steps.busy = True
+    assert not nemesis._possible("step_restart") and not nemesis._possible("redis_restart")
+    assert nemesis._possible("pause")
+    steps.busy = False
+    nemesis._redis_busy = True
+    assert not nemesis._possible("step_restart")
+    assert "step_restart" not in Nemesis(*parts).kinds  # type: ignore[arg-type]
+
+
+def test_a_restarted_step_is_checked_whole_in_order_and_echoed():
+    """What a new process collected of a dead trainer's step: the step's every request once, in order, each the echo
+    of its prompt; anything else is a `step_restart` violation."""
+    from types import SimpleNamespace
+
+    from rollout_svc.tools.chaos.step_restarts import STEP_REQUESTS, StepRestarts, plan
+
+    planned = plan("chaos-step-1")
+    assert planned == plan("chaos-step-1") and len(planned) == STEP_REQUESTS  # the trainer's and the check's
+    assert [p.request_id for p in planned][:2] == ["chaos-step-1-r0", "chaos-step-1-r1"]
+    assert all(32 <= token <= 126 for p in planned for token in p.prompt)
+    assert planned[0].max_tokens > 20 > planned[1].max_tokens  # long, then short: the short ones answer first
+
+    def collected(*changes: tuple[int, dict[str, Any]]) -> tuple[list[str], Any]:
+        restarts = StepRestarts(SimpleNamespace(), Ledger(T0), lambda *_: None)  # type: ignore[arg-type]
+        trajectories = [
+            Trajectory(
+                request_id=p.request_id,
+                prompt_token_ids=p.prompt,
+                completion_token_ids=p.prompt[: p.max_tokens],
+                finish_reason="length" if len(p.prompt) > p.max_tokens else "stop",
+            )
+            for p in planned
+        ]
+        for index, fields in changes:
+            trajectories[index] = trajectories[index].model_copy(update=fields)
+        restarts._check("chaos-step-1", trajectories, T0, T0 + 1)
+        return [v["what"] for v in restarts.violations], restarts.counts
+
+    violations, counts = collected()
+    assert violations == [] and counts["trajectories_collected"] == STEP_REQUESTS
+    assert collected((3, {"completion_token_ids": [33]}))[0][0].startswith("chaos-step-1-r3: wrong_answer")
+    assert "wrong_answer" in collected((5, {"finish_reason": "error", "error": "boom"}))[0][0]
+    assert "in order" in collected((0, {"request_id": "chaos-step-1-r1"}))[0][0]

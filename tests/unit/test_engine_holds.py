@@ -31,7 +31,14 @@ def test_a_vllm_engines_settings_are_said_as_vllm_resolved_them():
         cache_config=SimpleNamespace(enable_prefix_caching=True),
         speculative_config=SimpleNamespace(method="eagle3"),
     )
-    said = "dtype=bfloat16 quantization=fp8 cuda_graphs=on prefix_caching=on speculative=eagle3"
+    said = (
+        "dtype=bfloat16 quantization=fp8 cuda_graphs=on prefix_caching=on speculative=eagle3"
+        " logprobs_mode=raw_logprobs lora=none weight_transfer=none"
+    )
     assert engine_config(config) == said
     config.model_config.enforce_eager, config.speculative_config = True, None
-    assert "cuda_graphs=off" in engine_config(config) and engine_config(config).endswith("speculative=none")
+    assert "cuda_graphs=off" in engine_config(config) and "speculative=none" in engine_config(config)
+    config.model_config.logprobs_mode = "processed_logprobs"
+    config.lora_config = SimpleNamespace(max_lora_rank=8, max_loras=2)
+    config.weight_transfer_config = SimpleNamespace(backend="nccl")
+    assert engine_config(config).endswith("logprobs_mode=processed_logprobs lora=8x2 weight_transfer=nccl")

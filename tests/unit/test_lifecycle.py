@@ -154,3 +154,32 @@ def test_staleness_is_the_committed_version_minus_the_first_tokens_and_set_when_
     assert decode(payload).staleness is None
     received = decode(payload, committed_version=5)
     assert type(received) is Trajectory and received.staleness == 2 and received.weight_versions == [(3, 0), (5, 1)]
+
+
+def test_a_trajectory_its_worker_cut_as_too_stale_is_generated_again_whatever_its_measured_staleness():
+    address = Addresses()
+    cut = trajectory(abort_cause="staleness", staleness=0)  # cut at a load: its producer had not read the commit yet
+    assert regeneration_of(request(), cut, SETTINGS, 0, NOW, address) is not None
+    no_limit = SETTINGS.model_copy(update={"max_staleness": None})  # the bound was the request's min_weight_version
+    assert regeneration_of(request(), cut, no_limit, 0, NOW, address) is not None
+    mark = SETTINGS.model_copy(update={"stale_policy": "mark"})
+    assert regeneration_of(request(), cut, mark, 0, NOW, address) is None
+    assert retry_of(request(), cut, SETTINGS, NOW, address) is None  # never continued token-exact: its tokens are stale
+
+
+def test_a_requests_staleness_floor_is_the_higher_of_its_relative_and_absolute_bounds():
+    assert request().staleness_floor(7) is None
+    assert request(max_staleness=0).staleness_floor(7) == 7
+    assert request(max_staleness=2).staleness_floor(7) == 5
+    assert request(min_weight_version=6).staleness_floor(7) == 6
+    assert request(max_staleness=2, min_weight_version=6).staleness_floor(7) == 6
+    assert request(max_staleness=0, min_weight_version=6).staleness_floor(7) == 7
+    with pytest.raises(ValueError):
+        request(max_staleness=-1)
+
+
+def test_a_staleness_cut_is_judged_by_the_version_that_cut_it_when_its_producer_decodes_it():
+    cut = trajectory(abort_cause="staleness", weight_versions=[(3, 0)], weight_version=4)
+    assert decode(encode(cut), 3).staleness == 1  # the worker's version 4 is not committed as the producer read it
+    plain = trajectory(weight_versions=[(3, 0)], weight_version=4)
+    assert decode(encode(plain), 3).staleness == 0

@@ -16,6 +16,7 @@ PARALLEL = {"tensor_parallel_size": 3, "pipeline_parallel_size": 2, "data_parall
 
 
 @pytest.mark.imports_vllm
+@pytest.mark.imports_vllm
 def test_parallel_sizes_reach_vllms_engine_arguments():
     from workers.vllm_args import vllm_engine_args
 
@@ -71,6 +72,7 @@ def test_cpu_binding_gives_each_rank_its_set(monkeypatch: pytest.MonkeyPatch):
     assert cpu_sets(2, 2) == ["0-1|2-3", "4-5|6-7"]
 
 
+@pytest.mark.imports_vllm
 @pytest.mark.imports_vllm
 def test_the_vllm_install_check_passes_here_and_names_what_a_release_lacks(monkeypatch: pytest.MonkeyPatch):
     from rollout_svc.tools import vllm_install_check

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,7 @@ from rollout_svc.protocol import (
     decode,
     encode,
 )
-from rollout_svc.weightsync.plane import checkpoint_dir
+from rollout_svc.weightsync.plane import await_stable, checkpoint_dir, checkpoint_files
 from rollout_svc.weightsync.transfer import ALIGN_BYTES, fill_into, plan_buckets, torch_dtype, unpack_bucket
 from workers.inflight import InFlight
 from workers.serve import weight_spans
@@ -218,3 +221,45 @@ def test_the_checkpoint_root_is_a_fence(tmp_path: Path):
             checkpoint_dir(root, str(path))
     with pytest.raises(InvalidRequestError, match="ROLLOUT_CHECKPOINT_ROOT"):
         checkpoint_dir(None, str(root / "step-1"))
+
+
+def _index(folder: Path, weight_map: object) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def test_a_sharded_checkpoint_is_its_index_and_every_shard_it_names_inside_the_root(tmp_path: Path):
+    """Hugging Face's sharded layout (prime-rl's trainer writes it): the shards the index names, sorted; a shard
+    missing, linked from outside the root, or named outside the folder is refused, as a bad index is."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "b.safetensors").write_bytes(b"b")
+    good = root / "step-1"
+    _index(good, {"x": "b.safetensors", "y": "a.safetensors", "z": "b.safetensors"})
+    for name in ("a.safetensors", "b.safetensors"):
+        (good / name).write_bytes(name.encode())
+    assert checkpoint_dir(root, str(good)) == good.resolve()
+    assert [f.name for f in checkpoint_files(good)] == ["a.safetensors", "b.safetensors"]
+    _index(root / "linked", {"x": "b.safetensors"})
+    (root / "linked" / "b.safetensors").symlink_to(outside / "b.safetensors")
+    _index(root / "short", {"x": "a.safetensors", "y": "b.safetensors"})
+    (root / "short" / "a.safetensors").write_bytes(b"a")
+    _index(root / "climbs", {"x": "../step-1/a.safetensors"})
+    _index(root / "bad", ["a.safetensors"])
+    for folder, why in [
+        ("linked", "outside"),
+        ("short", "lacks b.safetensors"),
+        ("climbs", "outside its folder"),
+        ("bad", "not a safetensors shard index"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=why):
+            checkpoint_dir(root, str(root / folder))
+
+
+async def test_a_load_waits_for_the_stable_marker_and_refuses_a_folder_without_it(tmp_path: Path):
+    with pytest.raises(InvalidRequestError, match=r"no STABLE marker after 0\.3 s"):
+        await await_stable(str(tmp_path), 0.3)
+    asyncio.get_running_loop().call_later(0.3, (tmp_path / "STABLE").touch)
+    started = time.monotonic()
+    await await_stable(str(tmp_path), 5.0)
+    assert 0.25 < time.monotonic() - started < 4.0

@@ -4,40 +4,69 @@ prefix-cache reset and request aborts, each answered once every live worker ackn
 from __future__ import annotations
 
 import json
+import time
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 
+from rollout_svc.api.auth import Auth
+from rollout_svc.api.pause_holders import PauseHolders, holder_of
 from rollout_svc.api.skyrl.records import InFlight
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.config import MAX_LEASE_S
 from rollout_svc.openai.errors import APIError
 
-HOLDER = "http"  # the pause holder of the HTTP control routes
 PauseMode = Literal["keep", "abort", "wait"]
 
 
-def control_router(client: RolloutClient, inflight: InFlight) -> APIRouter:
+def control_router(client: RolloutClient, inflight: InFlight, holders: PauseHolders, auth: Auth) -> APIRouter:
+    """`holders`: the server's leased HTTP pauses (`api/pause_holders.py`); `auth`: who may release another's."""
     router = APIRouter(tags=["skyrl", "control"])  # "control": the admin token's routes, outside /admin
+    default_lease_s = client.settings.api.api_pause_lease_s
 
-    @router.post("/pause")
+    @router.post("/pause", responses={409: {"description": "its lease ran out before every worker acknowledged it"}})
     async def pause(
+        request: Request,
         mode: Annotated[PauseMode, Query()] = "abort",
         clear_cache: Annotated[bool, Query()] = True,
-        lease_s: Annotated[float, Query(ge=0, le=MAX_LEASE_S)] = 0.0,
+        lease_s: Annotated[float | None, Query(ge=0, le=MAX_LEASE_S)] = None,
     ) -> dict[str, str]:
         """vLLM's pause, fleet-wide: `keep` freezes in-flight requests until `/resume`; `abort` cuts them (a caller
         of `/inference/v1/generate` never sees it: the request is retried token-exact after `/resume`); `wait` lets
         them finish. `clear_cache` (vLLM's default true, ignored for `keep`) then drops every prefix cache.
-        Held until `/resume`; `lease_s` (ours, not vLLM's) > 0 makes it lapse that long after it was issued."""
-        await client.pause(mode, holder=HOLDER, lease_s=lease_s, renew=False)
+        The pause is the caller's (`X-Rollout-Holder`, else its key, else its address: `api/pause_holders.py`),
+        held until its `/resume` under a lease (`lease_s`, ours; default `serve --pause-lease-s`; 0: no lease) that
+        each of its calls renews: it lapses that long after the holder's last call."""
+        holder = holder_of(request.headers, request.client)
+        lease = default_lease_s if lease_s is None else lease_s
+        asked = time.monotonic()
+        await client.pause(mode, holder=holder, lease_s=lease, renew=False)
+        # Every live worker acknowledged (a stalled one only once reaped): the lease counts from this answer, and a
+        # pause that lapsed meanwhile is not reported as held (found by the chaos soak, at a 3 s lease).
+        if lease > 0 and not await client.renew_pause(holder, lease):
+            took = time.monotonic() - asked
+            holders.lapsed(holder, f"its {lease:g} s lease ran out while the workers acknowledged it ({took:.1f} s)")
+            raise APIError(
+                409,
+                f"the pause of {holder} lapsed before every worker acknowledged it ({took:.1f} s, past its {lease:g} s "
+                "lease): the fleet serves; pause again with a longer lease_s (default: serve --pause-lease-s)",
+                code="pause_lapsed",
+            )
+        holders.paused(holder, lease)
         if clear_cache and mode != "keep":
             await client.reset_prefix_cache()
-        return {"status": "paused"}
+        return {"status": "paused"}  # vLLM's answer, as SkyRL reads it: `GET /is_paused` names the holders
 
     @router.post("/resume")
-    async def resume() -> dict[str, str]:
-        await client.resume(holder=HOLDER)
+    async def resume(request: Request, holder: Annotated[str | None, Query()] = None) -> dict[str, str]:
+        """Release the caller's own pause (the fleet serves once no holder pauses it). `holder` (ours): another's,
+        with the admin token only (`GET /is_paused` names the holders)."""
+        own = holder_of(request.headers, request.client)
+        if holder is not None and holder != own:
+            auth.admin(request)
+        target = holder or own
+        await client.resume(holder=target)
+        holders.resumed(target)
         return {"status": "resumed"}
 
     @router.post("/sleep")

@@ -17,6 +17,7 @@ from rollout_svc.api.skyrl.records import DetokenizedTexts, InFlight
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.integrations.skyrl.shapes import GenerateBody
 from rollout_svc.integrations.skyrl.tokens import generate_params, generate_response, group_params, render_chat
+from rollout_svc.integrations.skyrl.weights import EngineWeightTransfer
 from rollout_svc.openai.errors import APIError
 from rollout_svc.openai.plans import raise_for
 from rollout_svc.openai.schemas import ChatCompletionRequest
@@ -35,6 +36,7 @@ def data_router(
     default_max_tokens: int,
     detokenized: DetokenizedTexts,
     lane: HotLane,
+    transfer: EngineWeightTransfer,
 ) -> APIRouter:
     """`served`: the app's `ServedModels`; `generation`: its `Generation` (for the timeout and token counts);
     `default_max_tokens`: a chat request's when it sets none; `detokenized`: where each completion's text goes for
@@ -91,9 +93,11 @@ def data_router(
     async def get_world_size(include_dp: Annotated[bool, Query()] = True) -> dict[str, int]:
         """vLLM's: the weight-transfer ranks (GPUs) behind this server: every live engine's (`include_dp`, the
         default), or one engine's (`include_dp=false`: its tensor x pipeline parallel size)."""
-        ranks = [w.weight_ranks for w in await client.workers()]
+        ranks = list((await transfer.world_size()).values())
         if not ranks:
             raise APIError(503, "no live worker: start one with `rollout-svc worker`", code="no_worker")
+        if include_dp:
+            transfer.reported = sum(ranks)  # what the trainer counts: an init for another count is refused
         return {"world_size": sum(ranks) if include_dp else max(ranks)}
 
     @router.get("/get_server_info")
@@ -105,7 +109,7 @@ def data_router(
         state = await client.fleet_state()
         return {
             "world_size": sum(w.weight_ranks for w in workers),
-            "model": next(iter(await served.models()), None),
+            "model": await served.first(),
             "weight_version": state.weight_version,
             "engines": [
                 {
@@ -127,8 +131,12 @@ def data_router(
         return {"servers": [str(request.base_url).rstrip("/")]}
 
     @router.get("/is_paused")
-    async def is_paused() -> dict[str, bool]:
-        return {"is_paused": (await client.fleet_state()).paused}
+    async def is_paused() -> dict[str, Any]:
+        """vLLM's `{"is_paused"}`, and ours: `holders`, each pause in force by holder, with its mode and when its
+        lease lapses (unix s; None: held until resumed), and `lapsed`, holders whose leased pause lapsed, when."""
+        state = await client.fleet_state()
+        held = {h: {"mode": m, "lease_until": state.leases.get(h)} for h, m in state.holders.items()}
+        return {"is_paused": state.paused, "holders": held, "lapsed": state.lapsed}
 
     @router.get("/is_sleeping")
     async def is_sleeping() -> dict[str, bool]:

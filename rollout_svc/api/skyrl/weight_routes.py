@@ -1,11 +1,13 @@
 """SkyRL's weight routes on `serve`, fleet-wide: load a checkpoint, drive vLLM's native trainer-led transfer, and
 read the committed weight version.
 
-`POST /fetch_weights` (a body `{"path", "weight_version"?, "pause_mode"?}`): every live worker loads the checkpoint
-at `path` (a directory holding `model.safetensors` under the workers' `ROLLOUT_CHECKPOINT_ROOT`; a path outside it is
-refused by each worker, as for `WeightSender.update_from_checkpoint`), the fleet paused meanwhile (`keep` by
-default), and the version is committed once every worker loaded it. `GET /weight_info`: vLLM 0.32's, the committed
-version as a string.
+`POST /fetch_weights` (a body `{"path", "weight_version"?, "pause_mode"?, "stable_wait_s"?}`): every live worker
+loads the checkpoint at `path` (a directory holding `model.safetensors`, or shards and their
+`model.safetensors.index.json`, under the workers' `ROLLOUT_CHECKPOINT_ROOT`; a path outside it is refused by each
+worker, as for `WeightSender.update_from_checkpoint`), the fleet paused meanwhile (`keep` by default), and the version
+is committed once every worker loaded it; with `stable_wait_s`, each worker first waits that long for the folder's
+`STABLE` marker and refuses it without. `POST /update_weights {"weight_dir", ...}` is the same, as prime-rl's
+inference server takes it. `GET /weight_info`: vLLM 0.32's, the committed version as a string.
 
 vLLM 0.32's native weight transfer, as SkyRL's trainer drives it (`EngineWeightTransfer`; the workers' engines need
 `--weight-transfer-backend nccl`, on CUDA): `POST /init_weight_transfer_engine` `{init_info}`,
@@ -23,15 +25,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Body
+from pydantic import BaseModel, ValidationError
 
 from rollout_svc.api.admin import sync_from_checkpoint
 from rollout_svc.client.rollout_client import RolloutClient
 from rollout_svc.errors import WeightSyncError
 from rollout_svc.integrations.skyrl.shapes import (
     SKYRL_RPC,
+    CheckpointWeightsBody,
     CollectiveRpcBody,
     FetchWeightsBody,
     FinishWeightUpdateBody,
@@ -39,12 +43,23 @@ from rollout_svc.integrations.skyrl.shapes import (
     UpdateWeightsBody,
 )
 from rollout_svc.integrations.skyrl.weights import EngineWeightTransfer
-from rollout_svc.openai.errors import APIError
+from rollout_svc.openai.errors import APIError, invalid_body
+
+M = TypeVar("M", bound=BaseModel)
 
 
-def weights_router(client: RolloutClient) -> APIRouter:
+def parsed(model: type[M], body: dict[str, Any]) -> M:
+    """`body` as `model`. Raises `APIError` 400 naming each bad field, as for a body FastAPI validates."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise invalid_body(exc.errors()) from exc
+
+
+def weights_router(client: RolloutClient, transfer: EngineWeightTransfer) -> APIRouter:
+    """`transfer`: the server's one `EngineWeightTransfer` (it holds the members of the last init, and the world size
+    `/get_world_size` last answered)."""
     router = APIRouter(tags=["skyrl", "control"])  # "control": the admin token's routes, outside /admin
-    transfer = EngineWeightTransfer(client.settings)  # one per server: it holds the members of the last init
 
     async def call(name: str, made: Awaitable[Any]) -> Any:
         try:
@@ -57,15 +72,19 @@ def weights_router(client: RolloutClient) -> APIRouter:
         await call(name, made)
         return {"message": message}
 
+    async def fetch(path: str, body: FetchWeightsBody | CheckpointWeightsBody) -> dict[str, Any]:
+        version = body.weight_version or (await client.fleet_state()).weight_version + 1
+        report = await sync_from_checkpoint(client, path, version, body.pause_mode, body.stable_wait_s)
+        return {"message": "Weights fetched", "weight_version": version, **dataclasses.asdict(report)}
+
     @router.post("/fetch_weights")
     async def fetch_weights(body: FetchWeightsBody) -> dict[str, Any]:
         """Every live worker loads the checkpoint `path` as `weight_version` (default: the committed version plus
         one); answers once the version is committed, with the sync's report (`loaded`, `stale`, `dead`, seconds).
         400: the version is not above the committed one; 409: no worker loaded it (the old version stays
-        committed), naming each worker's reason (a path outside the checkpoint root, no `model.safetensors`)."""
-        version = body.weight_version or (await client.fleet_state()).weight_version + 1
-        report = await sync_from_checkpoint(client, body.path, version, body.pause_mode)
-        return {"message": "Weights fetched", "weight_version": version, **dataclasses.asdict(report)}
+        committed), naming each worker's reason (a path outside the checkpoint root, no weights in it, no `STABLE`
+        marker within `stable_wait_s`)."""
+        return await fetch(body.path, body)
 
     @router.get("/weight_info")
     async def weight_info() -> dict[str, str]:
@@ -86,9 +105,22 @@ def weights_router(client: RolloutClient) -> APIRouter:
         return await answer("start_weight_update", transfer.start(), "Weight update started")
 
     @router.post("/update_weights")
-    async def update_weights(body: UpdateWeightsBody) -> dict[str, str]:
-        """vLLM's: every member receives the tensors `update_info` names from the trainer's broadcast."""
-        return await answer("update_weights", transfer.update(body.update_info), "Weights updated")
+    async def update_weights(body: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
+        """Dispatched on the body: `update_info`, vLLM's: every member receives the tensors it names from the
+        trainer's broadcast; `weight_dir`, prime-rl's: every worker loads that checkpoint folder (as
+        `/fetch_weights`; `status: ok` added, as prime-rl's server answers). 400 for anything else, naming both."""
+        if "update_info" in body:
+            update = parsed(UpdateWeightsBody, body)
+            return await answer("update_weights", transfer.update(update.update_info), "Weights updated")
+        if "weight_dir" in body:
+            checkpoint = parsed(CheckpointWeightsBody, body)
+            return {"status": "ok", **await fetch(checkpoint.weight_dir, checkpoint)}
+        raise APIError(
+            400,
+            f"update_weights takes update_info (vLLM's NCCL transfer) or weight_dir (a checkpoint folder, as "
+            f"prime-rl sends it); got {sorted(body) or 'an empty body'}",
+            param="body",
+        )
 
     @router.post("/finish_weight_update")
     async def finish_weight_update(body: FinishWeightUpdateBody | None = None) -> dict[str, Any]:

@@ -72,15 +72,16 @@ class _Engine:
     async def generate(self, input_batch: dict[str, Any], model: str | None = None) -> dict[str, Any]:
         """SkyRL's `InferenceEngineInput` -> `InferenceEngineOutput`: token-id prompts (`prompt_token_ids`) or
         conversations (`prompts`), vLLM's `sampling_params`, `session_ids` pinning each to one worker. Raises
-        `ValueError` for what is not served (n > 1, as SkyRL's own client; multimodal features; a cache salt; a
-        `model` that is neither the fleet's model nor a loaded LoRA adapter) and `GenerationError` for a failed
-        generation. `model` naming a loaded adapter generates with it (vLLM's convention)."""
+        `ValueError` for what is not served (n > 1, as SkyRL's own client; multimodal features; a `model` that is
+        neither the fleet's model nor a loaded LoRA adapter) and `GenerationError` for a failed generation. `model`
+        naming a loaded adapter generates with it (vLLM's convention). `cache_salt` (SkyRL's `use_cache_salt`) is
+        accepted, as over HTTP, and changes nothing: a weight sync resets every prefix cache."""
         adapter = model if model and model != self.model_name else None
         token_ids, conversations = input_batch.get("prompt_token_ids"), input_batch.get("prompts")
         if (token_ids is None) == (conversations is None):
             raise ValueError("give exactly one of prompt_token_ids and prompts")
-        if input_batch.get("mm_features") or input_batch.get("cache_salt") is not None:
-            raise ValueError("mm_features and cache_salt are not served by rollout-svc")
+        if input_batch.get("mm_features"):
+            raise ValueError("mm_features (multimodal inputs) are not served by rollout-svc: send text or token ids")
         try:
             params, n = vllm_sampling_params(input_batch.get("sampling_params") or {})
         except APIError as exc:
@@ -202,6 +203,18 @@ class _Engine:
         """`(total, per server)` weight-transfer ranks: the fleet is one server, so both are every engine's ranks."""
         total = sum(w.weight_ranks for w in await self.client.workers())
         return total, total
+
+    # --- LoRA adapters (SkyRL 0.4's interface) --------------------------------------------------------------
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Load the adapter at `lora_path` (peft's `save_pretrained` folder, under the workers' checkpoint root) on
+        every worker as `lora_name`; a loaded name gets a new version in place (requests on the old one finish on
+        it). Returns `{"lora_name", "version"}`. Raises `ControlCommandError` naming each worker whose load failed."""
+        return {"lora_name": lora_name, "version": await self.client.load_adapter(lora_name, lora_path)}
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Drop adapter `lora_name` on every worker (running requests finish on it)."""
+        return {"lora_name": lora_name, "epoch": await self.client.unload_adapter(lora_name)}
 
     # --- weights ---------------------------------------------------------------------------------------------
 

@@ -26,10 +26,11 @@ def skyrl_module(name: str) -> Any:
         import skyrl
     except ImportError as exc:
         raise ImportError(
-            "SkyRL is not installed: pip install --no-deps skyrl==0.3.0 aiohttp (Python 3.11; 0.4 needs 3.12)"
+            "SkyRL is not installed: pip install --no-deps skyrl==0.3.0 aiohttp (Python 3.11), or skyrl==0.4.0 on "
+            "Python 3.12 (docs/testing.md says how `make install` makes that venv)"
         ) from exc
     root = Path(skyrl.__file__).parent
-    for package in _NAMESPACES:
+    for package in _NAMESPACES if sys.version_info < (3, 12) else ():  # SkyRL 0.4 on 3.12 imports as it is
         if package not in sys.modules:
             module = types.ModuleType(package)
             module.__path__ = [str(root.joinpath(*package.split(".")[1:]))]

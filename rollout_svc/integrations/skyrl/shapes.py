@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from rollout_svc.openai.schemas import Body, TokenId
 
@@ -47,6 +47,28 @@ class FetchWeightsBody(Body):
     path: str = Field(min_length=1)
     weight_version: int | None = Field(None, ge=1, lt=2**63)
     pause_mode: Literal["keep", "abort", "wait"] = "keep"
+    stable_wait_s: float | None = Field(None, ge=0, allow_inf_nan=False)  # wait for the folder's STABLE marker
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_a_delta(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "target_version" in data and "path" not in data:
+            raise ValueError(
+                "SkyRL 0.4's checkpoint-delta fetch (target_version, sync_dir, uri) is not served: write a whole "
+                "checkpoint under the workers' checkpoint root and send {path, weight_version}, or sync by NCCL"
+            )
+        return data
+
+
+class CheckpointWeightsBody(Body):
+    """`POST /update_weights` as prime-rl's inference server takes it: `weight_dir`, a Hugging Face folder (one
+    `model.safetensors`, or shards and their index) every worker loads; ours besides, as `/fetch_weights`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    weight_dir: str = Field(min_length=1)
+    weight_version: int | None = Field(None, ge=1, lt=2**63)
+    pause_mode: Literal["keep", "abort", "wait"] = "keep"
+    stable_wait_s: float | None = Field(None, ge=0, allow_inf_nan=False)
 
 
 class InitWeightTransferBody(Body):

@@ -50,6 +50,9 @@ class EngineWeightTransfer:
         self.settings = settings
         self.timeout_s = (timeout_s or settings.weight_sync.weight_sync_timeout_s) + JOIN_GRACE_S
         self.members: list[str] = []  # the workers of the current init, in rank order
+        self.reported: int | None = None  # the ranks GET /get_world_size last answered (None: never asked here)
+        self.serve_id = uuid.uuid4().hex[:12]
+        self.following = False  # another serve of the fleet leads the current group: its calls are answered here
         self._fleet: Fleet | None = None
         self._lock = asyncio.Lock()  # one call at a time: each is a collective on every member
 
@@ -81,12 +84,23 @@ class EngineWeightTransfer:
         total = sum(ranks.values())
         if offset + total > world_size:
             raise InvalidRequestError(
-                f"init_info: rank_offset {offset} + this server's {total} ranks (GET /get_world_size) exceed "
-                f"world_size {world_size}: the group needs the trainer's ranks and every server's"
+                f"init_info: rank_offset {offset} + this fleet's {total} ranks now (GET /get_world_size) exceed "
+                f"world_size {world_size}: the fleet grew since the trainer counted it (SkyRL caches the world size "
+                "at its first call): make the trainer's client anew to count again, or bring the fleet back to its size"
             )
+        if self.reported is not None and self.reported != total:
+            raise InvalidRequestError(
+                f"this fleet has {total} ranks now, {self.reported} when GET /get_world_size was answered: the trainer "
+                "counted a fleet that has changed (SkyRL caches the world size at its first call), and NCCL would wait "
+                "for ranks that never join: make the trainer's client anew to count again"
+            )
+        self.following = not await self._claim(init_info, offset)
         offsets, next_rank = {}, offset
         for worker_id, count in ranks.items():
             offsets[worker_id], next_rank = next_rank, next_rank + count
+        if self.following:
+            self.members = []
+            return offsets
         async with self._lock:
             self.members = list(ranks)
             try:
@@ -96,22 +110,52 @@ class EngineWeightTransfer:
                 raise
         return offsets
 
+    async def _claim(self, init_info: dict[str, Any], offset: int) -> bool:
+        """Whether this `serve` leads the fleet's join of the group at `init_info`'s master (recorded for the sync
+        timeout): the first `serve` of the fleet asked to does; another asked at the same `rank_offset` follows
+        (SkyRL 0.4 given the fleet's replicas as the DP servers of one deployment: it sends each the same init and
+        every call after it, which the leader makes and the followers answer without making). Raises
+        `InvalidRequestError` for another offset: SkyRL was given two replicas of one fleet as two deployments,
+        and counted every GPU twice."""
+        control, _ = await self._connect()
+        master = f"{init_info.get('master_address')}:{init_info.get('master_port')}"
+        link = control.fleet.links[sorted(control.fleet.links)[0]]
+        key, ttl, mine = link.keys.engine_group(master), max(1, int(self.timeout_s)), f"{offset} {self.serve_id}"
+        if await link.redis.set(key, mine, nx=True, ex=ttl):
+            return True
+        held = (await link.redis.get(key) or b"").decode().split()
+        if held and int(held[0]) != offset:
+            raise InvalidRequestError(
+                f"this fleet joined the trainer's group at {master} at rank {held[0]} already, through another "
+                f"serve; asked again at rank {offset}: list a fleet's serve replicas in SkyRL's server_urls as the "
+                "data-parallel servers of one deployment (data_parallel_size = their number), or list one (each "
+                "serve answers for the whole fleet, so two deployments count every GPU twice)"
+            )
+        if held and held[1] != self.serve_id:
+            return False
+        await link.redis.set(key, mine, ex=ttl)
+        return True
+
     async def start(self) -> None:
         """vLLM's `start_weight_update` on every member."""
         async with self._lock:
-            await self._call(EngineWeightOp(op="start"))
+            if not self.following:
+                await self._call(EngineWeightOp(op="start"))
 
     async def update(self, update_info: dict[str, Any]) -> None:
         """vLLM's `update_weights`: every member receives the tensors `update_info` names while the trainer
         broadcasts them. Returns once each received and loaded them."""
         async with self._lock:
-            await self._call(EngineWeightOp(op="update", info=update_info))
+            if not self.following:
+                await self._call(EngineWeightOp(op="update", info=update_info))
 
     async def finish(self, version: int | None = None) -> int:
         """vLLM's `finish_weight_update` on every member, then the new version committed: `version`, or the
         committed one plus one. Returns the committed version."""
         async with self._lock:
             control, _ = await self._connect()
+            if self.following:  # the leader commits
+                return (await control.state()).weight_version
             version = await control.next_weight_version(version)
             await self._call(EngineWeightOp(op="finish"), version)
             await control.commit_weights(version, "")
@@ -121,9 +165,10 @@ class EngineWeightTransfer:
         """vLLM's `shutdown_weight_transfer_engine` on every member; the next sync needs `init` again."""
         async with self._lock:
             try:
-                await self._call(EngineWeightOp(op="shutdown"))
+                if not self.following:
+                    await self._call(EngineWeightOp(op="shutdown"))
             finally:
-                self.members = []
+                self.members, self.following = [], False
 
     async def _call(self, op: EngineWeightOp, version: int | None = None) -> None:
         """Publish `op` to the members and wait for each one's answer. Raises WeightSyncError naming failures."""

@@ -32,6 +32,7 @@ from rollout_svc.deploy.processes import cpu_sets
 from rollout_svc.tools import dataset
 from rollout_svc.tools.bench import api as bench_api
 from rollout_svc.tools.bench import batch as bench_batch
+from rollout_svc.tools.bench import beside as bench_beside
 from rollout_svc.tools.bench import control as bench_control
 from rollout_svc.tools.bench import hop as bench_hop
 from rollout_svc.tools.bench import scale as bench_scale
@@ -130,6 +131,7 @@ SECTIONS = {
     "weights": "## (e) ",
     "gpu": "## (n) ",
     "scale": "## (o) ",
+    "beside": "## (p) ",
 }
 
 
@@ -141,6 +143,7 @@ def run_section(
     requests: int = 20_000,
     *,
     scale: bench_scale.ScalePlan | None = None,
+    beside: bench_beside.BesidePlan | None = None,
 ) -> None:
     """Measure one section (`SECTIONS`) and put it in `output` in place of the same section (or after the last one),
     keeping every other section as it was; the section names its own command, and a line under it names the date and
@@ -164,6 +167,8 @@ def run_section(
         fleet = bench_scale.run_scale_bench(redis_url, console, _log_dir(), scale, command=command)
         fleet.plot = _draw_beside(output, lambda path: bench_scale.draw_scale(fleet, path), bench_scale.PLOT)
         body = bench_scale.render_scale(fleet)
+    elif section == "beside":  # `beside`: the earlier commit (default `BesidePlan()`)
+        body = bench_beside.render_beside(bench_beside.run_beside_bench(console, _log_dir(), beside, command=command))
     elif section == "published":
         body = bench_published.render_published(bench_published.run_published_bench(), command)
     elif section == "weights":

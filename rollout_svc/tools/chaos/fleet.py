@@ -54,6 +54,8 @@ class ChaosConfig:
     settle_s: float = 30.0
     log_dir: Path | None = None  # None: a temporary folder, removed after a clean run
     syncs: bool = True  # a trainer syncs weights every 1-3 s (`chaos.syncs`), and the nemesis kills it
+    http_pauses: bool = True  # a `serve` of its own, and trainers killed holding its pause (`chaos.http_pauses`)
+    step_restarts: bool = True  # trainers killed mid-step, a new process attaching (`chaos.step_restarts`)
 
     def settings(self, redis_url: str) -> Settings:
         return Settings(
@@ -156,16 +158,23 @@ class ChaosFleet:
 
     def spawn(self, slot: Slot) -> None:
         args = [sys.executable, "-m", "workers", "--worker-id", slot.worker_id, *self.engine.to_args()]
+        slot.process = self.child(args, f"{slot.name}.log")
+
+    def child(self, args: list[str], log_name: str) -> subprocess.Popen[bytes]:
+        """Start `args` as a child of the soak: the fleet's settings in its environment, its output appended to
+        `log_name` in the log folder, in a session of its own (a SIGKILL of its group kills it whole), dying with
+        this process, and killed by `close` whatever happens."""
         env = {**os.environ, **settings_env(self.settings)}
-        with open(self.log_dir / f"{slot.name}.log", "ab") as out:
-            slot.process = subprocess.Popen(
+        with open(self.log_dir / log_name, "ab") as out:  # the child holds its own descriptor
+            process = subprocess.Popen(
                 die_with_parent(args, DEATH_SIGNAL),
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self.processes.append(slot.process)
+        self.processes.append(process)
+        return process
 
     def signal(self, slot: Slot, sig: signal.Signals) -> int:
         """Send `sig` to the slot's process group; returns the worker's pid."""

@@ -18,11 +18,13 @@ FAULT_WINDOW_BEFORE_S = 3.0  # a violation names the faults from this long befor
 # long of its wait (`Ledger.serviceable_s`); else it is counted `late_excused`: every worker had lost the committed
 # version (killed after a broadcast, no peer holding it) while each new trainer's sync failed, or the fleet was paused.
 LATE_SERVICE_S = 10.0
+BOUND_FIGURES = ("bounded_requests", "cut_for_staleness", "answered_whole", "whole_stale_at_receipt")
 
 
 @dataclass(frozen=True)
 class Submitted:
-    """One request as its driver sent it. `label` names the call (`session s2.7 turn 3`, `batch b1.40`)."""
+    """One request as its driver sent it. `label` names the call (`session s2.7 turn 3`, `batch b1.40`).
+    `max_staleness`: the staleness bound it carries (weight versions; None: unbounded, see `check_bounds`)."""
 
     request_id: str
     prompt: list[int]
@@ -30,6 +32,7 @@ class Submitted:
     submitted_at: float
     session_id: str | None
     label: str
+    max_staleness: int | None = None
 
 
 @dataclass(frozen=True)
@@ -55,12 +58,14 @@ class Fault:
 
 @dataclass
 class Verdict:
-    """What the checks found: outcome counts (`ok`, `aborted_by_user`, `refused`, `dead_letter`, ...), session
-    figures, and the violations, each a dict with `check`, `what` and, where there is one, `request_id`,
-    `session_id` and `faults_near` (the faults from shortly before the request was submitted until its answer)."""
+    """What the checks found: outcome counts (`ok`, `aborted_by_user`, `cut_for_staleness`, `refused`,
+    `dead_letter`, ...), session figures, bounded-request figures (`check_bounds`; empty if none was bounded), and the
+    violations, each a dict with `check`, `what` and, where there is one, `request_id`, `session_id` and
+    `faults_near` (the faults from shortly before the request was submitted until its answer)."""
 
     outcomes: Counter[str] = field(default_factory=Counter)
     sessions: dict[str, int] = field(default_factory=dict)
+    bounds: dict[str, int] = field(default_factory=dict)
     violations: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -113,11 +118,12 @@ class Ledger:
 
 
 def check(ledger: Ledger, extra_violations: list[dict[str, Any]] | None = None) -> Verdict:
-    """Run every ledger check (see `check_answers`, `check_sessions`); `extra_violations` (the fleet's end state)
-    are appended."""
+    """Run every ledger check (see `check_answers`, `check_sessions`, `check_bounds`); `extra_violations` (the
+    fleet's end state) are appended."""
     verdict = Verdict()
     check_answers(ledger, verdict)
     check_sessions(ledger, verdict)
+    check_bounds(ledger, verdict)
     verdict.violations += extra_violations or []
     return verdict
 
@@ -126,16 +132,18 @@ def check_answers(ledger: Ledger, verdict: Verdict) -> None:
     """Exactly once: every submitted request has one answer, and every answer is to a submitted request.
 
     Each answer is judged against the echo engine, which answers `prompt[:max_tokens]` (`length` if the prompt is
-    longer, else `stop`), token-exact across retries: a completed trajectory must be exactly that, under the
-    request's own id and prompt. An explicit abort (`abort`, cause `user`) is an answer if an abort of its session
-    returned after it was submitted; its tokens must be a prefix of the echo. A dead letter (`error`, code
-    `max_deliveries`: every worker that took it died) is an answer the service promises, counted apart. A refusal
-    at submission is an answer (a clear error), counted apart. Anything else is a violation: no answer, two
-    answers, no answer within the timeout while the fleet could serve for `LATE_SERVICE_S` of it, a wrong or
-    unexplained answer. (Unanswered within the timeout while the fleet could not serve: `late_excused`. The call
-    raised `RequestTimeoutError` at its deadline, as it promises, or returned the worker's answer that the deadline
-    passed before it ran the request, `abort` with cause `deadline`, which counts the same; drivers whose call does
-    not return at all are caught by the soak.)
+    longer, else `stop`), token-exact across retries: a completed trajectory must be exactly that, under the request's
+    own id and prompt. An explicit abort (`abort`, cause `user`) is an answer if an abort of its session returned after
+    it was submitted; its tokens must be a prefix of the echo. A request that carries a staleness bound may be answered
+    cut by its worker as too stale (`abort`, cause `staleness`, with `stale_policy="mark"`): its tokens so far, a prefix
+    of the echo (`cut_for_staleness`; `check_bounds` checks their versions). A dead letter (`error`, code
+    `max_deliveries`: every worker that took it died) is an answer the service promises, counted apart. A refusal at
+    submission is an answer (a clear error), counted apart. Anything else is a violation: no answer, two answers, no
+    answer within the timeout while the fleet could serve for `LATE_SERVICE_S` of it, a wrong or unexplained answer.
+    (Unanswered within the timeout while the fleet could not serve: `late_excused`. The call raised
+    `RequestTimeoutError` at its deadline, as it promises, or returned the worker's answer that the deadline passed
+    before it ran the request, `abort` with cause `deadline`, which counts the same; drivers whose call does not return
+    at all are caught by the soak.)
     """
     for request_id in ledger.duplicate_submissions:
         verdict.violations.append(
@@ -183,6 +191,10 @@ def judge(request: Submitted, answer: Answer, ledger: Ledger) -> tuple[str, str]
         if not any(at >= request.submitted_at for at in aborts):
             return "unexplained_abort", "aborted by the user, but no abort of its session came after it was sent"
         return "aborted_by_user", ""
+    if t.finish_reason == "abort" and t.abort_cause == "staleness" and request.max_staleness is not None:
+        if t.completion_token_ids != expected[: len(t.completion_token_ids)]:
+            return "wrong_answer", f"cut for staleness with tokens that are not a prefix of the echo: {_describe(t)}"
+        return "cut_for_staleness", ""
     if t.finish_reason == "error" and t.error_code == "max_deliveries":
         return "dead_letter", ""
     return "wrong_answer", f"unexpected answer: {_describe(t)}"
@@ -247,6 +259,44 @@ def check_sessions(ledger: Ledger, verdict: Verdict) -> None:
             verdict.violations.append(violation)
     verdict.sessions = {"sessions": len(by_session), "timed_requests": sum(map(len, by_session.values()))}
     verdict.sessions |= {"moves": moves, "untimed": untimed}
+
+
+def check_bounds(ledger: Ledger, verdict: Verdict) -> None:
+    """No token generated for a bounded request once a commit made it too stale (violations `stale_generated`).
+
+    A worker cuts a request whose first token a new weight version makes staler than its `max_staleness` (at the
+    load, and when it takes the request) rather than generating on: so every token of an answered bounded
+    trajectory comes from a version at most `max_staleness` above its first token's. Its `weight_versions` spans
+    (`(version, first_token_index)`; only those that hold a token are read) must all be at or below the first span's
+    version plus the bound: with a bound of 0, one version only, whether it came back whole or cut for staleness. A
+    span above it (generated on across the sync that should have cut it) is a violation. Figures in
+    `verdict.bounds`: `bounded_requests`, `cut_for_staleness`, `answered_whole` (`stop` or `length`) and
+    `whole_stale_at_receipt` (whole, staler than the bound when the client received it: finished before the load
+    that would have cut it, or on a worker that had not heard of the commit yet; not a violation)."""
+    counts: Counter[str] = Counter()
+    for request_id, request in ledger.submitted.items():
+        if request.max_staleness is None:
+            continue
+        counts["bounded_requests"] += 1
+        answers = ledger.answers.get(request_id, [])
+        t = answers[0].trajectory if len(answers) == 1 else None
+        if t is None:
+            continue
+        if t.finish_reason == "abort" and t.abort_cause == "staleness":
+            counts["cut_for_staleness"] += 1
+        elif t.finish_reason in ("stop", "length"):
+            counts["answered_whole"] += 1
+            counts["whole_stale_at_receipt"] += (t.staleness or 0) > request.max_staleness
+        spans = [(version, first) for version, first in t.weight_versions if first < len(t.completion_token_ids)]
+        too_new = [(v, first) for v, first in spans if v > spans[0][0] + request.max_staleness]
+        if too_new:
+            what = (
+                f"tokens generated past its bound (max_staleness {request.max_staleness}): spans {spans} of "
+                f"{len(t.completion_token_ids)} tokens, the first under version {spans[0][0]}; {_describe(t)}"
+            )
+            verdict.violations.append(_violation("stale_generated", what, request_id, request, ledger, answers[0]))
+    if counts["bounded_requests"]:
+        verdict.bounds = {key: counts[key] for key in BOUND_FIGURES}
 
 
 def _overlapping(services: list[Service]) -> list[tuple[Service, Service]]:

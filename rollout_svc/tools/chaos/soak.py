@@ -4,11 +4,12 @@ the ledger (`rollout_svc.tools.chaos.ledger`) and the fleet's end state are chec
 Everything runs on loopback as children of this process: a private `redis-server` (append-only, fsync every
 second, its files in the log folder) and N echo workers with a short heartbeat TTL, so that a stall past the TTL
 fits many times into a minute. Session drivers run multi-turn sessions (a turn is sent once the previous one was
-answered; some turns send two requests of the session at once) and batch drivers send `run` calls of 8-32 prompts,
-all on one `RolloutClient`, each request under an id of ours in the ledger. The nemesis draws fault kinds from a
-shuffled deck (so each kind comes equally often) at random intervals, from a seeded RNG, and runs each as a task of
-its own, so faults overlap (a stall outlives the next faults), within limits: one worker is always left alone, one
-Redis restart and one pause at a time.
+answered; some turns send two requests of the session at once) and batch drivers send `run` calls of 8-32 prompts, all
+on one `RolloutClient` (with syncs, every other batch call on a second one whose requests carry a staleness bound of 0:
+`rollout_svc.tools.chaos.stale_load`), each request under an id of ours in the ledger. The nemesis draws fault kinds
+from a shuffled deck (so each kind comes equally often) at random intervals, from a seeded RNG, and runs each as a task
+of its own, so faults overlap (a stall outlives the next faults), within limits: one worker is always left alone, one
+Redis restart and one pause (the nemesis's, or an HTTP holder's) at a time.
 
   kill           SIGKILL a worker's process group; a replacement starts 0.5-2 s later, as a process manager would
                  (alternately under the same worker id, which requeues what the dead one held at start, and a new
@@ -22,6 +23,12 @@ Redis restart and one pause at a time.
   kill_sender    SIGKILL the trainer that syncs weights every 1-3 s (`rollout_svc.tools.chaos.syncs`), whatever it is
                  doing (its pause must lapse by itself); another starts 0.5-2 s later. With `--no-syncs`, no trainer
   kill_receiving, cut_pubsub, late_worker: with syncs, see `rollout_svc.tools.chaos.sync_faults`.
+  http_pause_kill  a trainer takes `POST /pause?mode=keep` on the soak's `serve` as its own holder and is SIGKILLed
+                 before its `/resume`; agents' chats through serve must be answered once its lease lapses
+                 (`rollout_svc.tools.chaos.http_pauses`). Never while the nemesis pauses or restarts Redis
+  step_restart   a trainer runs a named step of 24 requests and is SIGKILLed mid-step; a new process attaches to the
+                 step and must collect every request once, in order (`rollout_svc.tools.chaos.step_restarts`). Never
+                 while Redis restarts
 
 At the end the load stops, the faults under way finish (stalled workers continue, Redis is up, the fleet
 resumed), the calls in flight return (each bounded by its timeout), and the run waits (bounded) for the queues to
@@ -66,12 +73,15 @@ from rollout_svc.tools.chaos.fleet import (
     exited,
     worker_errors,
 )
+from rollout_svc.tools.chaos.http_pauses import HttpPauses
 from rollout_svc.tools.chaos.ledger import Answer, Ledger, Submitted, Verdict, check
 from rollout_svc.tools.chaos.service import ServiceMonitor
+from rollout_svc.tools.chaos.stale_load import bounded_client, client_for, report_line
+from rollout_svc.tools.chaos.step_restarts import StepRestarts
 from rollout_svc.tools.chaos.sync_faults import SYNC_FAULT_KINDS, SyncFaults
 from rollout_svc.tools.chaos.syncs import SYNC_DEADLINE_S, Syncer
 
-FAULT_KINDS = ("kill", "stall", "redis_restart", "pause", "abort_session")
+FAULT_KINDS = ("kill", "stall", "redis_restart", "pause", "abort_session", "http_pause_kill", "step_restart")
 PAUSE_MODES: tuple[PauseMode, ...] = ("keep", "abort", "wait")
 PROMPT_TOKENS = (32, 126)  # printable ASCII: the echo's text reads as its prompt
 RESUME_PERSIST_S = 30.0  # a resume is retried this long: a fleet left paused would fail every later request
@@ -85,11 +95,20 @@ CONTROL_ERRORS = (RolloutError, RedisError, OSError, TimeoutError)
 
 
 class Load:
-    """Session drivers and batch drivers on one client (as a trainer's rollout loops share one); every request
-    goes in the ledger before it is sent, every answer when it comes."""
+    """Session drivers and batch drivers on one client (as a trainer's rollout loops share one), every other batch
+    call on `bounded` where there is one (`stale_load`); every request goes in the ledger before it is sent, every
+    answer when it comes."""
 
-    def __init__(self, client: RolloutClient, ledger: Ledger, journal: Journal, config: ChaosConfig) -> None:
+    def __init__(
+        self,
+        client: RolloutClient,
+        ledger: Ledger,
+        journal: Journal,
+        config: ChaosConfig,
+        bounded: RolloutClient | None = None,
+    ) -> None:
         self.client, self.ledger, self.journal, self.config = client, ledger, journal, config
+        self.bounded = bounded
         self.current: dict[int, str] = {}  # session driver -> its session now
         self.in_flight: set[str] = set()  # sessions with a turn in flight
         self.calls = self.calls_in_flight = self.refused_calls = 0
@@ -135,26 +154,34 @@ class Load:
             if stop.is_set():
                 return
             prompts = [_tokens(rng, 4, 32) for _ in range(rng.randint(8, 32))]
-            await self._call(f"batch b{driver}.{number}", prompts, rng, None)
+            client = client_for(number, self.client, self.bounded)
+            await self._call(f"batch b{driver}.{number}", prompts, rng, None, client)
 
     async def _call(
-        self, label: str, prompts: list[list[int]], rng: random.Random, session_id: str | None
+        self,
+        label: str,
+        prompts: list[list[int]],
+        rng: random.Random,
+        session_id: str | None,
+        client: RolloutClient | None = None,
     ) -> list[Trajectory] | None:
-        """One `run` call; each request's answer goes in the ledger. Returns the trajectories, or None if the call
-        raised: refused at submission (Redis away, queue full), or late (past its timeout)."""
+        """One `run` call on `client` (default the load's); each request's answer goes in the ledger. Returns the
+        trajectories, or None if the call raised: refused at submission (Redis away, queue full), or late (past its
+        timeout)."""
+        client = client or self.client
         max_tokens = rng.randint(4, 32)
         ids = [f"chaos-{self._run_id}-{next(self._numbers)}" for _ in prompts]
         sessions = [session_id] * len(prompts) if session_id else None
         params = {"max_tokens": max_tokens, "temperature": 0.0}
         timeout_s = self.config.request_timeout_s
-        requests = await self.client.rollout_requests(prompts, params, sessions, request_ids=ids, timeout_s=timeout_s)
+        requests = await client.rollout_requests(prompts, params, sessions, request_ids=ids, timeout_s=timeout_s)
         for request, prompt in zip(requests, prompts, strict=True):
-            submitted = Submitted(request.request_id, prompt, max_tokens, request.submitted_at, session_id, label)
-            self.ledger.submit(submitted)
+            at, bound = request.submitted_at, request.max_staleness  # the bound the request carries, as sent
+            self.ledger.submit(Submitted(request.request_id, prompt, max_tokens, at, session_id, label, bound))
         self.calls += 1
         self.calls_in_flight += 1
         try:
-            trajectories = await self.client.run(requests, timeout_s=timeout_s)
+            trajectories = await client.run(requests, timeout_s=timeout_s)
         except RequestTimeoutError as exc:
             self._answer_late(requests, exc)
             return None
@@ -210,11 +237,16 @@ class Nemesis:
         journal: Journal,
         config: ChaosConfig,
         syncer: Syncer | None = None,
+        http_pauses: HttpPauses | None = None,
+        step_restarts: StepRestarts | None = None,
     ) -> None:
         self.fleet, self.operator, self.load, self.ledger, self.journal = fleet, operator, load, ledger, journal
         self.config, self.rng, self.syncer = config, random.Random(f"{config.seed}-nemesis"), syncer
         self.sync_faults = SyncFaults(fleet, ledger, journal, syncer) if syncer is not None else None
-        self.kinds = FAULT_KINDS + (("kill_sender", *SYNC_FAULT_KINDS) if syncer is not None else ())
+        self.http_pauses, self.step_restarts = http_pauses, step_restarts
+        left_out = {"http_pause_kill": http_pauses is None, "step_restart": step_restarts is None}
+        kinds = tuple(kind for kind in FAULT_KINDS if not left_out.get(kind, False))
+        self.kinds = kinds + (("kill_sender", *SYNC_FAULT_KINDS) if syncer is not None else ())
         self.counts: Counter[str] = Counter({kind: 0 for kind in self.kinds})
         self.details: Counter[str] = Counter()  # pause modes, Redis signals, replacement ids
         self.anomalies: list[str] = []  # control commands that failed or timed out, faults that failed half-way
@@ -231,6 +263,8 @@ class Nemesis:
             "kill_receiving": self._kill_receiving,
             "cut_pubsub": self._cut_pubsub,
             "late_worker": self._late_worker,
+            "http_pause_kill": self._http_pause_kill,
+            "step_restart": self._step_restart,
         }
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -265,12 +299,22 @@ class Nemesis:
         if kind == "cut_pubsub":
             return self.sync_faults is not None and not self._redis_busy
         if kind == "redis_restart":
-            return not self._redis_busy
+            return not self._redis_busy and not self._http_pausing() and not self._stepping()
         if kind == "pause":
-            return not self._pausing
+            return not self._pausing and not self._http_pausing()
+        if kind == "http_pause_kill":  # its pause alone, Redis up: the chats through serve must all be answered
+            return self.http_pauses is not None and not (self._http_pausing() or self._pausing or self._redis_busy)
+        if kind == "step_restart":  # Redis up: a SIGKILL restart may lose the last second of the step's record
+            return self.step_restarts is not None and not (self._stepping() or self._redis_busy)
         if kind == "kill_sender":
             return self.syncer is not None and self.syncer.process is not None
         return bool(self.load.current)
+
+    def _http_pausing(self) -> bool:
+        return self.http_pauses is not None and self.http_pauses.busy
+
+    def _stepping(self) -> bool:
+        return self.step_restarts is not None and self.step_restarts.busy
 
     def _free_slots(self) -> list[Slot]:
         return [s for s in self.fleet.slots if not s.busy and s.process is not None and s.process.poll() is None]
@@ -393,6 +437,18 @@ class Nemesis:
     async def _late_worker(self) -> None:
         assert self.sync_faults is not None
         await self.sync_faults.late_worker(self._record)
+
+    async def _http_pause_kill(self) -> None:
+        assert self.http_pauses is not None
+        said = await self.http_pauses.kill_holder(self.rng, self._record)
+        if not said.startswith("paused"):  # not a violation: the chats and the lapse are checked all the same
+            self.anomalies.append(f"http_pause_kill: the trainer's /pause {said or 'was not answered'}")
+
+    async def _step_restart(self) -> None:
+        assert self.step_restarts is not None
+        why = await self.step_restarts.restart(self.rng, self._record)
+        if why:  # not a violation: the fault did not apply
+            self.anomalies.append(f"step_restart: {why}")
 
     async def _abort_session(self) -> None:
         session_id = self.load.pick_session(self.rng)
@@ -543,9 +599,17 @@ async def _soak(config: ChaosConfig, fleet: ChaosFleet, journal: Journal) -> tup
     journal("fleet", f"Redis and {config.workers} workers up: {', '.join(s.worker_id for s in fleet.slots)}")
     ledger = Ledger(journal.started_at)
     syncer = Syncer(fleet, journal) if config.syncs else None
-    async with RolloutClient(fleet.settings) as client, RolloutClient(fleet.settings) as operator:
-        load = Load(client, ledger, journal, config)
-        nemesis = Nemesis(fleet, operator, load, ledger, journal, config, syncer)
+    http_pauses = HttpPauses(fleet, ledger, journal) if config.http_pauses else None
+    if http_pauses is not None:
+        await http_pauses.start()
+    step_restarts = StepRestarts(fleet, ledger, journal) if config.step_restarts else None
+    async with (
+        RolloutClient(fleet.settings) as client,
+        RolloutClient(fleet.settings) as operator,
+        bounded_client(fleet.settings, config.syncs) as bounded,
+    ):
+        load = Load(client, ledger, journal, config, bounded)
+        nemesis = Nemesis(fleet, operator, load, ledger, journal, config, syncer, http_pauses, step_restarts)
         supervisor = asyncio.create_task(fleet.supervise(journal))
         monitoring = asyncio.Event()
         monitor = asyncio.create_task(ServiceMonitor(fleet, ledger).run(monitoring))
@@ -563,16 +627,28 @@ async def _soak(config: ChaosConfig, fleet: ChaosFleet, journal: Journal) -> tup
             supervisor.cancel()
             if syncer is not None:
                 await syncer.stop()
-        client_stats = {"retries": client.stats.retries, "duplicates": client.stats.duplicates}
+            if http_pauses is not None:
+                await http_pauses.close()
+        loads = [c.stats for c in (client, bounded) if c is not None]  # the load's clients, both
+        client_stats = {"retries": sum(s.retries for s in loads), "duplicates": sum(s.duplicates for s in loads)}
     sync_violations: list[dict[str, Any]] = []
     if syncer is not None and nemesis.sync_faults is not None:
         await nemesis.sync_faults.close()
         syncer.check_versions(ledger)
         sync_violations = syncer.violations + nemesis.sync_faults.violations
-    verdict = check(ledger, failed_drivers + fleet.crashes + end.violations + sync_violations)
+    http_violations = http_pauses.violations if http_pauses is not None else []
+    step_violations = step_restarts.violations if step_restarts is not None else []
+    fault_violations = sync_violations + http_violations + step_violations
+    verdict = check(ledger, failed_drivers + fleet.crashes + end.violations + fault_violations)
     summary = _summary(config, ledger, load, nemesis, verdict, end, client_stats, journal)
     if syncer is not None and nemesis.sync_faults is not None:
         summary["syncs"] = dict(syncer.counts) | dict(nemesis.sync_faults.counts)
+    if verdict.bounds:
+        summary["bounded"] = verdict.bounds
+    if http_pauses is not None:
+        summary["http_pauses"] = dict(http_pauses.counts)
+    if step_restarts is not None:
+        summary["step_restarts"] = dict(step_restarts.counts)
     return summary, verdict
 
 
@@ -662,12 +738,18 @@ def _report(journal: Journal, summary: dict[str, Any], verdict: Verdict) -> None
         "(untimed)"
     )
     journal.print(
-        f"  fleet       workers fenced {summary['fenced_results']} results; the client retried "
+        f"  fleet       workers fenced {summary['fenced_results']} results; the load's clients retried "
         f"{summary['client']['retries']} token-exact and dropped {summary['client']['duplicates']} duplicates; "
         f"{summary['dead_letters']} dead letters in Redis"
     )
     if "syncs" in summary:
         journal.print(f"  syncs       {', '.join(f'{n} {what}' for what, n in summary['syncs'].items())}")
+    if "bounded" in summary:
+        journal.print(report_line(summary["bounded"]))
+    if "http_pauses" in summary:
+        journal.print(f"  http pauses {', '.join(f'{n} {what}' for what, n in summary['http_pauses'].items())}")
+    if "step_restarts" in summary:
+        journal.print(f"  steps       {', '.join(f'{n} {what}' for what, n in summary['step_restarts'].items())}")
     for anomaly in summary["anomalies"][:SHOWN_VIOLATIONS]:
         journal.print(f"  anomaly     {anomaly}")
     if summary["worker_errors"]:

@@ -1,0 +1,290 @@
+"""`rollout-svc bench --only beside`: the hop's cost beside an earlier commit of this project, in one run.
+
+What a change to the data plane costs Redis and the workers is read against the code before it, measured the same
+way in the same run (these machines are shared and noisy): the earlier commit's tree is taken out of this checkout's
+git history (`git archive`) and both trees run in turn, each with its own code end to end: its `rollout-svc up`
+(W echo workers, no token delay) on a private redis-server, and one `RolloutClient` process of its own keeping K
+single-prompt `generate` calls in flight (8 prompt tokens, 16 out) for N requests after a warm-up. Per request: Redis
+CPU (`INFO cpu`, user + system), Redis commands and their microseconds (`INFO commandstats`, a script's inner calls
+included), the workers' CPU (user + system, every worker process) and the client's.
+
+The measuring program is version-agnostic: it uses only `RolloutClient(redis_url=...)` and `generate`, which every
+commit since the first slice has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+
+import psutil
+from rich.console import Console
+
+from rollout_svc.deploy.local import PrivateRedis
+from rollout_svc.deploy.processes import free_port
+from rollout_svc.tools.progress import Progress
+
+HEADING = "## (p) The hop's cost beside an earlier commit"
+DEFAULT_COMMIT = "ed982d0"  # the code before placement by cost (issue 43's measure)
+FIGURES = ("requests_per_s", "redis_us", "commands", "command_us", "scripts", "workers_us", "client_us")
+
+# Run in each tree's own interpreter path: argv url, requests, in flight; env WORKER_PIDS. Prints one JSON line.
+CLIENT = r"""
+import asyncio, json, os, sys, time
+import psutil, redis
+from rollout_svc import RolloutClient
+
+url, requests, in_flight = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rds = redis.Redis.from_url(url)
+workers = [psutil.Process(int(p)) for p in os.environ["WORKER_PIDS"].split(",")]
+prompt, params = list(range(1, 9)), {"max_tokens": 16}
+
+
+def redis_cpu():
+    info = rds.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def workers_cpu():
+    return sum(t.user + t.system for t in (w.cpu_times() for w in workers))
+
+
+async def main():
+    async with RolloutClient(redis_url=url) as client:
+        await client.generate([prompt] * 200, params)
+        for _ in range(300):
+            await client.generate([prompt], params)
+        rds.config_resetstat()
+        before = (redis_cpu(), workers_cpu(), time.process_time(), time.perf_counter())
+        sent = 0
+
+        async def lane():
+            nonlocal sent
+            while sent < requests:
+                sent += 1
+                [trajectory] = await client.generate([prompt], params)
+                assert trajectory.finish_reason in ("stop", "length"), trajectory
+
+        await asyncio.gather(*(lane() for _ in range(in_flight)))
+        after = (redis_cpu(), workers_cpu(), time.process_time(), time.perf_counter())
+        stats = rds.info("commandstats")
+        us = 1e6 / sent
+        print(json.dumps({
+            "requests_per_s": sent / (after[3] - before[3]),
+            "redis_us": (after[0] - before[0]) * us,
+            "commands": sum(v["calls"] for k, v in stats.items() if "config" not in k) / sent,
+            "command_us": sum(v["usec"] for k, v in stats.items() if "config" not in k) / sent,
+            "scripts": stats.get("cmdstat_evalsha", {}).get("calls", 0) / sent,
+            "workers_us": (after[1] - before[1]) * us,
+            "client_us": (after[2] - before[2]) * us,
+        }))
+
+
+asyncio.run(main())
+"""
+
+
+@dataclass(frozen=True)
+class BesidePlan:
+    """The earlier commit, the fleets (echo workers), requests in flight, requests per measure and rounds (the two
+    trees in turn, the earlier one first in odd rounds)."""
+
+    commit: str = DEFAULT_COMMIT
+    workers: tuple[int, ...] = (2, 4)
+    in_flight: int = 64
+    requests: int = 4000
+    rounds: int = 3
+
+
+@dataclass
+class BesideRun:
+    """Each tree's rounds at each fleet: {"this" or "earlier": {workers: [figures per round]}}."""
+
+    plan: BesidePlan
+    command: str
+    this_commit: str
+    earlier_commit: str
+    rounds: dict[str, dict[int, list[dict[str, float]]]] = field(default_factory=dict)
+
+    def median_of(self, side: str, workers: int, figure: str) -> float:
+        return median(r[figure] for r in self.rounds[side][workers])
+
+    def ratios(self, workers: int, figure: str) -> list[float]:
+        """This tree's figure over the earlier one's, round by round."""
+        pairs = zip(self.rounds["this"][workers], self.rounds["earlier"][workers], strict=True)
+        return [mine[figure] / theirs[figure] for mine, theirs in pairs if theirs[figure]]
+
+
+def project_root() -> Path:
+    """The checkout this package runs from (its git history holds the earlier commit). `RuntimeError` if it is not
+    a git checkout (an installed wheel): run the bench from a clone."""
+    root = Path(__file__).resolve().parents[3]
+    if not (root / ".git").exists():
+        raise RuntimeError(f"{root} is not a git checkout: run `rollout-svc bench --only beside` from a clone")
+    return root
+
+
+def resolve(root: Path, commit: str) -> str:
+    """`commit`'s full id in the checkout at `root`. `RuntimeError` naming it if the history lacks it."""
+    found = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"],
+        capture_output=True,
+        text=True,
+    )
+    if found.returncode != 0:
+        raise RuntimeError(f"commit {commit!r} is not in {root}'s history (a shallow clone? `git fetch --unshallow`)")
+    return found.stdout.strip()
+
+
+def export_tree(root: Path, commit: str, into: Path) -> Path:
+    """`commit`'s files (`git archive`) extracted under `into`. Returns the tree's root."""
+    tree = into / commit[:12]
+    tree.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(root), "archive", commit], capture_output=True, check=True).stdout
+    with tempfile.TemporaryFile() as f:
+        f.write(archive)
+        f.seek(0)
+        with tarfile.open(fileobj=f) as tar:
+            tar.extractall(tree, filter="data")
+    return tree
+
+
+def run_beside_bench(
+    console: Console, log_dir: Path, plan: BesidePlan | None = None, command: str = "rollout-svc bench"
+) -> BesideRun:
+    """Measure this tree and `plan.commit`'s in turn (`BesidePlan`). Every process it starts is stopped on return."""
+    plan = plan or BesidePlan()
+    root = project_root()
+    earlier = resolve(root, plan.commit)
+    this = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout[:7]
+    changed = ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"]
+    dirty = subprocess.run(changed, capture_output=True)
+    this += "+" if dirty.stdout.strip() else ""  # changes not committed yet
+    run = BesideRun(plan, command, this, earlier[:7], {"this": {}, "earlier": {}})
+    with tempfile.TemporaryDirectory(prefix="rollout-bench-beside-") as tmp:
+        trees = {"this": root, "earlier": export_tree(root, earlier, Path(tmp))}
+        for n in range(plan.rounds):
+            order = ("earlier", "this") if n % 2 == 0 else ("this", "earlier")
+            for workers in plan.workers:
+                for side in order:
+                    title = f"bench (p) beside {run.earlier_commit}: round {n + 1}, {workers} workers, {side} tree"
+                    with Progress(None, title):
+                        figures = measure(trees[side], workers, plan, log_dir / f"{side}-{workers}-{n}.log")
+                    run.rounds[side].setdefault(workers, []).append(figures)
+    console.print(render_beside(run))
+    return run
+
+
+def measure(tree: Path, workers: int, plan: BesidePlan, log: Path) -> dict[str, float]:
+    """One measure of one tree (module docstring). `RuntimeError` with the log's path if its fleet does not come
+    up or its client fails."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    with _private_redis(url), _fleet(tree, url, workers, env, log) as pids:
+        env["WORKER_PIDS"] = ",".join(map(str, pids))
+        args = [sys.executable, "-c", CLIENT, url, str(plan.requests), str(plan.in_flight)]
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, cwd=tree)
+        if done.returncode != 0:
+            raise RuntimeError(f"the client of {tree} failed: {done.stderr.strip()[-2000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def _private_redis(url: str) -> Iterator[None]:
+    redis_server = PrivateRedis(url)
+    redis_server.start()
+    try:
+        yield
+    finally:
+        redis_server.stop()
+
+
+@contextlib.contextmanager
+def _fleet(tree: Path, url: str, workers: int, env: dict[str, str], log: Path) -> Iterator[list[int]]:
+    """`rollout-svc up` of `tree` with `workers` echo workers; yields the worker processes' ids once each serves
+    (its status lists them all, then a warm-up by the client)."""
+    args = [sys.executable, "-m", "rollout_svc", "up", "--redis-url", url, "--workers", str(workers)]
+    args += ["--engine", "echo"]
+    with log.open("wb") as out:
+        up = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=tree)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if up.poll() is not None:
+                raise RuntimeError(f"`rollout-svc up` of {tree} exited: see {log}")
+            status = [sys.executable, "-m", "rollout_svc", "status", "--redis-url", url, "--json"]
+            said = subprocess.run(status, env=env, capture_output=True, text=True, cwd=tree)
+            with contextlib.suppress(ValueError):
+                report = json.loads(said.stdout or "null")
+                listed = report.get("workers", []) if isinstance(report, dict) else report or []
+                if len(listed) >= workers:
+                    break
+            time.sleep(1)
+        else:
+            raise RuntimeError(f"{workers} workers of {tree} did not come up in 180 s: see {log}")
+        children = psutil.Process(up.pid).children(recursive=True)
+        pids = [p.pid for p in children if any("worker" in part for part in p.cmdline())]
+        yield pids
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(up.pid, signal.SIGTERM)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+
+
+def render_beside(run: BesideRun) -> str:
+    """The section's markdown: each tree's median round at each fleet, and this tree's ratios to the earlier one."""
+    p = run.plan
+    lines = [
+        HEADING,
+        "",
+        f"Command: `{run.command}`.",
+        f"This tree (`{run.this_commit}`) beside commit `{run.earlier_commit}` (`--beside-commit`), each with its own "
+        f"code end to end: its `rollout-svc up` with W echo workers (no token delay) on a private redis-server, one "
+        f"`RolloutClient` process keeping {p.in_flight} single-prompt `generate` calls in flight (8 tokens in, 16 "
+        f"out) for {p.requests:,} requests after a warm-up; the two trees in turn, {p.rounds} rounds (the earlier "
+        "first in odd rounds): each figure is the median round, each ratio the median of the rounds' ratios (listed). "
+        "Per request: Redis CPU (`INFO cpu`), Redis commands and their microseconds (`INFO commandstats`, scripts' "
+        "inner calls included), script calls (EVALSHA: its requests per script call are the batches its enqueues, "
+        "takes and publishes carry), the workers' CPU (all of them) and the client's.",
+        "",
+        "| workers | tree | requests/s | Redis CPU us | Redis commands | commands' us | script calls "
+        "| workers' CPU us | client CPU us |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for workers in p.workers:
+        for side, name in (("earlier", f"`{run.earlier_commit}`"), ("this", f"`{run.this_commit}` (this)")):
+            m = {f: run.median_of(side, workers, f) for f in FIGURES}
+            lines.append(
+                f"| {workers} | {name} | {m['requests_per_s']:,.0f} | {m['redis_us']:.1f} | {m['commands']:.2f} "
+                f"| {m['command_us']:.1f} | {m['scripts']:.3f} | {m['workers_us']:.0f} | {m['client_us']:.0f} |"
+            )
+    lines += [
+        "",
+        "This tree over the earlier one (the issue's goals: Redis CPU per request at most 1.0x at 4 workers, the "
+        "workers' within 1.1x):",
+        "",
+        "| workers | requests/s | Redis CPU per request | workers' CPU per request | client CPU per request |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for workers in p.workers:
+        cells = []
+        for figure in ("requests_per_s", "redis_us", "workers_us", "client_us"):
+            ratios = run.ratios(workers, figure)
+            cells.append(f"{median(ratios):.2f} ({', '.join(f'{r:.2f}' for r in ratios)})")
+        lines.append(f"| {workers} | {' | '.join(cells)} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,30 @@
+"""`rollout-svc bench`'s section beside an earlier commit, tiny: the earlier tree taken out of this checkout's
+history, each tree's own fleet and client measured in turn, a row each and the ratios."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from rollout_svc.tools.bench.beside import BesidePlan, project_root, render_beside, resolve, run_beside_bench
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_beside_bench_tiny(tmp_path: Path) -> None:
+    plan = BesidePlan(commit="HEAD", workers=(1,), requests=300, in_flight=8, rounds=1)
+    run = run_beside_bench(Console(file=io.StringIO()), tmp_path, plan, command="tiny")
+    for side in ("this", "earlier"):
+        [figures] = run.rounds[side][1]
+        assert figures["requests_per_s"] > 0 and figures["redis_us"] > 0 and figures["workers_us"] > 0, figures
+        assert 3 <= figures["commands"] < 100, figures  # an enqueue, a read, a publish, a result read at least
+    text = render_beside(run)
+    assert "Command: `tiny`" in text and f"| 1 | `{run.earlier_commit}` |" in text and "| 1 | " in text
+
+
+def test_an_unknown_commit_is_refused_by_name() -> None:
+    with pytest.raises(RuntimeError, match="'no-such-commit' is not in"):
+        resolve(project_root(), "no-such-commit")

@@ -1,0 +1,88 @@
+"""A worker's take: planned by a script that reads no queued entry (`dataplane.take`), read plainly after, weighed by
+the queued costs list, which a sweep keeps and a take rebuilds where it stops matching the entries. Driven directly
+against a real redis-server."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest_asyncio
+import redis
+from redis.asyncio import Redis
+
+from rollout_svc.config import Settings
+from rollout_svc.control.plane import ControlPlane
+from rollout_svc.dataplane.producer_streams import Sweep
+from rollout_svc.dataplane.streams import Enqueue
+from rollout_svc.dataplane.worker_streams import TakeOptions, WorkerStreams
+from rollout_svc.protocol import RolloutRequest, WorkerStatus, encode
+
+
+@pytest_asyncio.fixture
+async def plane(settings: Settings, rds) -> AsyncIterator[ControlPlane]:
+    client = Redis.from_url(settings.redis_url)
+    plane = ControlPlane(client, settings)
+    await plane.load_scripts()
+    await plane.streams.connection.ensure_group(settings.keys.requests)
+    for worker_id in ("a", "b"):
+        await WorkerStreams(plane.streams.connection).report_load(worker_id, 64)
+        await plane.registry.heartbeat(WorkerStatus(worker_id=worker_id, state="serving"))
+        await plane.streams.connection.ensure_group(settings.keys.pinned_requests(worker_id))
+    yield plane
+    await client.aclose()
+
+
+def _request(n: int, cost: int, prompt_tokens: int = 1) -> Enqueue:
+    payload = encode(RolloutRequest(request_id=f"r{n}", prompt_token_ids=[1] * prompt_tokens, reply_to="results"))
+    return Enqueue(payload, None, cost=cost)
+
+
+def _take_us(rds: redis.Redis) -> float:
+    return float(rds.info("commandstats")["cmdstat_evalsha"]["usec"])
+
+
+async def test_a_take_weighs_its_share_by_each_entry_s_cost_without_reading_an_entry(plane, settings, rds) -> None:
+    """Two open workers, 4 entries of 300 tokens queued before 12 of 10 (`sample` queues the longest first): a's share
+    is half the 1,320 tokens, the first 2 long ones (a count at the mean would take 8); b's brings it to a's 600 and
+    half the rest, a the last 6. The plan's Redis time does not grow with the entries' size, as it did when the
+    script read them (XRANGE, XREADGROUP)."""
+    keys, worker = settings.keys, WorkerStreams(plane.streams.connection)
+    await plane.streams.enqueue([_request(i, 300) for i in range(4)] + [_request(i, 10) for i in range(4, 16)], -1)
+    assert rds.llen(keys.queued_costs) == 16
+    a = await worker.take(TakeOptions("a", 60_000), 64)
+    assert [e.cost for e in a.entries] == [300, 300] and a.left and a.unplanned == (0, 0)
+    b = await worker.take(TakeOptions("b", 60_000), 64)
+    assert [e.cost for e in b.entries] == [300, 300] + [10] * 6 and b.left and b.unplanned == (0, 0)
+    assert rds.llen(keys.queued_costs) == 14  # a's two delivered: dropped off its head by b's plan
+    a = await worker.take(TakeOptions("a", 60_000), 64)
+    assert [e.cost for e in a.entries] == [10] * 6 and a.drained and not a.left
+    assert int(rds.hget(keys.loads, "a")) == 660 and int(rds.hget(keys.loads, "b")) == 660
+
+    async def plan_us(prompt_tokens: int) -> float:  # one plan of 16 entries of that size, for a (now the least loaded)
+        await plane.streams.enqueue([_request(i, 10, prompt_tokens) for i in range(16)], -1)
+        before = _take_us(rds)
+        plan = await worker.plan_take(TakeOptions("a", 60_000), 64, idle=True)
+        spent = _take_us(rds) - before
+        await worker.read_plan(plan)
+        await worker.take(TakeOptions("b", 60_000), 64)  # the rest, so the next measure starts empty
+        return spent
+
+    small = min([await plan_us(1) for _ in range(3)])
+    large = min([await plan_us(16_000) for _ in range(3)])  # ~64 KB an entry: ~1 MB for the script to convert
+    assert large <= 3 * small + 50, (small, large)
+
+
+async def test_a_sweep_keeps_the_costs_list_and_a_take_rebuilds_one_that_stopped_matching(plane, settings, rds) -> None:
+    keys, worker = settings.keys, WorkerStreams(plane.streams.connection)
+    placed = await plane.streams.enqueue([_request(i, 10 * (i + 1)) for i in range(6)], -1)
+    swept = await plane.streams.sweep(keys.requests, [Sweep(placed[1].entry_id)], 60)
+    assert len(swept) == 1 and rds.llen(keys.queued_costs) == 5  # its "id cost" went with it
+    rds.xdel(keys.requests, placed[2].entry_id)  # behind the scripts' back: the list no longer matches
+    taken = await worker.take(TakeOptions("a", 60_000), 64)  # its share of the 190 tokens counted queued: 95
+    assert [e.cost for e in taken.entries] == [10, 40, 50]  # weighed by the entries themselves (a list: 20, 30, ...)
+    rebuilt = [f"{placed[i].entry_id.decode()} {10 * (i + 1)}".encode() for i in (0, 3, 4, 5)]
+    assert rds.lrange(keys.queued_costs, 0, -1) == rebuilt  # from what waited: its head is dropped once delivered
+    assert [e.cost for e in (await worker.take(TakeOptions("b", 60_000), 64)).entries] == [60]
+    assert rds.lrange(keys.queued_costs, 0, -1) == rebuilt[3:]  # a's three dropped by b's plan; b's one by the next
+    await worker.plan_take(TakeOptions("a", 60_000), 64)
+    assert rds.llen(keys.queued_costs) == 0
