@@ -324,6 +324,11 @@ class ApiSettings(_Concern):
         le=MAX_LEASE_S,
         description="an HTTP /pause's lease: it lapses this long after its holder's last call (0: held until resumed)",
     )
+    response_ttl_s: float = Field(
+        86400.0,
+        gt=0,
+        description="how long a stored response of /v1/responses (and its conversation) is kept in Redis, seconds",
+    )
     open_control: bool = Field(
         False,
         description="serve the control routes of SkyRL's server protocol (/pause, /sleep, ...) without the admin "

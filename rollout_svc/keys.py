@@ -332,6 +332,12 @@ class Keys:
         """The RQ queue name that batch jobs go to (RQ keeps its own keys under `rq:`)."""
         return f"{self.prefix}-batches"
 
+    # --- the Responses API's stored responses (`api.response_store`) ----------------------------------------
+
+    def response(self, response_id: str) -> str:
+        """String (JSON), with TTL: a stored response of `POST /v1/responses`, its conversation and its session."""
+        return f"{self.prefix}:response:{response_id}"
+
     # --- named steps (`RolloutClient.generate(..., step_id=)`) ------------------------------------------------
 
     def step(self, step_id: str) -> str:

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI's routes for agents (and its Batch API), SkyRL's session routes, `/admin/*`, health, metrics.
+"""The FastAPI app: OpenAI's routes for agents (chat, completions, the Responses API, the Batch API), SkyRL's
+session routes, `/admin/*`, health, metrics.
 
 Stateless: every route submits through one `RolloutClient` (a producer like any other), so several `serve`
 processes can run against one Redis. Example::
@@ -29,6 +30,8 @@ from rollout_svc.api.hot import FastJSONResponse, HotLane
 from rollout_svc.api.lora_routes import adapter_router
 from rollout_svc.api.metrics import install_metrics
 from rollout_svc.api.pause_holders import PauseHolders, RenewOnCall
+from rollout_svc.api.response_store import ResponseStore
+from rollout_svc.api.responses_routes import responses_router
 from rollout_svc.api.served import ServedModels, session_header
 from rollout_svc.api.server_info import server_info_router
 from rollout_svc.api.skyrl.control_routes import control_router
@@ -56,6 +59,7 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     auth = Auth(settings.api.api_keys, settings.api.admin_token)
 
     batches = BatchStore(settings)
+    responses = ResponseStore(settings)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -63,6 +67,7 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
         await client.close()
         await served.close()
         await batches.close()
+        await responses.close()
         await transfer.close()
         await holders.close()
 
@@ -179,6 +184,9 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
         return {"session_id": session_id, "finished": await client.finish_session(session_id)}
 
     app.include_router(batch_router(batches), dependencies=data)
+    app.include_router(
+        responses_router(served, generation, responses, settings.api.api_default_max_tokens), dependencies=data
+    )
     inflight = InFlight()
     default_max_tokens = settings.api.api_default_max_tokens
     transfer = EngineWeightTransfer(client.settings)  # one per server: vLLM's weight transfer, fleet-wide

@@ -34,7 +34,9 @@ class Generation:
         self.client, self.metrics, self.timeout_s = client, metrics, timeout_s
         self.client_for: Callable[[str], RolloutClient] = lambda _: client  # a named model's client (`served.py`)
 
-    def _events(self, plan: Plan) -> AsyncGenerator[tuple[int, TrajectoryChunk | Trajectory], None]:
+    def events(self, plan: Plan) -> AsyncGenerator[tuple[int, TrajectoryChunk | Trajectory], None]:
+        """The plan's requests sent: `(index, TrajectoryChunk)` as tokens come (where `plan.chunks`), then `(index,
+        Trajectory)` per prompt (`RolloutClient.stream`)."""
         sessions = [plan.session_id] * len(plan.prompts) if plan.session_id else None
         return self.client_for(plan.model_name).stream(
             plan.prompts,
@@ -44,6 +46,7 @@ class Generation:
             group_ids=plan.group_ids,
             adapter=plan.adapter,
             timeout_s=self.timeout_s,
+            request_ids=plan.request_ids,
             **plan.template_options(),
         )
 
@@ -54,7 +57,7 @@ class Generation:
         results: list[Trajectory | None] = [None] * len(plan.prompts)
 
         async def collect() -> None:
-            async for index, event in self._events(plan):
+            async for index, event in self.events(plan):
                 if isinstance(event, Trajectory):
                     results[index] = event
 
@@ -62,13 +65,13 @@ class Generation:
         trajectories = [t for t in results if t is not None]
         for t in trajectories:
             raise_for(t)
-        self._count(trajectories, plan)
+        self.count(trajectories, plan)
         body = plan.reply.response(trajectories, plan.prompt_indices)
         return JSONResponse(body, headers=worker_header(trajectories))
 
     async def _stream(self, request: Request, plan: Plan) -> Response:
         started = time.perf_counter()
-        events = self._events(plan)
+        events = self.events(plan)
         try:
             first = await until_disconnected(request, anext(events))
         except StopAsyncIteration:  # nothing to generate
@@ -121,7 +124,7 @@ class Generation:
                 finals[index] = event
                 yield sse(reply.chunk([self._last_choice(reply, index, event, states[index])]))
             done = [t for t in finals if t is not None]
-            self._count(done, plan)
+            self.count(done, plan)
             if plan.include_usage:
                 yield sse(reply.chunk([], usage(done, plan.prompt_indices[: len(done)])))
             yield sse("[DONE]")
@@ -151,7 +154,7 @@ class Generation:
         ids, logprobs = t.completion_token_ids[rest], t.logprobs[rest]
         return reply.delta_choice(index, text, ids, logprobs, tokens, tops, finish, extra)
 
-    def _count(self, trajectories: list[Trajectory], plan: Plan) -> None:
+    def count(self, trajectories: list[Trajectory], plan: Plan) -> None:
         if self.metrics is not None and trajectories:
             counted = usage(trajectories, plan.prompt_indices[: len(trajectories)])
             self.metrics.count_tokens(counted["prompt_tokens"], counted["completion_tokens"])

@@ -240,6 +240,7 @@ class RolloutClient(ControlVerbs):
         timeout_s: float | None = None,
         raise_on_error: bool = False,
         adapter: str | None = None,
+        request_ids: Sequence[str] | None = None,
     ) -> AsyncGenerator[tuple[int, TrajectoryChunk | Trajectory], None]:
         """Generate with tokens streamed back as they are made: yields `(index, TrajectoryChunk)` as each prompt's
         worker sends its new tokens (a few at a time: `stream_interval_s`), then `(index, Trajectory)`
@@ -251,6 +252,7 @@ class RolloutClient(ControlVerbs):
             sampling_params: shared by all prompts, or a list of B (say, one seed per sample of a group).
             tools: OpenAI function tools for the chat template; `parse_tool_calls`: the worker parses tool calls
                 out of the output (`Trajectory.tool_calls`, `.content`). `chat_template_kwargs`: for the template.
+            request_ids: B ids of your own, unique across the fleet (`abort` names them), default fresh ones.
 
         The other arguments are `generate`'s. A chunk's `offset` places its tokens in the completion; after a
         token-exact retry chunks may repeat tokens already seen (same offset), so keep them by offset. Leaving the
@@ -259,7 +261,13 @@ class RolloutClient(ControlVerbs):
         build = RequestBuilder(await self._connect(), timeout_s)
         template = {"tools": tools, "parse_tool_calls": parse_tool_calls, "chat_template_kwargs": chat_template_kwargs}
         requests = build.rollout(
-            build.prompts(prompts), sampling_params, session_ids, group_ids, stream=chunks, adapter=adapter, **template
+            build.prompts(prompts, request_ids),
+            sampling_params,
+            session_ids,
+            group_ids,
+            stream=chunks,
+            adapter=adapter,
+            **template,
         )
         await self._check_adapter(adapter)
         async for event in self._runner.events(build, requests, raise_on_error, chunks=chunks):

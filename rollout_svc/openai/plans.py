@@ -50,6 +50,7 @@ class Plan:
     chunks: bool = True  # workers stream tokens (off when tool calls are made of the whole output)
     adapter: str | None = None  # the LoRA adapter the request's `model` names (None: the base model)
     model_name: str = ""  # the named model (`Settings.model_name`) whose workers run it ("": the default model)
+    request_ids: list[str] | None = None  # one per prompt, given (a stored response's, to cancel it by); None: fresh
 
     def template_options(self) -> dict[str, Any]:
         """How the workers template this plan's chats and read their answers, as `RolloutClient.stream` takes it:

@@ -135,13 +135,24 @@ def expected_status(ctx: CheckContext, response: Response, case: Case) -> None:
 
 
 def event_stream(ctx: CheckContext, response: Response, case: Case) -> None:
-    """A streamed response is server-sent events of JSON ending with `[DONE]`; an error event in it (its headers
-    were gone) is OpenAI-shaped and not a server-side one: a 5xx in disguise."""
+    """A streamed response is server-sent events of JSON ending with `[DONE]` (the Responses API's: with
+    `response.completed`, or its `error` event); an error event in it (its headers were gone) is OpenAI-shaped and
+    not a server-side one: a 5xx in disguise."""
     if not response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
         return
     lines = response.text.split("\n")  # not splitlines(): U+2028 and the like are text in an event, not line ends
     events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
     assert events, "an empty event stream"
+    if case.operation.path == "/v1/responses":
+        payloads = [json.loads(event) for event in events]
+        assert all(p["sequence_number"] == i for i, p in enumerate(payloads)), "sequence numbers in order from 0"
+        if not response.stream_cut_short:
+            assert payloads[-1]["type"] in ("response.completed", "error"), f"the stream ends with {events[-1]}"
+        for p in payloads:
+            if p["type"] == "error":
+                assert isinstance(p["message"], str) and p["message"], p
+                assert p["code"] not in ("internal_error", "server_error", "redis_error"), f"a server-side error: {p}"
+        return
     if not response.stream_cut_short:  # the transport stops reading after a number of events
         assert events[-1] == "[DONE]", f"the stream does not end with [DONE]: {events[-3:]}"
     for event in events:
