@@ -69,7 +69,14 @@ class Generation:
         body = plan.reply.response(trajectories, plan.prompt_indices)
         return JSONResponse(body, headers=worker_header(trajectories))
 
-    async def _stream(self, request: Request, plan: Plan) -> Response:
+    async def open_stream(
+        self, request: Request, plan: Plan
+    ) -> tuple[
+        tuple[int, TrajectoryChunk | Trajectory] | None, AsyncGenerator[tuple[int, TrajectoryChunk | Trajectory], None]
+    ]:
+        """The plan's events once the first has arrived (None: nothing to generate), its time to first token
+        observed, so that an error before it is an HTTP error: raises `APIError` (for a first trajectory that
+        failed, a client gone away) with the requests cancelled."""
         started = time.perf_counter()
         events = self.events(plan)
         try:
@@ -87,6 +94,10 @@ class Generation:
                 raise
         if self.metrics is not None:
             self.metrics.observe_first_token(time.perf_counter() - started)
+        return first, events
+
+    async def _stream(self, request: Request, plan: Plan) -> Response:
+        first, events = await self.open_stream(request, plan)
         worker = first[1].worker_id if first is not None else ""
         body = self._sse(plan, first, events)
         return StreamingResponse(

@@ -40,15 +40,19 @@ class ResponseStore:
         """The record of a stored response. Raises `APIError` 404 for one never stored, deleted or expired."""
         data = await self.redis.get(self.keys.response(response_id))
         if data is None:
-            raise APIError(
-                404,
-                f"Response with id '{response_id}' not found: it was not stored (store: false), was deleted, or "
-                f"expired (responses are kept {self.ttl_s:g} s: ROLLOUT_RESPONSE_TTL_S)",
-                param="response_id",
-                code="response_not_found",
-            )
+            raise self.not_found(response_id)
         record: dict[str, Any] = json.loads(data)
         return record
+
+    def not_found(self, response_id: str) -> APIError:
+        """The 404 of a response that is not stored, saying why it may not be."""
+        return APIError(
+            404,
+            f"Response with id '{response_id}' not found: it was not stored (store: false), was deleted, or "
+            f"expired (responses are kept {self.ttl_s:g} s: ROLLOUT_RESPONSE_TTL_S)",
+            param="response_id",
+            code="response_not_found",
+        )
 
     async def set_status(self, response_id: str, status: str) -> dict[str, Any] | None:
         """Mark a stored response `status` (cancelled); its record before, None if it is not stored. A race with

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -27,7 +26,7 @@ from rollout_svc.api.served import ServedModels, session_header
 from rollout_svc.openai.errors import APIError, from_exception
 from rollout_svc.openai.plans import raise_for
 from rollout_svc.openai.render import StreamState
-from rollout_svc.openai.responses import Turn, input_messages, message_item, new_id
+from rollout_svc.openai.responses import Turn, input_messages, message_item, new_id, output_text_part
 from rollout_svc.openai.responses_schemas import ResponsesRequest
 from rollout_svc.protocol import Trajectory, TrajectoryChunk
 
@@ -68,7 +67,7 @@ def responses_router(
     async def delete_response(response_id: str) -> dict[str, Any]:
         """Delete a stored response (a conversation cannot continue from it after)."""
         if not await store.delete(response_id):
-            await store.get(response_id)  # raises the 404
+            raise store.not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     @router.post("/v1/responses/{response_id}/cancel")
@@ -141,19 +140,12 @@ class TurnRuns:
     async def stream(self, request: Request, turn: Turn) -> Response:
         """The event stream, once the first event has arrived (an error before it is an HTTP error)."""
         await self._record(turn, turn.response(None, [], "in_progress"), None, [])
-        started = time.perf_counter()
-        events = self.generation.events(turn.plan)
         try:
-            first = await until_disconnected(request, anext(events))
-            if isinstance(first[1], Trajectory):
-                raise_for(first[1])
-        except BaseException as exc:
-            await events.aclose()
-            if isinstance(exc, APIError):
-                await self._failed(turn, exc)
+            first, events = await self.generation.open_stream(request, turn.plan)
+        except APIError as exc:
+            await self._failed(turn, exc)
             raise
-        if self.generation.metrics is not None:
-            self.generation.metrics.observe_first_token(time.perf_counter() - started)
+        assert first is not None  # a turn is one request
         headers = {"X-Worker-ID": first[1].worker_id} if first[1].worker_id else None
         return StreamingResponse(self._sse(turn, first, events), media_type="text/event-stream", headers=headers)
 
@@ -182,28 +174,14 @@ class TurnRuns:
                     if state.tokens == len(got.token_ids):  # the first text: the message item opens
                         for opening in _open_message(event, message_id):
                             yield opening
-                    yield event(
-                        "response.output_text.delta",
-                        item_id=message_id,
-                        output_index=0,
-                        content_index=0,
-                        delta=got.text,
-                        logprobs=[],
-                    )
+                    yield _delta(event, message_id, 0, got.text)
             raise_for(final)
             output = turn.output_items(final)
             if state.tokens:  # the message streamed: its id stays, and what the chunks did not carry follows
                 output[0]["id"] = message_id
                 rest, _ = state.rest(final)
                 if rest:
-                    yield event(
-                        "response.output_text.delta",
-                        item_id=message_id,
-                        output_index=0,
-                        content_index=0,
-                        delta=rest,
-                        logprobs=[],
-                    )
+                    yield _delta(event, message_id, 0, rest)
             for index, out in enumerate(output):
                 for closing in _item_events(event, index, out, opened=bool(state.tokens) and index == 0):
                     yield closing
@@ -222,11 +200,18 @@ class TurnRuns:
 def _open_message(event: Any, message_id: str, index: int = 0) -> list[bytes]:
     """What opens a message item: the item (no content yet), then its one `output_text` part (empty)."""
     item = {**message_item(message_id, "", "in_progress"), "content": []}
-    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    part = output_text_part("")
     return [
         event("response.output_item.added", output_index=index, item=item),
         event("response.content_part.added", item_id=message_id, output_index=index, content_index=0, part=part),
     ]
+
+
+def _delta(event: Any, item_id: str, index: int, text: str) -> bytes:
+    """A `response.output_text.delta`: `text` added to the message item `item_id` (output `index`)."""
+    return event(
+        "response.output_text.delta", item_id=item_id, output_index=index, content_index=0, delta=text, logprobs=[]
+    )
 
 
 def _item_events(event: Any, index: int, item: dict[str, Any], opened: bool) -> list[bytes]:
@@ -238,7 +223,7 @@ def _item_events(event: Any, index: int, item: dict[str, Any], opened: bool) -> 
         if not opened:
             out += _open_message(event, item["id"], index)
             if part["text"]:
-                out.append(event("response.output_text.delta", **common, delta=part["text"], logprobs=[]))
+                out.append(_delta(event, item["id"], index, part["text"]))
         out.append(event("response.output_text.done", **common, text=part["text"], logprobs=[]))
         out.append(event("response.content_part.done", **common, part=part))
     else:

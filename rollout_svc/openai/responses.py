@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from rollout_svc.openai.errors import APIError, invalid_body
 from rollout_svc.openai.plans import Plan, chat_plan
-from rollout_svc.openai.responses_schemas import NamedFunctionChoice, ResponsesRequest
+from rollout_svc.openai.responses_schemas import FunctionTool, NamedFunctionChoice, ResponsesRequest
 from rollout_svc.openai.schemas import ChatCompletionRequest
 from rollout_svc.protocol import Trajectory
 
@@ -129,9 +129,14 @@ class Turn:
     default_max_tokens: int  # when the body sets no max_output_tokens (`serve`'s `api_default_max_tokens`)
     id: str = field(default_factory=lambda: new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
+    tools: list[FunctionTool] = field(init=False)  # the body's tools, validated once
     plan: Plan = field(init=False)
 
     def __post_init__(self) -> None:
+        try:
+            self.tools = self.body.function_tools()
+        except (ValueError, ValidationError) as exc:
+            raise APIError(400, str(exc), param="tools") from exc
         self.plan = _plan(self, self.body)
 
     @property
@@ -147,7 +152,7 @@ class Turn:
         body = self.body
         fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else None
         choice = body.tool_choice
-        tools = [t.model_dump(exclude_none=True) for t in body.function_tools()]
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
         out: dict[str, Any] = {
             "id": self.id,
             "object": "response",
@@ -216,8 +221,13 @@ class Turn:
         return [*self.conversation, *(input_messages(items) if items else [])]
 
 
+def output_text_part(text: str) -> dict[str, Any]:
+    """A message item's one content part."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
 def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    part = {"type": "output_text", "text": text or "", "annotations": [], "logprobs": []}
+    part = output_text_part(text or "")
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
 
 
@@ -234,10 +244,7 @@ def function_call_item(item_id: str, name: str, arguments: str, status: str) -> 
 
 def _plan(turn: Turn, body: ResponsesRequest) -> Plan:
     """The chat plan of a turn: instructions, the conversation, tools, tool_choice and text.format as chat's."""
-    try:
-        tools = [t.as_chat_tool() for t in body.function_tools()]
-    except (ValueError, ValidationError) as exc:
-        raise APIError(400, str(exc), param="tools") from exc
+    tools = [t.as_chat_tool() for t in turn.tools]
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     choice = body.tool_choice
     chat: dict[str, Any] = {

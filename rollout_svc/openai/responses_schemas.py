@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout_svc.openai.schemas import Body, TokenId, check_wire_ints
+from rollout_svc.openai.schemas import Body, TokenId
 
 # What `include` may name and we serve without adding anything (the rest name output we never make).
 _SERVED_INCLUDES = frozenset({"message.output_text.logprobs"})
@@ -164,8 +164,6 @@ class ResponsesRequest(Body):
             raise ValueError(f"tool_choice names {self.tool_choice.name!r}, which is not among the tools")
         if self.metadata is not None:
             self._check_metadata(self.metadata)
-        if not isinstance(self.input, str):
-            check_wire_ints("input", self.input)
         return self
 
     @staticmethod
