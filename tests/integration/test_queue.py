@@ -25,9 +25,10 @@ from tests.support import Results, Streaming, async_wait_until, pending
 
 
 async def test_batch_comes_back_in_input_order_across_two_workers(settings, echo_workers):
-    # Small capacity and a per-token delay, so neither worker can swallow the whole batch: ~0.5 s of work, so a
-    # worker descheduled for a moment on a loaded CI machine (once: 0.1 s of work, all of it on echo-1) still serves.
-    echo_workers(2, "--max-num-seqs", "16", "--echo-token-delay-s", "0.01")
+    # Small capacity and a per-token delay, so neither worker can swallow the whole batch: ~2 s of work, so a
+    # worker descheduled for a moment on a loaded CI machine still serves (CI saw all of it on echo-1 twice: once at
+    # 0.1 s of work, once at 0.4 s, echo-0 not yet past logging that it served while a vLLM fixture started).
+    echo_workers(2, "--max-num-seqs", "16", "--echo-token-delay-s", "0.05")
     prompts = [[i + 1, (i * 7) % 250 + 1, 3] for i in range(200)]
     async with RolloutClient(settings) as client:  # the fixture returns once both serve (left `starting`)
         trajectories = await client.generate(prompts, {"max_tokens": 8})
