@@ -6,7 +6,9 @@ git history (`git archive`) and both trees run in turn, each with its own code e
 (W echo workers, no token delay) on a private redis-server, and one `RolloutClient` process of its own keeping K
 single-prompt `generate` calls in flight (8 prompt tokens, 16 out) for N requests after a warm-up. Per request: Redis
 CPU (`INFO cpu`, user + system), Redis commands and their microseconds (`INFO commandstats`, a script's inner calls
-included), the workers' CPU (user + system, every worker process) and the client's.
+included), the workers' CPU (user + system, every worker process) and the client's. Then, in a pass of its own (logging
+costs Redis time), what the commands' time goes to by script: SLOWLOG logging every command, each script call's
+time (its inner calls included), inner calls and the requests it carried.
 
 The measuring program is version-agnostic: it uses only `RolloutClient(redis_url=...)` and `generate`, which every
 commit since the first slice has.
@@ -27,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
+from typing import Any
 
 import psutil
 from rich.console import Console
@@ -45,7 +48,7 @@ import asyncio, json, os, sys, time
 import psutil, redis
 from rollout_svc import RolloutClient
 
-url, requests, in_flight = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+url, requests, in_flight, profiled = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 rds = redis.Redis.from_url(url)
 workers = [psutil.Process(int(p)) for p in os.environ["WORKER_PIDS"].split(",")]
 prompt, params = list(range(1, 9)), {"max_tokens": 16}
@@ -60,6 +63,43 @@ def workers_cpu():
     return sum(t.user + t.system for t in (w.cpu_times() for w in workers))
 
 
+def script_names():
+    # {sha1: name} of every data-plane script this tree has (`X_LUA` strings of its modules, wherever they live)
+    import hashlib, importlib
+    names = {}
+    for module in ("rollout_svc.dataplane.take", "rollout_svc.dataplane.scripts", "rollout_svc.dataplane.placement",
+                   "rollout_svc.stream_scripts"):
+        try:
+            found = vars(importlib.import_module(module))
+        except ImportError:
+            continue
+        for name, text in found.items():
+            if name.endswith("_LUA") and isinstance(text, str):
+                names[hashlib.sha1(text.encode()).hexdigest()] = name[:-4].lower()
+    return names
+
+
+def by_script(log, sent):
+    # {script: [calls, microseconds, inner calls] per request} from SLOWLOG entries, oldest first: a script's time
+    # includes its inner calls', which are logged just before it, from no client address ("?:0"). "plain": the
+    # commands sent on their own.
+    names, found, inner = script_names(), {}, 0
+    for e in sorted(log, key=lambda e: e["id"]):
+        words = e["command"].split()
+        if e.get("client_address") == b"?:0":
+            inner += 1
+            continue
+        if words[0].upper() == b"SLOWLOG":
+            continue
+        name = names.get(words[1].decode(), "other script") if words[0].upper() == b"EVALSHA" else "plain"
+        figures = found.setdefault(name, [0.0, 0.0, 0.0])
+        figures[0] += 1 / sent
+        figures[1] += e["duration"] / sent
+        figures[2] += inner / sent
+        inner = 0
+    return found
+
+
 async def main():
     async with RolloutClient(redis_url=url) as client:
         await client.generate([prompt] * 200, params)
@@ -69,18 +109,27 @@ async def main():
         before = (redis_cpu(), workers_cpu(), time.process_time(), time.perf_counter())
         sent = 0
 
-        async def lane():
+        async def lane(limit):
             nonlocal sent
-            while sent < requests:
+            while sent < limit:
                 sent += 1
                 [trajectory] = await client.generate([prompt], params)
                 assert trajectory.finish_reason in ("stop", "length"), trajectory
 
-        await asyncio.gather(*(lane() for _ in range(in_flight)))
+        await asyncio.gather(*(lane(requests) for _ in range(in_flight)))
         after = (redis_cpu(), workers_cpu(), time.process_time(), time.perf_counter())
         stats = rds.info("commandstats")
+        measured, sent = sent, 0
+        rds.config_set("slowlog-max-len", 1000000)
+        rds.config_set("slowlog-log-slower-than", 0)  # every command logged: a pass of its own, after the measure
+        rds.slowlog_reset()
+        await asyncio.gather(*(lane(profiled) for _ in range(in_flight)))
+        rds.config_set("slowlog-log-slower-than", 10000)
+        scripts = by_script(rds.slowlog_get(1000000), sent)
+        sent = measured
         us = 1e6 / sent
         print(json.dumps({
+            "by_script": scripts,
             "requests_per_s": sent / (after[3] - before[3]),
             "redis_us": (after[0] - before[0]) * us,
             "commands": sum(v["calls"] for k, v in stats.items() if "config" not in k) / sent,
@@ -105,20 +154,30 @@ class BesidePlan:
     in_flight: int = 64
     requests: int = 4000
     rounds: int = 3
+    profiled: int = 1000  # requests of the SLOWLOG pass after each measure (what each script costs)
 
 
 @dataclass
 class BesideRun:
-    """Each tree's rounds at each fleet: {"this" or "earlier": {workers: [figures per round]}}."""
+    """Each tree's rounds at each fleet: {"this" or "earlier": {workers: [figures per round]}}, and what each
+    round's commands' time went to by script (`scripts`, the same shape)."""
 
     plan: BesidePlan
     command: str
     this_commit: str
     earlier_commit: str
     rounds: dict[str, dict[int, list[dict[str, float]]]] = field(default_factory=dict)
+    scripts: dict[str, dict[int, list[dict[str, list[float]]]]] = field(default_factory=dict)  # by round, as rounds
 
     def median_of(self, side: str, workers: int, figure: str) -> float:
         return median(r[figure] for r in self.rounds[side][workers])
+
+    def scripts_of(self, side: str, workers: int) -> dict[str, list[float]]:
+        """{script: [calls, microseconds, inner calls] per request}, each the median of the rounds (0 in a round
+        that did not call it)."""
+        rounds = self.scripts[side][workers]
+        names = sorted({name for r in rounds for name in r})
+        return {name: [median(r.get(name, [0.0] * 3)[i] for r in rounds) for i in range(3)] for name in names}
 
     def ratios(self, workers: int, figure: str) -> list[float]:
         """This tree's figure over the earlier one's, round by round."""
@@ -171,7 +230,7 @@ def run_beside_bench(
     changed = ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"]
     dirty = subprocess.run(changed, capture_output=True)
     this += "+" if dirty.stdout.strip() else ""  # changes not committed yet
-    run = BesideRun(plan, command, this, earlier[:7], {"this": {}, "earlier": {}})
+    run = BesideRun(plan, command, this, earlier[:7], {"this": {}, "earlier": {}}, {"this": {}, "earlier": {}})
     with tempfile.TemporaryDirectory(prefix="rollout-bench-beside-") as tmp:
         trees = {"this": root, "earlier": export_tree(root, earlier, Path(tmp))}
         for n in range(plan.rounds):
@@ -181,19 +240,20 @@ def run_beside_bench(
                     title = f"bench (p) beside {run.earlier_commit}: round {n + 1}, {workers} workers, {side} tree"
                     with Progress(None, title):
                         figures = measure(trees[side], workers, plan, log_dir / f"{side}-{workers}-{n}.log")
+                    run.scripts[side].setdefault(workers, []).append(figures.pop("by_script"))
                     run.rounds[side].setdefault(workers, []).append(figures)
     console.print(render_beside(run))
     return run
 
 
-def measure(tree: Path, workers: int, plan: BesidePlan, log: Path) -> dict[str, float]:
+def measure(tree: Path, workers: int, plan: BesidePlan, log: Path) -> dict[str, Any]:
     """One measure of one tree (module docstring). `RuntimeError` with the log's path if its fleet does not come
     up or its client fails."""
     url = f"redis://127.0.0.1:{free_port()}/0"
     env = dict(os.environ, PYTHONPATH=str(tree))
     with _private_redis(url), _fleet(tree, url, workers, env, log) as pids:
         env["WORKER_PIDS"] = ",".join(map(str, pids))
-        args = [sys.executable, "-c", CLIENT, url, str(plan.requests), str(plan.in_flight)]
+        args = [sys.executable, "-c", CLIENT, url, str(plan.requests), str(plan.in_flight), str(plan.profiled)]
         done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, cwd=tree)
         if done.returncode != 0:
             raise RuntimeError(f"the client of {tree} failed: {done.stderr.strip()[-2000:]}")
@@ -287,4 +347,53 @@ def render_beside(run: BesideRun) -> str:
             ratios = run.ratios(workers, figure)
             cells.append(f"{median(ratios):.2f} ({', '.join(f'{r:.2f}' for r in ratios)})")
         lines.append(f"| {workers} | {' | '.join(cells)} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + render_scripts(run)) + "\n"
+
+
+def render_scripts(run: BesideRun) -> list[str]:
+    """What Redis's time goes to, by script, in each tree: the lines under the ratios."""
+    lines = [
+        "",
+        f"What the commands' time goes to, by script: after each measure, {run.plan.profiled:,} more requests the same "
+        "way with SLOWLOG logging every command (its own pass: logging costs Redis time). A script's time includes "
+        "its inner calls; \"plain\": commands sent on their own (the workers' reads, the client's result reads). "
+        "Medians of the rounds.",
+        "",
+        "| workers | tree | what | calls per request | requests per call | inner calls per call | us per call "
+        "| us per request |",
+        "|---:|---|---|---:|---:|---:|---:|---:|",
+    ]
+    totals: dict[tuple[str, int], float] = {}
+    for workers in run.plan.workers:
+        for side, name in (("earlier", f"`{run.earlier_commit}`"), ("this", f"`{run.this_commit}` (this)")):
+            scripts = run.scripts_of(side, workers)
+            for what, (calls, us, inner) in sorted(scripts.items(), key=lambda kv: -kv[1][1]):
+                if calls < 0.001:  # a heartbeat or a load report: under one call in 1,000 requests
+                    continue
+                per_call = (us / calls, inner / calls, 1 / calls) if calls else (0.0, 0.0, 0.0)
+                lines.append(
+                    f"| {workers} | {name} | {what} | {calls:.3f} | {per_call[2]:.1f} | {per_call[1]:.1f} "
+                    f"| {per_call[0]:.1f} | {us:.1f} |"
+                )
+            totals[side, workers] = sum(us for us, *_ in ((v[1],) for v in scripts.values()))
+    if run.plan.workers:
+        w = max(run.plan.workers)
+        mine, theirs = run.scripts_of("this", w), run.scripts_of("earlier", w)
+        costly = max(mine, key=lambda k: mine[k][1], default=None)
+        if costly is not None and theirs:
+            calls, us, inner = mine[costly]
+            lines += [
+                "",
+                f"At {w} workers the logged commands took {totals['this', w]:.1f} us per request here against "
+                f"{totals['earlier', w]:.1f} in `{run.earlier_commit}`. The most of it went to `{costly}`: "
+                f"{calls:.3f} calls per request ({1 / calls if calls else 0:.1f} requests a call), "
+                f"{us / calls if calls else 0:.1f} us and {inner / calls if calls else 0:.1f} inner calls each. "
+                f"Requests a call, here against `{run.earlier_commit}`: "
+                + ", ".join(
+                    f"{what} {1 / mine[what][0]:.1f} / {1 / theirs[what][0]:.1f}"
+                    for what in sorted(set(mine) & set(theirs))
+                    if mine[what][0] >= 0.001 and theirs[what][0] >= 0.001 and what != "plain"
+                )
+                + ".",
+            ]
+    return lines
