@@ -1,4 +1,4 @@
-"""The `rollout-svc` command: up, worker, serve, status, the control commands, demo, bench, chaos, model prepare."""
+"""The `rollout-svc` command: up, worker, serve, status, top, the control commands, demo, bench, chaos, models."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from rollout_svc.cli.common import DEFAULT_REDIS_URL, RedisUrl, TimeoutS, run_on
 from rollout_svc.cli.dead_letters import dead_letters_app
 from rollout_svc.cli.engine_options import engine_options, with_vllm_flags
 from rollout_svc.cli.lora_commands import adapter_app
+from rollout_svc.cli.top import top
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.control import commands
 from rollout_svc.control.commands import Command
@@ -48,6 +49,7 @@ app.add_typer(batch_app, name="batch")
 app.command("batch-worker")(batch_worker)
 app.add_typer(dead_letters_app, name="dead-letters")
 app.add_typer(adapter_app, name="adapter")
+app.command()(top)
 
 PrivateRedisUrl = Annotated[
     str | None,
@@ -447,49 +449,10 @@ def status(
 
 def _print_status(report: dict) -> None:
     from rich.console import Console
-    from rich.table import Table
 
-    columns = (
-        "worker", "state", "epoch", "engine", "model", "GPUs (TPxPPxDP)", "in flight", "work (tokens)", "capacity",
-        "context / KV (tokens)", "served", "weight version", "adapters",
-    )  # fmt: skip
-    gpus = sum(w["weight_ranks"] for w in report["workers"])
-    workers = Table(*columns, title=f"{len(report['workers'])} worker processes, {gpus} GPUs (ranks)")
-    for w in report["workers"]:
-        layout = f"{w['tensor_parallel_size']}x{w['pipeline_parallel_size']}x{w['data_parallel_size']}"
-        workers.add_row(
-            w["worker_id"], w["state"], str(w["applied_epoch"]), w["engine"], w["model"],
-            f"{w['weight_ranks']} ({layout})", str(w["in_flight"]), str(report["loads"].get(w["worker_id"], 0)),
-            str(w["capacity"]), f"{w.get('max_model_len', 0):,} / {w.get('kv_cache_tokens', 0):,}", str(w["served"]),
-            str(w["weight_version"]), w.get("adapters", "") or "-",
-        )  # fmt: skip
-    streams = Table("stream", "length", "queued", "pending")
-    for name, depth in report["streams"].items():
-        streams.add_row(name, str(depth["length"]), str(depth["queued"]), str(depth["pending"]))
-    now = time.time()
-    if report["paused"]:
-        leases = report["pause_leases"]
-        until = {h: f"lease lapses in {when - now:.0f} s" for h, when in leases.items()}
-        holders = ", ".join(
-            f"{h} ({m}, {until.get(h, 'held until resumed')})" for h, m in report["pause_holders"].items()
-        )
-        fleet = f"fleet: paused ({report['pause_mode']}) by {holders}"
-    else:
-        fleet = "fleet: asleep" if report["sleep_level"] else "fleet: serving"
-    for holder, when in report["lapsed_pauses"].items():
-        ago = f"{now - when:.0f} s ago ({time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))})"
-        fleet += f"; the pause of {holder} lapsed {ago}: its holder stopped renewing its lease (it died or hung)"
-    adapters = ", ".join(f"{name} v{a['version']}" for name, a in report.get("adapters", {}).items())
-    console = Console()
-    console.print(
-        f"{fleet}; control epoch {report['epoch']}; weight version {report['weight_version']}"
-        + (f" (from {report['weight_checkpoint']})" if report["weight_checkpoint"] else "")
-        + (f"; LoRA adapters: {adapters}" if adapters else ""),
-        workers,
-        streams,
-        f"dead letters: {report['dead_letters']}; named steps: {report['steps']['live']} live, "
-        f"{report['steps']['expired']} expired unattached (their results uncollected)",
-    )
+    from rollout_svc.cli.fleet_view import status_view
+
+    Console().print(status_view(report))
 
 
 # --- control commands ----------------------------------------------------------------------------------------
