@@ -566,6 +566,9 @@ class WorkerStatus(BaseModel):
     all), `max_model_len` tokens each (prompt and output), `kv_cache_tokens` in its KV cache (vLLM's
     num_gpu_blocks x block_size; the echo engine's: every sequence at full length), and `engine_config`, its settings
     as vLLM resolved them (`dtype=bfloat16 quantization=none cuda_graphs=on prefix_caching=on speculative=none`).
+    What it served, summed since it started (`workers.totals.ServedTotals`: rates are differences between two
+    heartbeats): `served` generations, `generated_tokens` in `generation_s` seconds on the engine, and
+    `first_tokens` streamed requests' first chunks, `first_token_s` seconds after their submission in all.
     """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
@@ -599,6 +602,10 @@ class WorkerStatus(BaseModel):
     max_model_len: int = 0
     kv_cache_tokens: int = 0
     engine_config: str = ""
+    generated_tokens: int = 0
+    generation_s: float = 0.0
+    first_tokens: int = 0
+    first_token_s: float = 0.0
 
     @property
     def adapter_versions(self) -> dict[str, int]:

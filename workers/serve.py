@@ -37,6 +37,7 @@ from workers.inflight import AbortRules, InFlight, InFlightIndex
 from workers.lora_table import AdapterRef
 from workers.metrics import WorkerMetrics
 from workers.state import WorkerState
+from workers.totals import ServedTotals
 
 log = logging.getLogger("rollout_svc.worker")
 REDIS_ERRORS = REDIS_AWAY  # what a Redis that is away raises: the worker's loops back off and try again
@@ -77,6 +78,7 @@ class RequestServer:
         self._publish, self._on_engine_dead = publish, on_engine_dead
         self.metrics = metrics  # None: nothing is counted
         self.served = 0  # generations run on the engine (aborted ones included)
+        self.totals = ServedTotals()  # what they generated, for the heartbeat
 
     async def serve(self, record: InFlight) -> None:
         """Serve one entry; while Redis is away (pinning, dead-lettering), retry rather than drop it.
@@ -255,6 +257,7 @@ class RequestServer:
             if adapter is not None:
                 await self.state.adapters.release(adapter, self.engine)
         self.served += 1
+        self.totals.generated(len(completion.completion_token_ids), time.time() - started)
         aborted = completion.finish_reason == "abort"
         tokens, logprobs, text = completion.completion_token_ids, completion.logprobs, completion.text
         tops, texts = completion.top_logprobs, completion.tokens
@@ -400,6 +403,8 @@ class ChunkSender:
             top_logprobs=part.top_logprobs,
             tokens=part.tokens,
         )
+        if self.first:  # this completion's first tokens: the caller's time to first token
+            self.server.totals.first_token(self.request.submitted_at)
         self.offset += len(part.completion_token_ids)
         self.last_sent, self.first = self.clock(), False
         await self.server.send_chunk(self.request.reply_to, chunk)

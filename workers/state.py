@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from rollout_svc.keys import WorkerLabel
 from rollout_svc.protocol import PauseMode, WorkerStatus
 from workers.lora_table import AdapterTable
+from workers.totals import ServedTotals
 
 if TYPE_CHECKING:
     from workers.engine import Engine
@@ -84,10 +85,17 @@ class WorkerState:
         else:
             self.resumed.clear()
 
-    def status(self, engine: Engine, in_flight: int, served: int, started_at: float) -> WorkerStatus:
+    def status(
+        self, engine: Engine, in_flight: int, served: int, started_at: float, totals: ServedTotals | None = None
+    ) -> WorkerStatus:
         """The heartbeat of a worker in this state, running `engine` (`in_flight` entries taken and not answered,
-        `served` answered so far, up since `started_at`, unix s)."""
+        `served` answered so far, up since `started_at`, unix s; `totals`: what they generated, summed)."""
+        totals = totals or ServedTotals()
         return WorkerStatus(
+            generated_tokens=totals.generated_tokens,
+            generation_s=round(totals.generation_s, 6),
+            first_tokens=totals.first_tokens,
+            first_token_s=round(totals.first_token_s, 6),
             worker_id=self.worker_id,
             state=self.label,
             engine=type(engine).__name__,

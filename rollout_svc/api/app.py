@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from rollout_svc.api.admin import admin_router
 from rollout_svc.api.auth import Auth
 from rollout_svc.api.batches import batch_router
+from rollout_svc.api.dashboard import mount_dashboard
 from rollout_svc.api.errors import install_error_handlers
 from rollout_svc.api.generation import Generation, until_disconnected
 from rollout_svc.api.hot import FastJSONResponse, HotLane
@@ -200,4 +201,5 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     app.include_router(weights_router(client, transfer), dependencies=control)
     app.include_router(adapter_router(client), dependencies=control)
     app.include_router(admin_router(client), dependencies=[auth.admin_dependency()])
+    mount_dashboard(app, settings, auth)  # its own check: a header or the sign-in's cookie
     return app

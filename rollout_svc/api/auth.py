@@ -16,7 +16,8 @@ from fastapi import Depends, Request
 from rollout_svc.openai.errors import APIError
 
 
-def _bearer(request: Request) -> str | None:
+def bearer(request: Request) -> str | None:
+    """The secret of the request's `Authorization: Bearer <secret>` header, or None."""
     header = request.headers.get("authorization", "")
     scheme, _, secret = header.partition(" ")
     return secret.strip() if scheme.lower() == "bearer" and secret.strip() else None
@@ -36,14 +37,14 @@ class Auth:
     def data(self, request: Request) -> None:
         if not self.api_keys:
             return
-        secret = _bearer(request)
+        secret = bearer(request)
         if secret is None:
             raise APIError(401, "missing API key: send `Authorization: Bearer <key>`", code="missing_api_key")
         if not _among(secret, self.api_keys) and not (self.admin_token and _among(secret, [self.admin_token])):
             raise APIError(401, "invalid API key", code="invalid_api_key")
 
     def admin(self, request: Request) -> None:
-        secret = _bearer(request)
+        secret = bearer(request)
         if secret is None:
             raise APIError(401, "the admin routes need `Authorization: Bearer <admin token>`", code="missing_token")
         if self.admin_token is None:
@@ -53,6 +54,10 @@ class Auth:
         if _among(secret, self.api_keys):
             raise APIError(403, "a data-plane API key cannot use the admin routes", code="not_admin")
         raise APIError(401, "invalid admin token", code="invalid_token")
+
+    def is_admin(self, secret: str | None) -> bool:
+        """Whether `secret` is the admin token (never where none is configured)."""
+        return secret is not None and self.admin_token is not None and _among(secret, [self.admin_token])
 
     def data_dependency(self) -> Any:
         return Depends(_async(self.data))

@@ -1,4 +1,5 @@
-"""What `rollout-svc status` reports: control state, live workers, queue depths and pending counts, dead letters."""
+"""What `rollout-svc status` reports (control state, live workers, queue depths and pending counts, dead letters),
+and the current weight sync the dashboard shows."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from rollout_svc.config import Settings
+from rollout_svc.errors import ProtocolError
 from rollout_svc.fleet import Fleet, FleetControl, FleetRegistry, sorted_workers
+from rollout_svc.keys import JOINED, LOADED, RECEIVED
+from rollout_svc.orders import WeightSyncOrder
+from rollout_svc.protocol import decode
 
 
 async def fleet_status(settings: Settings) -> dict[str, Any]:
@@ -79,3 +84,33 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
         "model_name": settings.model_name,
         "named_models": {name: await fleet_status(settings.copy_with(model_name=name)) for name in named},
     }
+
+
+async def sync_status(settings: Settings) -> dict[str, Any] | None:
+    """The current weight sync (`Keys.weight_sync`, of the first shard that answers: every sync writes it in all),
+    with each phase's barrier (`Keys.weight_barrier`): {"sync_id", "version", "transport", "staged", "members",
+    "issued_at", "phases": {"joined" | "received" | "loaded": {worker id: "ok" or its error}}}; None if none yet."""
+    fleet = Fleet(settings)
+    try:
+        await fleet.refresh()
+        for link in fleet.links.values():
+            try:
+                raw: Any = await link.redis.get(link.keys.weight_sync)
+                if raw is None:
+                    return None
+                order = decode(raw)
+                if not isinstance(order, WeightSyncOrder):
+                    return None
+                phases = {}
+                for phase in (JOINED, RECEIVED, LOADED):
+                    reached: Any = await link.redis.hgetall(link.keys.weight_barrier(order.sync_id, phase))
+                    phases[phase] = {k.decode(): v.decode() for k, v in reached.items()}
+            except (OSError, RedisError, ProtocolError):
+                continue  # this shard is away, or holds what this build cannot read: the next one
+            return {
+                "sync_id": order.sync_id, "version": order.version, "transport": order.transport,
+                "staged": order.staged, "members": order.members, "issued_at": order.issued_at, "phases": phases,
+            }  # fmt: skip
+        return None
+    finally:
+        await fleet.close()

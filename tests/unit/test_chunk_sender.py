@@ -12,6 +12,7 @@ from rollout_svc.protocol import RolloutRequest, SamplingParams, TrajectoryChunk
 from workers.engine import Completion
 from workers.serve import ChunkSender
 from workers.state import WorkerState
+from workers.totals import ServedTotals
 
 INTERVAL_S = 0.0625  # exact in binary: the clock adds and halves it without rounding
 CHUNK_TOKENS = 4
@@ -31,6 +32,7 @@ class Server:
     def __init__(self) -> None:
         self.settings = Settings(stream_interval_s=INTERVAL_S, stream_chunk_tokens=CHUNK_TOKENS)
         self.state = WorkerState("w-1")
+        self.totals = ServedTotals()
         self.sent: list[tuple[str, TrajectoryChunk]] = []
 
     async def send_chunk(self, reply_to: str, chunk: TrajectoryChunk) -> None:
@@ -68,11 +70,13 @@ async def test_the_first_token_goes_at_once_then_a_chunk_once_it_holds_stream_ch
     send = sender(server, clock)
     await send(delta(64))  # no time passes: the first token goes anyway (time to first token)
     assert sent_tokens(server) == [(0, [64])]
+    assert server.totals.first_tokens == 1  # counted once for the heartbeat, at the first chunk only
     for token in range(65, 65 + 2 * CHUNK_TOKENS - 1):  # then only a full chunk is sent
         await send(delta(token))
     assert sent_tokens(server) == [(0, [64]), (1, [65, 66, 67, 68])]
     await send(delta(72))
     assert sent_tokens(server) == [(0, [64]), (1, [65, 66, 67, 68]), (5, [69, 70, 71, 72])]
+    assert server.totals.first_tokens == 1
 
 
 async def test_a_delta_of_many_tokens_is_sent_whole(server: Server, clock: Clock):
