@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
+from rollout_svc import tracing
 from rollout_svc.config import Settings
 from rollout_svc.connections.topology import close_router, redis_router, shard_url
 from rollout_svc.connections.urls import redis_async_bounded
@@ -246,13 +247,15 @@ class FleetControl:
     async def issue(self, command: Command, *, timeout_s: float | None = None) -> int:
         """`command` (built by `control.commands`) issued in every shard at once (`ControlPlane.issue`); returns the
         largest epoch once every shard's live workers acknowledged it. A leased pause with `renew` is renewed while
-        this object lives; a pause without, or a resume, of a holder stops its renewal here."""
-        if command.renew:
-            with self.leases.issuing(command.args["holder"], command.args["lease_s"]):
-                return await self._each(command, timeout_s)
-        if command.kind in ("pause", "resume"):
-            self.leases.release(command.args["holder"])
-        return await self._each(command, timeout_s)
+        this object lives; a pause without, or a resume, of a holder stops its renewal here. Traced as
+        `rollout.control.<kind>` (`rollout_svc.tracing`)."""
+        with tracing.span(f"rollout.control.{command.kind}", **{"rollout.holder": command.args.get("holder")}):
+            if command.renew:
+                with self.leases.issuing(command.args["holder"], command.args["lease_s"]):
+                    return await self._each(command, timeout_s)
+            if command.kind in ("pause", "resume"):
+                self.leases.release(command.args["holder"])
+            return await self._each(command, timeout_s)
 
     async def _each(self, command: Command, timeout_s: float | None) -> int:
         await self.fleet.refresh()

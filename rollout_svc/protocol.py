@@ -207,6 +207,8 @@ class RolloutRequest(Message):
     `max_head_offpolicyness` as a version floor). The worker checks it when it takes the request and at each weight
     sync while it holds it: where its first token would come from a version below the floor, it answers at once with
     `abort_cause="staleness"` (its tokens so far kept in the answer) instead of generating on.
+    `traceparent`: the W3C trace context of its producer's call where tracing is on (`rollout_svc.tracing`): the
+    parent of the spans its attempts make on the workers.
     """
 
     request_id: str = Field(min_length=1)
@@ -229,6 +231,7 @@ class RolloutRequest(Message):
     adapter: str | None = None
     max_staleness: int | None = Field(None, ge=0)
     min_weight_version: int | None = Field(None, ge=0)
+    traceparent: str | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RolloutRequest:
@@ -347,7 +350,8 @@ class Trajectory(Message):
     comes before it). `cached_tokens`: prompt tokens the engine found in its prefix cache on the last attempt (vLLM's
     `num_cached_tokens`, OpenAI's `usage.prompt_tokens_details.cached_tokens`). Asked to parse tool calls: `tool_calls`
     holds OpenAI-shaped calls (`{"id", "type": "function",
-    "function": {"name", "arguments"}}`, arguments as JSON text) and `content` the text around them.
+    "function": {"name", "arguments"}}`, arguments as JSON text) and `content` the text around them. `trace_id`: the
+    trace (32 hex digits) its request's spans are in, where tracing is on (`rollout_svc.tracing`).
     """
 
     request_id: str
@@ -377,6 +381,7 @@ class Trajectory(Message):
     adapter: str | None = None
     adapter_versions: list[WeightSpan] = Field(default_factory=list)
     adapter_staleness: int | None = None
+    trace_id: str | None = None
 
     @property
     def adapter_version(self) -> int | None:

@@ -10,6 +10,7 @@ import shlex
 import signal
 import sys
 
+from rollout_svc import tracing
 from rollout_svc.config import EngineSettings, Settings
 from rollout_svc.errors import EngineDeadError
 from workers.echo import EchoEngine
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = engine_settings(args)
+    tracing.setup("worker")  # spans of traced requests (rollout_svc.tracing): off unless an OTLP endpoint is set
     try:
         asyncio.run(serve(args, engine))
     except EngineDeadError as exc:
@@ -158,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         logging.getLogger("rollout_svc.worker").exception("worker failed; its requests were requeued")
         return 1
+    finally:
+        tracing.shutdown()  # what is buffered, exported
     return 0
 
 

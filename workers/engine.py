@@ -52,13 +52,15 @@ class Generation:
     """What an engine is asked to generate: one request's new tokens after `prompt_token_ids + prior`.
 
     `prior`: what an interrupted attempt of the request generated (a retry goes on after it). `lora_id`: with the
-    LoRA adapter `Engine.add_adapter` loaded under that id (None: the base model)."""
+    LoRA adapter `Engine.add_adapter` loaded under that id (None: the base model). `trace_headers`: the W3C trace
+    context of the worker's generation span (`workers.traces`), for an engine's own spans (vLLM's); None: untraced."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     prior: Sequence[int] = ()
     lora_id: int | None = None
+    trace_headers: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)

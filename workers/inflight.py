@@ -85,6 +85,7 @@ class InFlight:
     version_marks: list[tuple[int, int]] = field(default_factory=list)  # weight syncs while in it: (version, token)
     entered_at: float = 0.0  # monotonic time it entered the engine
     move_to: str | None = None  # the idle worker a straggler move hands it to (abort cause "migrate")
+    answered_at: float = 0.0  # unix time it was answered (its result queued to publish; traced)
 
     def first_token_version(self, made: int) -> int | None:
         """The weight version of its completion's first token, having made `made` tokens in the engine (after its

@@ -6,7 +6,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from rollout_svc import tracing
 from rollout_svc.dataplane.worker_streams import WorkerStreams
+from workers import traces
 from workers.inflight import InFlight, Woken
 from workers.serve import REDIS_ERRORS, backoff_s
 from workers.state import WorkerState
@@ -71,6 +73,8 @@ class Publisher:
                     log.warning(
                         "dropped %d results: their requests were requeued while this worker was stalled", fenced
                     )
+                if tracing.enabled():
+                    traces.published(batch, self.state.worker_id)
                 for record in batch:
                     self.released(record)
                 return

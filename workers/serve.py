@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from rollout_svc import tracing
 from rollout_svc.config import Settings
 from rollout_svc.connections.urls import REDIS_AWAY
 from rollout_svc.dataplane.recovery_streams import RecoveryStreams
@@ -32,6 +33,7 @@ from rollout_svc.protocol import (
     reply_address,
     unrun_trajectory,
 )
+from workers import traces
 from workers.engine import Completion, Engine, Generation, joined
 from workers.inflight import AbortRules, InFlight, InFlightIndex
 from workers.lora_table import AdapterRef
@@ -114,6 +116,8 @@ class RequestServer:
             self._publish(record)
             return
         self.index.decoded(record, request)
+        if tracing.enabled():
+            traces.taken(request, entry, self.state.worker_id, taken_at)
         if isinstance(request, RolloutRequest) and self.rules.hits(record):
             return self._answer(record, request, unrun_trajectory(request, "user", self.state.worker_id))
         if isinstance(request, RolloutRequest) and request.session_id and entry.stream == self.keys.requests:
@@ -160,7 +164,7 @@ class RequestServer:
         return True
 
     def _answer(self, record: InFlight, request: Request, result: Result) -> None:
-        record.reply_to, record.payload = request.reply_to, encode(result)
+        record.reply_to, record.payload, record.answered_at = request.reply_to, encode(result), time.time()
         if self.metrics is not None:
             self.metrics.observe(request, result)
         self._publish(record)
@@ -250,8 +254,9 @@ class RequestServer:
         chunks = ChunkSender(self, request, len(prior_ids)) if request.stream else None
         try:
             lora_id = None if adapter is None else adapter.lora_id
-            generation = Generation(request.request_id, prompt, params, prior_ids, lora_id)
-            completion = await self.engine.generate(generation, chunks)
+            with traces.generation(request, self.state.worker_id, self.state.weight_version) as headers:
+                generation = Generation(request.request_id, prompt, params, prior_ids, lora_id, headers)
+                completion = await self.engine.generate(generation, chunks)
         finally:
             record.in_engine = False
             if adapter is not None:
@@ -297,6 +302,7 @@ class RequestServer:
             worker_id=self.state.worker_id,
             queue_time_s=max(0.0, taken_at - request.submitted_at),
             generation_time_s=time.time() - started,
+            trace_id=tracing.trace_id(request.traceparent),
             abort_cause=(record.abort_cause or "shutdown") if aborted else None,
             interruptions=prior.interruptions if prior else 0,
             staleness=None,

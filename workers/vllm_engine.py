@@ -185,7 +185,11 @@ class VLLMEngine:
             # DELTA: once per step, each output holding that step's new tokens. On cancellation vLLM's generator
             # aborts the request.
             lora = None if generation.lora_id is None else self._adapters[generation.lora_id]
-            async for output in llm.generate(tokens_input(prompt), sampling, request_id, lora_request=lora):
+            # the worker's generation span as the parent of vLLM's own, where vLLM traces (`--otlp-traces-endpoint`)
+            traced = getattr(getattr(llm, "observability_config", None), "otlp_traces_endpoint", None) is not None
+            headers = generation.trace_headers if traced else None
+            stream = llm.generate(tokens_input(prompt), sampling, request_id, lora_request=lora, trace_headers=headers)
+            async for output in stream:
                 final = output
                 if on_delta is not None:
                     delta = completion_of(prompt, output, params.logprobs, delta=True, prompt_k=params.prompt_logprobs)

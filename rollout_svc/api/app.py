@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
+from rollout_svc import tracing
 from rollout_svc.api.admin import admin_router
 from rollout_svc.api.auth import Auth
 from rollout_svc.api.batches import batch_router
@@ -71,6 +72,7 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
         await responses.close()
         await transfer.close()
         await holders.close()
+        tracing.shutdown()
 
     app = FastAPI(
         title="rollout-svc",
@@ -202,4 +204,18 @@ def create_app(settings: Settings | None = None, served_model_names: list[str] |
     app.include_router(adapter_router(client), dependencies=control)
     app.include_router(admin_router(client), dependencies=[auth.admin_dependency()])
     mount_dashboard(app, settings, auth)  # its own check: a header or the sign-in's cookie
+    if tracing.setup("serve") is not None:
+        trace_http(app)
     return app
+
+
+def trace_http(app: FastAPI) -> None:
+    """Each HTTP request in a span (`rollout.http`) under its caller's W3C `traceparent` header where it sent one:
+    the parent of the calls it makes (`rollout_svc.tracing`). Only where tracing is on (a middleware costs every
+    request)."""
+
+    @app.middleware("http")
+    async def traced(request: Request, call_next: Any) -> Response:
+        tags = {"http.request.method": request.method, "url.path": request.url.path}
+        with tracing.span("rollout.http", request.headers.get("traceparent"), **tags):
+            return await call_next(request)

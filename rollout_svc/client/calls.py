@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_svc.protocol import Request, Trajectory, TrajectoryChunk
+from rollout_svc import tracing
+from rollout_svc.protocol import Request, RolloutRequest, Trajectory, TrajectoryChunk
 
 
 @dataclass
@@ -90,6 +92,9 @@ class Call:
 
     def __init__(self, requests: Sequence[Request], loop: asyncio.AbstractEventLoop, chunks: bool = False) -> None:
         self.positions = [Position(request, request.request_id) for request in requests]
+        self.span: Any = None  # `rollout.call` where traced: the parent of its requests' spans (`rollout_svc.tracing`)
+        if tracing.enabled() and requests and isinstance(requests[0], RolloutRequest):
+            self._traced()
         self.remaining = len(self.positions)
         self.done: asyncio.Future[None] = loop.create_future()
         if not self.positions:
@@ -98,6 +103,16 @@ class Call:
         self.events: asyncio.Queue[tuple[int, TrajectoryChunk | None]] | None = asyncio.Queue() if chunks else None
         self.target: GroupTarget | None = None
         self.on_target: Callable[[], None] | None = None
+
+    def _traced(self) -> None:
+        """Start `rollout.call` under this context's span, and carry its `traceparent` in every request it sends
+        that carries none (a named step attached again keeps its first call's)."""
+        self.span = tracing.start("rollout.call", **{"rollout.requests": len(self.positions)})
+        parent = tracing.traceparent(self.span)
+        for position in self.positions:
+            request = position.request
+            if isinstance(request, RolloutRequest) and request.traceparent is None:
+                position.request = request.model_copy(update={"traceparent": parent})
 
     @property
     def requests(self) -> list[Request]:
@@ -140,6 +155,8 @@ class Call:
             return
         position.result = result
         self.remaining -= 1
+        if self.span is not None:
+            self._traced_result(position, result)
         if self._completed is not None:
             self._completed.put_nowait(index)
         if self.events is not None:
@@ -149,6 +166,15 @@ class Call:
             self._check_target()
         if self.remaining == 0 and not self.done.done():
             self.done.set_result(None)
+
+    def _traced_result(self, position: Position, result: Any) -> None:
+        """`rollout.result`: a position's answer reached its caller; the call's span ends with its last."""
+        request = position.request
+        parent = request.traceparent if isinstance(request, RolloutRequest) else None
+        tags = {"rollout.request_id": request.request_id, "rollout.worker_id": getattr(result, "worker_id", None)}
+        tracing.record("rollout.result", parent, time.time(), None, **tags, **_finish_tags(result))
+        if self.remaining == 0:
+            self.span.end()
 
     def finished(self) -> list[int]:
         return [i for i, position in enumerate(self.positions) if position.result is not None]
@@ -205,3 +231,9 @@ class Call:
         for index in self.unfinished():
             if self.positions[index].partial is not None:
                 self.end_with_partial(index, abort_cause="deadline")
+
+
+def _finish_tags(result: Any) -> dict[str, Any]:
+    if isinstance(result, Trajectory):
+        return {"rollout.finish_reason": result.finish_reason, "rollout.tokens": len(result.completion_token_ids)}
+    return {"rollout.error": getattr(result, "code", None)}

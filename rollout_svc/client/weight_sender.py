@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from rollout_svc import tracing
 from rollout_svc.config import Settings
 from rollout_svc.control import commands
 from rollout_svc.errors import InvalidRequestError, WeightSyncError
@@ -206,36 +207,49 @@ class WeightSender:
     ) -> SyncReport:
         await self.init()
         assert self._lock is not None
+        transport = "broadcast" if tensors is not None else "checkpoint"
         async with self._lock:
-            started = time.monotonic()
-            version = await self.control.next_weight_version(version)
-            pause = _Pause(self.control, pause_mode, self.settings.client.pause_lease_s, self.timeout_s)
-            try:
-                if not staged:
-                    await pause.hold()
-                if tensors is not None:
-                    report = await self._broadcast(version, tensors, pause if staged else None)
-                else:
-                    assert path is not None
-                    report = await self._checkpoint(version, path, stable_wait_s)
-                if not report.loaded:
-                    failed = {**report.stale, **dict.fromkeys(report.dead, "dead")}
-                    raise WeightSyncError(
-                        version, "no worker loaded the weights; the old version stays committed", failed
-                    )
-                if (lapsed := await pause.lapsed()) is not None:
-                    failed = dict.fromkeys(report.loaded, "loaded, not committed: stale until the next sync")
-                    raise WeightSyncError(version, f"not committed: {lapsed}; the old version stays committed", failed)
-                await self.control.commit_weights(version, path or "", report.digest)
-            finally:
-                await pause.release()
-            report.pause_s, report.paused_s, report.total_s = pause.pause_s, pause.paused_s, time.monotonic() - started
-            report.paused_during_transfer = not staged
-            if report.stale or report.dead:
-                log.warning(
-                    "weight version %d: stale %s, dead %s", version, report.stale or "none", report.dead or "none"
-                )
-            return report
+            with tracing.span("rollout.weight_sync", **{"rollout.transport": transport}) as span:
+                return await self._synced(span, version, pause_mode, tensors, path, staged, stable_wait_s)
+
+    async def _synced(
+        self,
+        span: Any,
+        version: int,
+        pause_mode: PauseMode,
+        tensors: list[tuple[str, torch.Tensor]] | None,
+        path: str | None,
+        staged: bool,
+        stable_wait_s: float | None,
+    ) -> SyncReport:
+        """One sync, under the sender's lock, traced by `span` (None: untraced)."""
+        started = time.monotonic()
+        version = await self.control.next_weight_version(version)
+        if span is not None:
+            span.set_attribute("rollout.weight_version", version)
+        pause = _Pause(self.control, pause_mode, self.settings.client.pause_lease_s, self.timeout_s)
+        try:
+            if not staged:
+                await pause.hold()
+            if tensors is not None:
+                report = await self._broadcast(version, tensors, pause if staged else None)
+            else:
+                assert path is not None
+                report = await self._checkpoint(version, path, stable_wait_s)
+            if not report.loaded:
+                failed = {**report.stale, **dict.fromkeys(report.dead, "dead")}
+                raise WeightSyncError(version, "no worker loaded the weights; the old version stays committed", failed)
+            if (lapsed := await pause.lapsed()) is not None:
+                failed = dict.fromkeys(report.loaded, "loaded, not committed: stale until the next sync")
+                raise WeightSyncError(version, f"not committed: {lapsed}; the old version stays committed", failed)
+            await self.control.commit_weights(version, path or "", report.digest)
+        finally:
+            await pause.release()
+        report.pause_s, report.paused_s, report.total_s = pause.pause_s, pause.paused_s, time.monotonic() - started
+        report.paused_during_transfer = not staged
+        if report.stale or report.dead:
+            log.warning("weight version %d: stale %s, dead %s", version, report.stale or "none", report.dead or "none")
+        return report
 
     async def _members(self) -> dict[str, int]:
         """The live workers that can take part, with their rank counts."""
