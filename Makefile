@@ -37,11 +37,13 @@ $(STAMP): pyproject.toml Makefile
 	@# requests, torch, transformers and vLLM, all here (its trainers' pins would move them).
 	$(PIP) install --quiet --no-deps trl==1.16.0
 	@# Debian's Chromium, which the dashboard's browser test drives headless through Playwright (no browser is
-	@# downloaded): installed where missing and apt can (root); else the test says how to point at one.
-	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-		{ apt-get install -y -qq chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; }; }; } \
-		|| echo "make: no Chromium here: tests/integration/test_dashboard.py needs Debian's (apt-get install \
-	chromium) or ROLLOUT_CHROMIUM naming one" >&2
+	@# downloaded), and Debian's Prometheus, which runs docs/metrics.md's queries (tests/integration/test_prometheus.py):
+	@# installed where missing and apt can (root); else the tests say what is missing.
+	missing=$$(for p in chromium prometheus; do command -v $$p >/dev/null || echo $$p; done); \
+	if [ -n "$$missing" ]; then { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -qq $$missing >/dev/null || { apt-get update -qq && apt-get install -y -qq $$missing; }; }; } \
+		|| echo "make: not installed: $$missing (apt-get install $$missing): the dashboard's and Prometheus's tests \
+	need them" >&2; fi
 	touch $(STAMP)
 
 # What the 3.12 venv needs on disk while pip installs it (MB): the venv (~6.1 GB) and the downloads it unpacks.

