@@ -94,7 +94,9 @@ def parent_of(header: str | None) -> Any:
 
 def trace_id(header: str | None) -> str | None:
     """The trace id (32 hex digits) of a W3C `traceparent`, or None."""
-    parts = (header or "").split("-")
+    if not header:
+        return None
+    parts = header.split("-")
     return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None
 
 

@@ -33,13 +33,21 @@ def taken(request: Request, entry: Entry, worker_id: str, taken_at: float) -> No
     tracing.record("rollout.take", request.traceparent, taken_at, None, **tags, **{"rollout.entry_id": entry.entry_id})
 
 
-@contextlib.contextmanager
-def generation(request: RolloutRequest, worker_id: str, weight_version: int) -> Iterator[dict[str, str] | None]:
+_UNTRACED: contextlib.nullcontext[None] = contextlib.nullcontext(None)  # reusable: it holds no state
+
+
+def generation(
+    request: RolloutRequest, worker_id: str, weight_version: int
+) -> contextlib.AbstractContextManager[dict[str, str] | None]:
     """`rollout.generation` around the engine's run; yields the W3C headers that make an engine's own spans its
-    children (vLLM's `trace_headers`), None where it is not traced."""
+    children (vLLM's `trace_headers`), None where it is not traced (then at the cost of one check: the hot path)."""
     if request.traceparent is None or not tracing.enabled():
-        yield None
-        return
+        return _UNTRACED
+    return _generation(request, worker_id, weight_version)
+
+
+@contextlib.contextmanager
+def _generation(request: RolloutRequest, worker_id: str, weight_version: int) -> Iterator[dict[str, str] | None]:
     tags = _tags(request, worker_id) | {"rollout.weight_version": weight_version}
     with tracing.span("rollout.generation", request.traceparent, **tags) as span:
         yield {"traceparent": header} if (header := tracing.traceparent(span)) else None

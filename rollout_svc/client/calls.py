@@ -176,6 +176,12 @@ class Call:
         if self.remaining == 0:
             self.span.end()
 
+    def close(self) -> None:
+        """The call is over, answered or not (expired, or its caller gone): its span ends if it has not."""
+        if self.span is not None and self.span.is_recording():
+            self.span.set_attribute("rollout.unanswered", self.remaining)
+            self.span.end()
+
     def finished(self) -> list[int]:
         return [i for i, position in enumerate(self.positions) if position.result is not None]
 

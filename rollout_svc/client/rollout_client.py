@@ -7,8 +7,9 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Literal
 
+from rollout_svc.client.call_runner import CallRunner
 from rollout_svc.client.calls import ClientStats
-from rollout_svc.client.connection import CallRunner, Connection, IdsPrompt, Params, Prompt, RequestBuilder
+from rollout_svc.client.connection import Connection, IdsPrompt, Params, Prompt, RequestBuilder
 from rollout_svc.client.control_verbs import ControlVerbs
 from rollout_svc.client.expected import ExpectedLengths
 from rollout_svc.client.partial import check_target

@@ -26,7 +26,8 @@ from typing import Any
 import msgpack
 from redis.asyncio import Redis, RedisCluster
 
-from rollout_svc.client.connection import NO_TARGET, CallRunner, Connection, RequestBuilder, Target
+from rollout_svc.client.call_runner import CallRunner
+from rollout_svc.client.connection import NO_TARGET, Connection, RequestBuilder, Target
 from rollout_svc.config import Settings
 from rollout_svc.errors import InvalidRequestError
 from rollout_svc.fleet import Fleet

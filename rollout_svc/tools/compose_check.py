@@ -149,9 +149,9 @@ def wait_workers(port: int, count: int, timeout_s: float) -> float:
     raise CheckFailed(f"/health did not count {count} live workers within {timeout_s:.0f} s (last: {health(port)})")
 
 
-def wait_series(port: int, count: int, timeout_s: float) -> float:
+def wait_series(port: int, count: int, timeout_s: float) -> tuple[float, list[str]]:
     """Seconds until Prometheus (the `monitoring` profile) holds a `rollout_worker_in_flight` series of `count`
-    worker instances, each scraped up. `CheckFailed` naming what it holds after `timeout_s`."""
+    worker instances, each scraped up, and those instances. `CheckFailed` naming what it holds after `timeout_s`."""
     started, held = time.monotonic(), None
     query = urllib.parse.quote('rollout_worker_in_flight and on(instance) up{job="workers"} == 1')
     while time.monotonic() - started < timeout_s:
@@ -159,8 +159,9 @@ def wait_series(port: int, count: int, timeout_s: float) -> float:
             url = f"http://127.0.0.1:{port}/api/v1/query?query={query}"
             with urllib.request.urlopen(url, timeout=5) as answer:
                 held = json.load(answer)["data"]["result"]
-            if len({series["metric"]["instance"] for series in held}) >= count:
-                return time.monotonic() - started
+            instances = sorted({series["metric"]["instance"] for series in held})
+            if len(instances) >= count:
+                return time.monotonic() - started, instances
         time.sleep(2)
     raise CheckFailed(f"Prometheus holds no series of {count} workers after {timeout_s:.0f} s: {held}")
 
@@ -285,7 +286,8 @@ def check(figures: dict[str, Any]) -> None:
         run(*compose, "up", "-d", "--scale", "worker-cpu=2", env=env)
         wait_workers(port, 2, 600)
         figures["up_to_two_workers_s"] = round(time.monotonic() - started, 1)
-        figures["prometheus_series_of_every_worker_s"] = round(wait_series(prometheus_port, 2, 120), 1)
+        seen_s, figures["prometheus_worker_instances"] = wait_series(prometheus_port, 2, 120)
+        figures["prometheus_series_of_every_worker_s"] = round(seen_s, 1)
         workers = containers(compose, env, "worker-cpu")
         if len(workers) != 2:
             raise CheckFailed(f"expected 2 worker containers, compose runs {len(workers)}")

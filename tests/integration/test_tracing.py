@@ -29,6 +29,13 @@ from rollout_svc import RolloutClient
 
 async def main():
     async with RolloutClient() as client:
+        if sys.argv[1] == "timeout":  # no worker: the call ends unanswered
+            from rollout_svc import RequestTimeoutError
+            try:
+                await client.generate([[1, 2, 3]], {"max_tokens": 4}, timeout_s=1.0)
+            except RequestTimeoutError:
+                print(json.dumps({"timed_out": True}))
+            return
         call = asyncio.create_task(client.generate([list(range(1, 41))], {"max_tokens": 40}))
         if sys.argv[1] == "abort":
             await asyncio.sleep(0.6)
@@ -170,3 +177,13 @@ def test_an_http_call_joins_its_callers_trace(settings, workers, receiver, tmp_p
     assert spans["rollout.http"]["parent"] == caller_span and spans["rollout.http"]["service"] == "rollout-svc-serve"
     assert spans["rollout.call"]["parent"] == spans["rollout.http"]["span_id"]
     assert spans["rollout.generation"]["parent"] == spans["rollout.call"]["span_id"]
+
+
+def test_a_call_that_ends_unanswered_still_ends_its_span(settings, receiver):
+    assert produce(settings, "timeout", _traced(receiver)) == {"timed_out": True}  # no worker took it
+
+    def ended() -> list[dict[str, Any]]:
+        return [s for s in receiver.spans if s["name"] == "rollout.call" and "rollout.unanswered" in s["attributes"]]
+
+    [call] = wait_until(ended, 15, "the unanswered call's span")
+    assert call["attributes"]["rollout.unanswered"] == 1 and call["attributes"]["rollout.requests"] == 1
