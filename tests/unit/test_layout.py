@@ -50,7 +50,7 @@ def test_every_cli_command_answers_help():
             [sys.executable, "-m", "rollout_svc", *args, "--help"], capture_output=True, text=True, cwd=ROOT
         )
         assert out.returncode == 0 and said in out.stdout, (args, out.stderr)
-    commands = ("up", "serve", "status", "demo", "bench", "model")
+    commands = ("up", "serve", "status", "top", "demo", "bench", "model")
     commands += ("pause", "resume", "abort", "sleep", "wake-up", "reset-prefix-cache")
     runner = CliRunner()
     for command in commands:
