@@ -368,7 +368,7 @@ def render_scripts(run: BesideRun) -> list[str]:
         for side, name in (("earlier", f"`{run.earlier_commit}`"), ("this", f"`{run.this_commit}` (this)")):
             scripts = run.scripts_of(side, workers)
             for what, (calls, us, inner) in sorted(scripts.items(), key=lambda kv: -kv[1][1]):
-                if calls < 0.001:  # a heartbeat or a load report: under one call in 1,000 requests
+                if calls < 0.002:  # a heartbeat or a load report: under two calls in 1,000 requests
                     continue
                 per_call = (us / calls, inner / calls, 1 / calls) if calls else (0.0, 0.0, 0.0)
                 lines.append(
@@ -392,7 +392,7 @@ def render_scripts(run: BesideRun) -> list[str]:
                 + ", ".join(
                     f"{what} {1 / mine[what][0]:.1f} / {1 / theirs[what][0]:.1f}"
                     for what in sorted(set(mine) & set(theirs))
-                    if mine[what][0] >= 0.001 and theirs[what][0] >= 0.001 and what != "plain"
+                    if mine[what][0] >= 0.002 and theirs[what][0] >= 0.002 and what != "plain"
                 )
                 + ".",
             ]
