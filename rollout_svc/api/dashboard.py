@@ -28,7 +28,7 @@ from fastapi.staticfiles import StaticFiles
 from redis.exceptions import RedisError
 
 from rollout_svc.api.auth import Auth, bearer
-from rollout_svc.api.fleet_history import FleetHistory
+from rollout_svc.client.fleet_history import FleetHistory
 from rollout_svc.config import Settings
 from rollout_svc.openai.errors import APIError
 

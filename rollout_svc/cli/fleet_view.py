@@ -41,7 +41,7 @@ def fleet_line(report: dict[str, Any], now: float | None = None) -> str:
 
 def status_view(report: dict[str, Any], rates: dict[str, float] | None = None) -> Group:
     """The fleet line, a table of the workers (with a "requests/s" column where `rates` gives each worker's served
-    requests a second, as `top` measures them), a table of the streams, dead letters and named steps."""
+    requests a second, `FleetHistory.worker_rates`), a table of the streams, dead letters and named steps."""
     columns = WORKER_COLUMNS + (("requests/s",) if rates is not None else ())
     gpus = sum(w["weight_ranks"] for w in report["workers"])
     workers = Table(*columns, title=f"{len(report['workers'])} worker processes, {gpus} GPUs (ranks)")
@@ -66,25 +66,3 @@ def status_view(report: dict[str, Any], rates: dict[str, float] | None = None) -
         f"dead letters: {report['dead_letters']}; named steps: {report['steps']['live']} live, "
         f"{report['steps']['expired']} expired unattached (their results uncollected)",
     )
-
-
-class ServedRates:
-    """Each worker's served requests a second between two reports (its heartbeat's `served` count), and the fleet's.
-    A worker seen for the first time, or whose count went down (a new incarnation under the same id), has no rate
-    until the next report."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, tuple[float, int]] = {}  # worker id -> (when, served)
-
-    def update(self, report: dict[str, Any], now: float | None = None) -> dict[str, float]:
-        """Rates from `report` against the last one given: {worker id: requests/s}, workers gone left out."""
-        now = time.monotonic() if now is None else now
-        rates: dict[str, float] = {}
-        seen: dict[str, tuple[float, int]] = {}
-        for w in report["workers"]:
-            worker_id, served = w["worker_id"], int(w["served"])
-            seen[worker_id] = (now, served)
-            if (last := self._last.get(worker_id)) is not None and served >= last[1] and now > last[0]:
-                rates[worker_id] = (served - last[1]) / (now - last[0])
-        self._last = seen
-        return rates

@@ -14,7 +14,8 @@ from rich.console import Console, Group
 from rich.live import Live
 
 from rollout_svc.cli.common import DEFAULT_REDIS_URL, RedisUrl
-from rollout_svc.cli.fleet_view import ServedRates, status_view
+from rollout_svc.cli.fleet_view import status_view
+from rollout_svc.client.fleet_history import FleetHistory
 from rollout_svc.config import Settings
 
 
@@ -34,7 +35,7 @@ def top(
 async def _top(redis_url: str, interval_s: float, duration_s: float) -> None:
     from rollout_svc.client.status import fleet_status
 
-    settings, rates, console = Settings(redis_url=redis_url), ServedRates(), Console(highlight=False)
+    settings, history, console = Settings(redis_url=redis_url), FleetHistory(), Console(highlight=False)
     parsed = urlparse(redis_url)
     where = f"{parsed.hostname}:{parsed.port or 6379}{parsed.path}"  # no user or password on the screen
     deadline = time.monotonic() + duration_s if duration_s else None
@@ -45,14 +46,15 @@ async def _top(redis_url: str, interval_s: float, duration_s: float) -> None:
             except (OSError, RedisError) as exc:
                 live.update(f"cannot reach Redis at {where}: {exc}; retrying every {interval_s:g} s", refresh=True)
             else:
-                live.update(_frame(report, rates.update(report), where), refresh=True)
+                served = history.add(report)["requests_per_s"]
+                live.update(_frame(report, history.worker_rates(), served, where), refresh=True)
             await asyncio.sleep(interval_s)
 
 
-def _frame(report: dict[str, Any], rates: dict[str, float], where: str) -> Group:
-    """One refresh: a header (where, when, the fleet's requests a second), the default model's view, each named
-    model's."""
-    header = f"rollout-svc top: {where}, {time.strftime('%H:%M:%S')}; {sum(rates.values()):,.1f} requests/s served"
+def _frame(report: dict[str, Any], rates: dict[str, float], served: float, where: str) -> Group:
+    """One refresh: a header (where, when, the fleet's requests a second: `served`), the default model's view with
+    each worker's (`rates`), each named model's."""
+    header = f"rollout-svc top: {where}, {time.strftime('%H:%M:%S')}; {served:,.1f} requests/s served"
     parts: list[Any] = [header, status_view(report, rates)]
     for name, named in report["named_models"].items():
         parts += [f"model {name}:", status_view(named)]

@@ -1,10 +1,10 @@
-"""The dashboard's figures over time, from heartbeats' running sums (`api.fleet_history`)."""
+"""The fleet's figures over time, from heartbeats' running sums (`client.fleet_history`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from rollout_svc.api.fleet_history import FleetHistory
+from rollout_svc.client.fleet_history import FleetHistory
 
 
 def _report(*workers: tuple[str, float, int, int, float, int, float, int]) -> dict:
@@ -45,3 +45,18 @@ def test_samples_are_spaced_and_kept_for_the_window():
     for t in range(1, 15):
         history.add(_report(), now=float(t))
     assert history.series()["t"][0] == 4.0 and len(history.series()["t"]) == 11  # the last 10 s
+
+
+def test_each_workers_rate_for_top():
+    """`top`'s column: served requests a second between a worker's heartbeats (each by its own `heartbeat_at`)."""
+    history = FleetHistory()
+
+    def at(t: float, *served: tuple[str, int]) -> dict[str, float]:
+        history.add(_report(*((w, t, n, 0, 0.0, 0, 0.0, 0) for w, n in served)), now=t)
+        return history.worker_rates()
+
+    assert at(100.0, ("w-a", 10)) == {}  # first sight: no rate yet
+    assert at(102.0, ("w-a", 30), ("w-b", 5)) == {"w-a": 10.0}
+    # w-b restarted under its id (its count went down): no rate until the next report; w-a gone: left out
+    assert at(103.0, ("w-b", 1)) == {}
+    assert at(104.0, ("w-b", 4)) == {"w-b": 3.0}

@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from rollout_svc.cli.fleet_view import ServedRates, status_view
+from rollout_svc.cli.fleet_view import status_view
 
 
 def _worker(worker_id: str, served: int) -> dict:
@@ -39,12 +39,3 @@ def test_the_view_shows_each_worker_the_queues_and_the_pause():
     assert "w-a" in text and "w-b" in text and "requests/s" in text and "12.5" in text
     assert "rollout:{g0}:requests" in text and "dead letters: 2" in text
     assert "requests/s" not in _text(_report(_worker("w-a", 10)))  # `status`: no rates
-
-
-def test_rates_come_from_served_counts_between_reports():
-    rates = ServedRates()
-    assert rates.update(_report(_worker("w-a", 10)), now=100.0) == {}  # first sight: no rate yet
-    assert rates.update(_report(_worker("w-a", 30), _worker("w-b", 5)), now=102.0) == {"w-a": 10.0}
-    # w-b restarted under its id (its count went down): no rate until the next report; w-a gone: left out
-    assert rates.update(_report(_worker("w-b", 1)), now=103.0) == {}
-    assert rates.update(_report(_worker("w-b", 4)), now=104.0) == {"w-b": 3.0}

@@ -1,7 +1,8 @@
-"""The dashboard's figures over the last minutes, from the fleet's reports (`client.status.fleet_status`) taken while
-someone watches: each worker's heartbeat carries what it served, summed since it started (`WorkerStatus.served`,
-`generated_tokens`, `generation_s`, `first_tokens`, `first_token_s`), so its rates are the differences between two
-of its heartbeats, over their own timestamps (`heartbeat_at`: a heartbeat's clock, not the reader's)."""
+"""The fleet's figures over the last minutes, from its reports (`client.status.fleet_status`) taken while someone
+watches (the dashboard, `rollout-svc top`): each worker's heartbeat carries what it served, summed since it started
+(`WorkerStatus.served`, `generated_tokens`, `generation_s`, `first_tokens`, `first_token_s`), so its rates are the
+differences between two of its heartbeats, over their own timestamps (`heartbeat_at`: a heartbeat's clock, not the
+reader's)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,11 @@ class FleetHistory:
         while self.samples and now - self.samples[0]["t"] > self.window_s:
             self.samples.popleft()
         return sample
+
+    def worker_rates(self) -> dict[str, float]:
+        """Each worker's served requests a second over its latest two heartbeats, as of the last sample; a worker
+        seen once only, or since its sums went down (restarted under its id), has none yet."""
+        return {worker_id: w.delta[0] / w.span_s for worker_id, w in self._workers.items() if w.span_s > 0}
 
     def series(self) -> dict[str, Any]:
         """The samples as columns, as the charts take them: {"t": [...], figure: [...], "in_flight": {worker id:
