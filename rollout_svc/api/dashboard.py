@@ -48,13 +48,12 @@ class Dashboard:
     async def data(self) -> dict[str, Any]:
         """{"now": unix s, "report": `fleet_status`'s report, "sync": `client.status.sync_status` (None: no sync
         yet), "history": `FleetHistory.series()`}. Raises `APIError` 503 while Redis is away."""
-        from rollout_svc.client.status import fleet_status, sync_status
+        from rollout_svc.client.status import fleet_and_sync_status
 
         async with self._reading:
             if self._latest is None or self.history.due():
                 try:
-                    report = await fleet_status(self.settings)
-                    sync = await sync_status(self.settings)
+                    report, sync = await fleet_and_sync_status(self.settings)
                 except (OSError, RedisError) as exc:
                     raise APIError(503, f"cannot read the fleet from Redis: {exc}", code="redis_unavailable") from exc
                 self.history.add(report)

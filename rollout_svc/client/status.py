@@ -8,15 +8,13 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from rollout_svc.config import Settings
-from rollout_svc.errors import ProtocolError
 from rollout_svc.fleet import Fleet, FleetControl, FleetRegistry, sorted_workers
 from rollout_svc.keys import JOINED, LOADED, RECEIVED
-from rollout_svc.orders import WeightSyncOrder
-from rollout_svc.protocol import decode
 
 
-async def fleet_status(settings: Settings) -> dict[str, Any]:
-    """The fleet as JSON-ready data.
+async def fleet_status(settings: Settings, fleet: Fleet | None = None) -> dict[str, Any]:
+    """The fleet as JSON-ready data, read over `fleet` (refreshed here, left open: `sync_status` may read it next)
+    or over a `Fleet` of its own (closed on return).
 
     Returns `{"paused": bool, "pause_mode": "keep"|"abort"|"wait"|None, "pause_holders": {holder: mode},
     "pause_leases": {holder: when its pause lapses, unix s}, "lapsed_pauses": {holder: when its leased pause lapsed},
@@ -32,7 +30,8 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
     `state` is starting, serving, paused, sleeping, draining or stale (its weights are not the committed ones), and
     `applied_epoch` the control epoch it acknowledged (right after a command returns, every worker's is >= it).
     """
-    fleet = Fleet(settings)
+    own = fleet is None
+    fleet = Fleet(settings) if fleet is None else fleet
     named: list[str] = []
     try:
         shards = await fleet.refresh()
@@ -62,7 +61,8 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
             except (RedisError, OSError):  # its primary is down: reported, the other shards still are
                 unreachable.append(link.name)
     finally:
-        await fleet.close()
+        if own:
+            await fleet.close()
     return {
         "paused": desired.paused,
         "pause_mode": desired.pause_mode,
@@ -86,31 +86,33 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
     }
 
 
-async def sync_status(settings: Settings) -> dict[str, Any] | None:
-    """The current weight sync (`Keys.weight_sync`, of the first shard that answers: every sync writes it in all),
-    with each phase's barrier (`Keys.weight_barrier`): {"sync_id", "version", "transport", "staged", "members",
-    "issued_at", "phases": {"joined" | "received" | "loaded": {worker id: "ok" or its error}}}; None if none yet."""
+async def sync_status(fleet: Fleet) -> dict[str, Any] | None:
+    """The current weight sync (`WeightSyncPlane.order`, of the first shard of `fleet`, refreshed, that answers:
+    every sync writes it in all), with each phase's barrier (`Keys.weight_barrier`): {"sync_id", "version",
+    "transport", "staged", "members", "issued_at", "phases": {"joined" | "received" | "loaded": {worker id: "ok" or
+    its error}}}; None if none yet (or one this build cannot read)."""
+    for link in fleet.links.values():
+        try:
+            order = await link.weights.order()
+            if order is None:
+                return None
+            phases = {}
+            for phase in (JOINED, RECEIVED, LOADED):
+                reached: Any = await link.redis.hgetall(link.keys.weight_barrier(order.sync_id, phase))
+                phases[phase] = {k.decode(): v.decode() for k, v in reached.items()}
+        except (OSError, RedisError):
+            continue  # this shard is away: the next one
+        return {
+            "sync_id": order.sync_id, "version": order.version, "transport": order.transport,
+            "staged": order.staged, "members": order.members, "issued_at": order.issued_at, "phases": phases,
+        }  # fmt: skip
+    return None
+
+
+async def fleet_and_sync_status(settings: Settings) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """`fleet_status` and `sync_status` read over one `Fleet` (what the dashboard shows each second)."""
     fleet = Fleet(settings)
     try:
-        await fleet.refresh()
-        for link in fleet.links.values():
-            try:
-                raw: Any = await link.redis.get(link.keys.weight_sync)
-                if raw is None:
-                    return None
-                order = decode(raw)
-                if not isinstance(order, WeightSyncOrder):
-                    return None
-                phases = {}
-                for phase in (JOINED, RECEIVED, LOADED):
-                    reached: Any = await link.redis.hgetall(link.keys.weight_barrier(order.sync_id, phase))
-                    phases[phase] = {k.decode(): v.decode() for k, v in reached.items()}
-            except (OSError, RedisError, ProtocolError):
-                continue  # this shard is away, or holds what this build cannot read: the next one
-            return {
-                "sync_id": order.sync_id, "version": order.version, "transport": order.transport,
-                "staged": order.staged, "members": order.members, "issued_at": order.issued_at, "phases": phases,
-            }  # fmt: skip
-        return None
+        return await fleet_status(settings, fleet), await sync_status(fleet)
     finally:
         await fleet.close()
