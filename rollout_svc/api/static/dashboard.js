@@ -27,13 +27,16 @@
     return n === null || n === undefined ? "-" : Number(n).toLocaleString(undefined, { maximumFractionDigits: digits || 0 });
   }
 
+  // how long a holder's pause lasts: its lease, or until it resumes
+  function leaseText(report, holder, now) {
+    const lease = report.pause_leases[holder];
+    return lease ? `lease lapses in ${Math.max(0, lease - now).toFixed(0)} s` : "held until resumed";
+  }
+
   function fleetLine(report, now) {
     if (report.paused) {
-      const holders = Object.entries(report.pause_holders).map(([holder, mode]) => {
-        const lease = report.pause_leases[holder];
-        const until = lease ? `lease lapses in ${Math.max(0, lease - now).toFixed(0)} s` : "held until resumed";
-        return `${holder} (${mode}, ${until})`;
-      });
+      const holders = Object.entries(report.pause_holders).map(
+        ([holder, mode]) => `${holder} (${mode}, ${leaseText(report, holder, now)})`);
       return [`paused (${report.pause_mode}) by ${holders.join(", ")}`, "paused"];
     }
     return [report.sleep_level ? "asleep" : "serving", ""];
@@ -76,9 +79,7 @@
     const holders = Object.entries(report.pause_holders);
     if (!holders.length) add("no pause held");
     for (const [holder, mode] of holders) {
-      const lease = report.pause_leases[holder];
-      add(`pause held by ${holder}: ${mode}, ` +
-        (lease ? `lease lapses in ${Math.max(0, lease - data.now).toFixed(0)} s` : "until resumed"), "holder");
+      add(`pause held by ${holder}: ${mode}, ${leaseText(report, holder, data.now)}`, "holder");
     }
     for (const [holder, when] of Object.entries(report.lapsed_pauses)) {
       add(`the pause of ${holder} lapsed at ${new Date(when * 1000).toLocaleTimeString()}: ` +
