@@ -84,11 +84,10 @@ def parent_of(header: str | None) -> Any:
     """The OpenTelemetry context a W3C `traceparent` names (None for none, or one that does not parse)."""
     if not header:
         return None
+    from opentelemetry import trace
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     context = TraceContextTextMapPropagator().extract({"traceparent": header})
-    from opentelemetry import trace
-
     return context if trace.get_current_span(context).get_span_context().is_valid else None
 
 
@@ -106,7 +105,7 @@ def record(name: str, parent: str | None, start_s: float, end_s: float | None = 
     if parent is None or (active := tracer()) is None:
         return
     span = active.start_span(name, context=parent_of(parent), start_time=int(start_s * 1e9))
-    span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+    span.set_attributes(_given(attributes))
     span.end(end_time=int((time.time() if end_s is None else end_s) * 1e9))
 
 
@@ -119,7 +118,7 @@ def span(name: str, parent: str | None = None, **attributes: Any) -> Iterator[An
         yield None
         return
     with active.start_as_current_span(name, context=parent_of(parent)) as current:
-        current.set_attributes({k: v for k, v in attributes.items() if v is not None})
+        current.set_attributes(_given(attributes))
         yield current
 
 
@@ -129,5 +128,10 @@ def start(name: str, **attributes: Any) -> Any:
     if active is None:
         return None
     started = active.start_span(name)
-    started.set_attributes({k: v for k, v in attributes.items() if v is not None})
+    started.set_attributes(_given(attributes))
     return started
+
+
+def _given(attributes: dict[str, Any]) -> dict[str, Any]:
+    """A span's attributes, the None values left out (OpenTelemetry takes none)."""
+    return {k: v for k, v in attributes.items() if v is not None}

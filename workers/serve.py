@@ -79,8 +79,7 @@ class RequestServer:
         self.streams, self.recovery, self.keys = streams, recovery, settings.keys
         self._publish, self._on_engine_dead = publish, on_engine_dead
         self.metrics = metrics  # None: nothing is counted
-        self.served = 0  # generations run on the engine (aborted ones included)
-        self.totals = ServedTotals()  # what they generated, for the heartbeat
+        self.totals = ServedTotals()  # generations run on the engine and what they made, for the heartbeat
 
     async def serve(self, record: InFlight) -> None:
         """Serve one entry; while Redis is away (pinning, dead-lettering), retry rather than drop it.
@@ -261,7 +260,6 @@ class RequestServer:
             record.in_engine = False
             if adapter is not None:
                 await self.state.adapters.release(adapter, self.engine)
-        self.served += 1
         self.totals.generated(len(completion.completion_token_ids), time.time() - started)
         aborted = completion.finish_reason == "abort"
         tokens, logprobs, text = completion.completion_token_ids, completion.logprobs, completion.text

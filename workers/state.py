@@ -86,10 +86,10 @@ class WorkerState:
             self.resumed.clear()
 
     def status(
-        self, engine: Engine, in_flight: int, served: int, started_at: float, totals: ServedTotals | None = None
+        self, engine: Engine, in_flight: int, started_at: float, totals: ServedTotals | None = None
     ) -> WorkerStatus:
-        """The heartbeat of a worker in this state, running `engine` (`in_flight` entries taken and not answered,
-        `served` answered so far, up since `started_at`, unix s; `totals`: what they generated, summed)."""
+        """The heartbeat of a worker in this state, running `engine` (`in_flight` entries taken and not answered, up
+        since `started_at`, unix s; `totals`: what it served, summed; none yet by default)."""
         totals = totals or ServedTotals()
         return WorkerStatus(
             generated_tokens=totals.generated_tokens,
@@ -102,7 +102,7 @@ class WorkerState:
             model=engine.model_name,
             capacity=engine.capacity,
             in_flight=in_flight,
-            served=served,
+            served=totals.served,
             weight_version=self.weight_version,
             weight_digest=self.weight_digest,
             host=socket.gethostname(),

@@ -9,12 +9,14 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class ServedTotals:
-    """Running sums: `generated_tokens` (tokens this worker generated, a continuation's earlier ones not again) over
+    """Running sums: `served` (generations run on the engine, aborted ones included), `generated_tokens` (tokens this
+    worker generated, a continuation's earlier ones not again) over
     `generation_s` (seconds its generations ran on the engine, `Trajectory.generation_time_s`): time per output
     token is the ratio of their differences. `first_token_s` over `first_tokens`: a streamed request's time to first
     token, from its submission to its first chunk sent (what a streaming caller waits; a request that is not streamed
     has no first token before its answer)."""
 
+    served: int = 0
     generated_tokens: int = 0
     generation_s: float = 0.0
     first_tokens: int = 0
@@ -22,6 +24,7 @@ class ServedTotals:
 
     def generated(self, tokens: int, seconds: float) -> None:
         """A generation ran: `tokens` new tokens in `seconds` on the engine."""
+        self.served += 1
         self.generated_tokens += tokens
         self.generation_s += max(0.0, seconds)
 

@@ -251,7 +251,7 @@ class Worker:
 
     def _status(self) -> WorkerStatus:
         engine = self.engine
-        return self.state.status(engine, len(self.index), self.server.served, self._started_at, self.server.totals)
+        return self.state.status(engine, len(self.index), self._started_at, self.server.totals)
 
     def _load_after(self, released: list[InFlight]) -> tuple[str, int]:
         """(worker id, free slots) once `released` are out of the in-flight index; no slot is free while it

@@ -13,12 +13,12 @@ from workers.vllm_engine import engine_config
 
 
 def test_the_heartbeat_carries_the_engines_batch_context_and_kv_cache():
-    status = WorkerState("w0").status(EchoEngine(capacity=8, max_model_len=1024), 0, 0, 0.0)
+    status = WorkerState("w0").status(EchoEngine(capacity=8, max_model_len=1024), 0, 0.0)
     assert (status.capacity, status.max_num_seqs, status.max_model_len) == (8, 8, 1024)
     assert status.kv_cache_tokens == 8 * 1024 and status.engine_config == ""
 
     sim = SimEngine(H100_SXM, QWEN25_7B, capacity=256, max_model_len=4096)
-    status = WorkerState("w1").status(sim, 0, 0, 0.0)
+    status = WorkerState("w1").status(sim, 0, 0.0)
     assert (status.max_num_seqs, status.max_model_len) == (256, 4096)
     # an H100's 80 GB at 0.9, less 15 GB of weights, at 57,344 bytes a token: about a million tokens
     assert status.kv_cache_tokens == sim.scheduler.pool.num_blocks * 16 and 900_000 < status.kv_cache_tokens < 1_100_000
