@@ -40,6 +40,7 @@ from rollout_svc.tools.progress import Progress
 
 HEADING = "## (p) The hop's cost beside an earlier commit"
 DEFAULT_COMMIT = "ed982d0"  # the code before placement by cost (issue 43's measure)
+LEAST_CALLS = 0.002  # calls a request: a script called less (twice in 1,000 requests) is left out of (p)'s table
 FIGURES = ("requests_per_s", "redis_us", "commands", "command_us", "scripts", "workers_us", "client_us")
 
 # Run in each tree's own interpreter path: argv url, requests, in flight; env WORKER_PIDS. Prints one JSON line.
@@ -363,37 +364,40 @@ def render_scripts(run: BesideRun) -> list[str]:
         "| us per request |",
         "|---:|---|---|---:|---:|---:|---:|---:|",
     ]
-    totals: dict[tuple[str, int], float] = {}
     for workers in run.plan.workers:
         for side, name in (("earlier", f"`{run.earlier_commit}`"), ("this", f"`{run.this_commit}` (this)")):
-            scripts = run.scripts_of(side, workers)
+            scripts = _called(run.scripts_of(side, workers))
             for what, (calls, us, inner) in sorted(scripts.items(), key=lambda kv: -kv[1][1]):
-                if calls < 0.002:  # a heartbeat or a load report: under two calls in 1,000 requests
-                    continue
-                per_call = (us / calls, inner / calls, 1 / calls) if calls else (0.0, 0.0, 0.0)
                 lines.append(
-                    f"| {workers} | {name} | {what} | {calls:.3f} | {per_call[2]:.1f} | {per_call[1]:.1f} "
-                    f"| {per_call[0]:.1f} | {us:.1f} |"
+                    f"| {workers} | {name} | {what} | {calls:.3f} | {1 / calls:.1f} | {inner / calls:.1f} "
+                    f"| {us / calls:.1f} | {us:.1f} |"
                 )
-            totals[side, workers] = sum(us for us, *_ in ((v[1],) for v in scripts.values()))
     if run.plan.workers:
         w = max(run.plan.workers)
         mine, theirs = run.scripts_of("this", w), run.scripts_of("earlier", w)
-        costly = max(mine, key=lambda k: mine[k][1], default=None)
+        logged = {
+            side: sum(us for _, us, _ in scripts.values()) for side, scripts in (("this", mine), ("earlier", theirs))
+        }
+        called = _called(mine)
+        costly = max(called, key=lambda k: called[k][1], default=None)
         if costly is not None and theirs:
-            calls, us, inner = mine[costly]
+            calls, us, inner = called[costly]
             lines += [
                 "",
-                f"At {w} workers the logged commands took {totals['this', w]:.1f} us per request here against "
-                f"{totals['earlier', w]:.1f} in `{run.earlier_commit}`. The most of it went to `{costly}`: "
-                f"{calls:.3f} calls per request ({1 / calls if calls else 0:.1f} requests a call), "
-                f"{us / calls if calls else 0:.1f} us and {inner / calls if calls else 0:.1f} inner calls each. "
-                f"Requests a call, here against `{run.earlier_commit}`: "
+                f"At {w} workers the logged commands took {logged['this']:.1f} us per request here against "
+                f"{logged['earlier']:.1f} in `{run.earlier_commit}`. The most of it went to `{costly}`: "
+                f"{calls:.3f} calls per request ({1 / calls:.1f} requests a call), {us / calls:.1f} us and "
+                f"{inner / calls:.1f} inner calls each. Requests a call, here against `{run.earlier_commit}`: "
                 + ", ".join(
-                    f"{what} {1 / mine[what][0]:.1f} / {1 / theirs[what][0]:.1f}"
-                    for what in sorted(set(mine) & set(theirs))
-                    if mine[what][0] >= 0.002 and theirs[what][0] >= 0.002 and what != "plain"
+                    f"{what} {1 / called[what][0]:.1f} / {1 / earlier[0]:.1f}"
+                    for what, earlier in sorted(_called(theirs).items())
+                    if what in called and what != "plain"
                 )
                 + ".",
             ]
     return lines
+
+
+def _called(scripts: dict[str, list[float]]) -> dict[str, list[float]]:
+    """The scripts called at least `LEAST_CALLS` times a request (a heartbeat or a load report is not)."""
+    return {what: figures for what, figures in scripts.items() if figures[0] >= LEAST_CALLS}
