@@ -18,7 +18,9 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_the_demo_splits_its_work_evenly_over_two_workers(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    engine = EngineSettings(engine="echo", echo_token_delay_s=0.002)
+    # 10 ms a token: the run (~6 s) waits on generation, not on the CPU, so a worker the loaded host leaves without
+    # a core for a moment does not decide the split (at 2 ms a token the whole run took ~2 s, and CI split it 67/33).
+    engine = EngineSettings(engine="echo", echo_token_delay_s=0.01)
     record = run_demo(None, 2, engine, prompts=64, sessions=8, turns=3, max_tokens=128)
     served = Counter(t.worker_id for t in record.trajectories if t.finish_reason != "error")
     assert sum(served.values()) == 64 + 8 * 3 and len(served) == 2
