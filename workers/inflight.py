@@ -86,6 +86,7 @@ class InFlight:
     entered_at: float = 0.0  # monotonic time it entered the engine
     move_to: str | None = None  # the idle worker a straggler move hands it to (abort cause "migrate")
     answered_at: float = 0.0  # unix time it was answered (its result queued to publish; traced)
+    fenced: bool = False  # its publish found its entry no longer pending here (requeued): its result was dropped
 
     def first_token_version(self, made: int) -> int | None:
         """The weight version of its completion's first token, having made `made` tokens in the engine (after its

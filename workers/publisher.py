@@ -69,9 +69,11 @@ class Publisher:
                 with self.woken.claimed(load is not None) as woken:
                     fenced = await self.streams.publish(items, self.results_ttl_s, load, woken)
                 if fenced:
-                    self.state.fenced_results += fenced
+                    for position in fenced:
+                        batch[position].fenced = True
+                    self.state.fenced_results += len(fenced)
                     log.warning(
-                        "dropped %d results: their requests were requeued while this worker was stalled", fenced
+                        "dropped %d results: their requests were requeued while this worker was stalled", len(fenced)
                     )
                 if tracing.enabled():
                     traces.published(batch, self.state.worker_id)

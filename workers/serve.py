@@ -42,6 +42,7 @@ from workers.state import WorkerState
 from workers.totals import ServedTotals
 
 log = logging.getLogger("rollout_svc.worker")
+SECOND_DELIVERY_POLL_S = 0.05  # how often a second delivery looks whether the running copy was published
 REDIS_ERRORS = REDIS_AWAY  # what a Redis that is away raises: the worker's loops back off and try again
 RETRY_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 
@@ -108,12 +109,8 @@ class RequestServer:
             message = f"delivered {entry.deliveries} times without a result"
             await self._dead_letter(entry, "max_deliveries", message)
             return
-        if self.index.running(request.request_id) is not None:
-            # A second delivery of a request this worker runs already (its enqueue was sent again after a lost reply,
-            # or resubmitted after Redis restarted): acked without an answer; the copy in flight answers.
-            record.reply_to = None
-            self._publish(record)
-            return
+        if (running := self.index.running(request.request_id)) is not None:
+            return await self._second_delivery(record, request, running)
         self.index.decoded(record, request)
         if tracing.enabled():
             traces.taken(request, entry, self.state.worker_id, taken_at)
@@ -139,6 +136,25 @@ class RequestServer:
         if record.move_to is not None and isinstance(result, Trajectory) and await self._hand_over(record, result):
             return
         self._answer(record, request, result)
+
+    async def _second_delivery(self, record: InFlight, request: Request, running: InFlight) -> None:
+        """A second delivery of a request this worker runs already: its enqueue was sent again after a lost reply, or
+        resubmitted after Redis restarted (both entries pending here), or its entry was requeued while this worker was
+        presumed dead (a stall past the heartbeat TTL) and the copy came back to it. It waits until the running copy
+        is published: answered there, this one is acked without an answer; fenced there (its entry was requeued: this
+        is the copy), this one is answered with its result. Before, it was always acked unanswered, and a chaos run
+        lost a request so. Acked unanswered too where the running copy is another request (a retry of this one) or
+        was not answered (handed over: its continuation answers)."""
+        if running.task is not None and running.task is not asyncio.current_task():
+            await asyncio.wait([running.task])  # not its cancellation: this one is cancelled by its own cause
+        same = running.request is not None and running.request.request_id == request.request_id
+        answered = same and running.publishing and running.reply_to is not None
+        while answered and not running.removed:  # until published (`fenced` then says how); a rare path: polled
+            await asyncio.sleep(SECOND_DELIVERY_POLL_S)
+        record.reply_to, record.payload = (
+            (running.reply_to, running.payload) if answered and running.fenced else (None, b"")
+        )
+        self._publish(record)
 
     async def _hand_over(self, record: InFlight, result: Trajectory) -> bool:
         """Complete a straggler move (workers/moves.py): add the continuation of `result` (cut by the move) to the

@@ -16,10 +16,10 @@ from rollout_svc.keys import lua
 # ID:pinned loses [6], the queued tokens the rest of [5]; none goes below 0. Its level follows (`dataplane.levels`).
 # An item's result is added only if its XACK returned 1, that is if the entry was still pending here; 0 means it was
 # requeued while this worker was presumed dead, and the worker that takes the requeued copy answers it. The acked
-# entries are deleted with one XDEL a stream. Returns how many were fenced.
+# entries are deleted with one XDEL a stream. Returns the positions (1-based) of the items fenced.
 PUBLISH_LUA = with_levels("""
 local results_ttl_s, group, worker, free = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local fenced, touched, done, acked = 0, {}, 0, {}
+local fenced, touched, done, acked = {}, {}, 0, {}
 for a = 7, #ARGV, 5 do
   local stream, id = KEYS[tonumber(ARGV[a + 2])], ARGV[a + 3]
   done = done + tonumber(ARGV[a + 4])
@@ -32,7 +32,7 @@ for a = 7, #ARGV, 5 do
       touched[KEYS[r]] = true
     end
   else
-    fenced = fenced + 1
+    fenced[#fenced + 1] = (a - 2) / 5
   end
 end
 for stream, ids in pairs(acked) do  -- deleted once answered: one XDEL a stream

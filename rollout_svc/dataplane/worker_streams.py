@@ -150,9 +150,10 @@ class WorkerStreams(StreamSide):
         results_ttl_s: float,
         load: tuple[str, int] | None = None,
         woken: tuple[int, int] = (0, 0),
-    ) -> int:
+    ) -> list[int]:
         """Atomically (one script): for each (entry, (results stream, payload) or None), XACK + XDEL the entry
-        and XADD its result, but only where the XACK returned 1. Returns how many were fenced (not published).
+        and XADD its result, but only where the XACK returned 1. Returns the positions in `items` (0-based) of those
+        fenced (not published: the entry was no longer pending on this worker).
         `load`: (worker id, free slots after this publish): the entries' costs are taken off its load in
         `Keys.loads` in the same call, so a take's fair share never counts work already answered; `woken`:
         (tokens, pinned tokens) its blocking reads took that no take counted yet (`workers.inflight.Woken`): added
@@ -164,7 +165,7 @@ class WorkerStreams(StreamSide):
             reply_index = keys.setdefault(result[0], len(keys) + 1) if result else 0
             args += [reply_index, result[1] if result else b"", keys.setdefault(entry.stream, len(keys) + 1)]
             args += [entry.entry_id, entry.cost]
-        return int(await self.connection.script("publish", list(keys), args))
+        return [int(position) - 1 for position in await self.connection.script("publish", list(keys), args)]
 
     async def send_chunk(self, stream: str, payload: bytes, results_ttl_s: float) -> None:
         """XADD a streaming chunk to a results stream (no ack: the final result is published with its ack), and

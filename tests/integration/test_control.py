@@ -17,8 +17,10 @@ import time
 from collections.abc import Awaitable, Callable
 
 import pytest
+from redis.asyncio import Redis
 
 from rollout_svc import ControlTimeoutError, RolloutClient
+from rollout_svc.dataplane.reaper import Reaper
 from rollout_svc.keys import PAYLOAD_FIELD
 from rollout_svc.protocol import RolloutRequest, encode
 from tests.support import ROOT, Results, Streaming, async_wait_until, pending, queued, wait_until
@@ -206,6 +208,34 @@ async def test_a_stalled_worker_is_named_then_reaped_then_fenced_and_comes_back(
         assert client.stats.duplicates == 0  # and none reached the caller
     assert all(whole(t, p) for t, p in zip(trajectories, batch, strict=True))
     assert "outlived its heartbeat TTL" in workers.log("echo-0")
+
+
+async def test_a_request_requeued_while_its_worker_runs_it_is_answered_by_its_second_delivery(
+    settings, echo_workers, rds
+):
+    # A worker reaped while it lived (a stall past the TTL) may take the requeued copy of a request it still runs.
+    # That copy was acked unanswered ("the copy in flight answers"), and the copy in flight's answer was fenced: the
+    # request was lost (a chaos run in CI, 2026-11-29: a batch request and a step's, both in flight on a stalled w2).
+    [worker_id] = echo_workers(1, *DELAY)
+    [prompt] = prompts(1, salt=11)
+    async with RolloutClient(settings) as client:
+        task = asyncio.create_task(client.generate([prompt], PARAMS, timeout_s=20))
+        await async_wait_until(lambda: pending(rds, settings.keys.requests) == 1, 5, "the request taken")
+        redis = Redis.from_url(settings.redis_url)
+        try:  # as a reaper does to a worker presumed dead (once: this one lives, and takes the copy)
+            reaper = Reaper(redis, settings)
+            assert await reaper.requeue(await reaper.streams.pending_of(settings.keys.requests, worker_id)) == 1
+        finally:
+            await redis.aclose()
+        [t] = await task
+
+        async def fenced() -> bool:
+            return [w.fenced_results for w in await client.workers()] == [1]  # the running copy's answer
+
+        await async_wait_until(fenced, 5, "the running copy's answer to be fenced")
+        assert client.stats.duplicates == 0  # answered once: by the copy
+    assert whole(t, prompt)
+    assert pending(rds, settings.keys.requests) == 0 and rds.xlen(settings.keys.requests) == 0
 
 
 async def test_a_retried_request_keeps_each_tokens_text_and_top_logprobs(settings, echo_workers, rds):
