@@ -18,7 +18,8 @@ PLACE_WALK = 32  # the most open workers it looks at for one that is serving and
 # for a forward) or is stale; otherwise the preferred worker, if serving or paused, takes the session; otherwise the
 # open worker of the lowest level: of the lowest level's first PLACE_PAGE (from an offset by the session id's hash
 # where more share it, so that an idle fleet's sessions spread), the one with the fewest unexpired sessions, then the
-# lowest id, if it is serving or paused and converged (applied the current epoch); if not, the first such of the
+# lowest id (sessions counted only where two or more tie: one read of the levels and no count where one is lowest),
+# if it is serving or paused and converged (applied the current epoch); if not, the first such of the
 # open workers in level order (at most PLACE_WALK). None: false (the shared stream). queued(f, w, cost)
 # adds a request placed in w's pinned stream to its ID:pinned and level at once; unqueue(f) takes them off again (a
 # call refused for admission).
@@ -56,7 +57,8 @@ local function hash_of(text)
   return h
 end
 local function place(f, epoch, ttl_ms, skey, sid, preferred, keep_draining)
-  local at = now_ms()
+  f.now = f.now or now_ms()  -- one clock read a script
+  local at = f.now
   local function pin(w, new)  -- `new`: a session new to w, whose set is then cleared of expired ones
     redis.call('SET', skey, w, 'PX', ttl_ms)
     if new then redis.call('ZREMRANGEBYSCORE', f.zs .. w, '-inf', at) end
@@ -81,18 +83,23 @@ local function place(f, epoch, ttl_ms, skey, sid, preferred, keep_draining)
     local state = redis.call('HGET', f.hb .. preferred, '${HeartbeatField.STATE}')
     if state == '${WorkerLabel.SERVING}' or state == '${WorkerLabel.PAUSED}' then return pin(preferred, true) end
   end
-  local first = redis.call('ZRANGE', f.levels, 0, 0, 'WITHSCORES')
-  if #first == 0 then return false end
-  local tied, offset = redis.call('ZCOUNT', f.levels, first[2], first[2]), 0
-  if tied > PLACE_PAGE then offset = hash_of(sid) % (tied - PLACE_PAGE + 1) end
-  local page = redis.call('ZRANGE', f.levels, offset, offset + PLACE_PAGE - 1, 'WITHSCORES')
-  local best, best_level, best_sessions = false, 0, 0
-  for i = 1, #page, 2 do
-    local id, level = page[i], tonumber(page[i + 1])
-    if best and level > best_level then break end
-    local sessions = redis.call('ZCOUNT', f.zs .. id, at, '+inf')  -- unexpired
-    if not best or level < best_level or sessions < best_sessions or (sessions == best_sessions and id < best) then
-      best, best_level, best_sessions = id, level, sessions
+  local page = redis.call('ZRANGE', f.levels, 0, PLACE_PAGE - 1, 'WITHSCORES')
+  if #page == 0 then return false end
+  if #page == 2 * PLACE_PAGE and page[#page] == page[2] then  -- the whole page ties: more may, past it
+    local tied = redis.call('ZCOUNT', f.levels, page[2], page[2])
+    if tied > PLACE_PAGE then
+      local offset = hash_of(sid) % (tied - PLACE_PAGE + 1)
+      if offset > 0 then page = redis.call('ZRANGE', f.levels, offset, offset + PLACE_PAGE - 1, 'WITHSCORES') end
+    end
+  end
+  local best, best_level, best_sessions = page[1], tonumber(page[2]), nil
+  for i = 3, #page, 2 do  -- of those tied at the lowest level, the one with the fewest unexpired sessions
+    local id = page[i]
+    if tonumber(page[i + 1]) > best_level then break end
+    best_sessions = best_sessions or redis.call('ZCOUNT', f.zs .. best, at, '+inf')
+    local sessions = redis.call('ZCOUNT', f.zs .. id, at, '+inf')
+    if sessions < best_sessions or (sessions == best_sessions and id < best) then
+      best, best_sessions = id, sessions
     end
   end
   if best and placeable(best) then return pin(best, true) end

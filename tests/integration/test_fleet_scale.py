@@ -3,7 +3,8 @@ Redis commands over 32 workers as over 4, and a take over 512 workers costs Redi
 Before `dataplane.levels` (measured with this file on 2026-11-29): 24.3 and 165.7 commands a new session (placement
 walked every worker's heartbeat, session set and pinned stream), and a take over 512 workers 14x the microseconds of
 one over 4 (2,058 against 147: every take read the whole loads hash and walked it in Lua). After: 17.6 and 18.9
-commands; 150 and 152 us.
+commands; 150 and 152 us. Placement reading its page once and counting sessions only where workers tie: 14.6 and
+17.5.
 
 Driven directly against a real redis-server with registered workers (their load reports and heartbeats, as
 `workers.liveness` sends them), not worker processes: the measure is of the scripts, not of how a fleet of processes
@@ -95,8 +96,12 @@ async def _take_commands(settings: Settings, rds: redis.Redis, workers: int, rou
 async def test_a_new_session_costs_redis_the_same_commands_over_32_workers_as_over_4(settings, rds) -> None:
     small = await _new_session_commands(settings, rds, 4)
     large = await _new_session_commands(settings, rds, 32)
-    assert large <= 1.2 * small, (small, large)
-    assert small < 24, small  # before: 24.3 at 4 workers
+    # The bound (1.5x), far below a walk of the fleet (180 against 31 before `dataplane.levels`). Both are
+    # bounded by PLACE_PAGE, not W: over 4 workers (one page) a tie at the lowest level is rarer than over 32.
+    assert large <= 1.5 * small, (small, large)
+    # 24.3 at 4 workers before `dataplane.levels`; 17.6 before placement read its page once and counted sessions only
+    # where workers tie (14.6 after; 18.9 and 17.5 over 32 workers).
+    assert small < 16, small
 
 
 async def test_a_take_costs_redis_the_same_over_32_and_512_workers_as_over_4(settings, rds) -> None:
