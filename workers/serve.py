@@ -145,7 +145,7 @@ class RequestServer:
         is the copy), this one is answered with its result. Before, it was always acked unanswered, and a chaos run
         lost a request so. Acked unanswered too where the running copy is another request (a retry of this one) or
         was not answered (handed over: its continuation answers)."""
-        if running.task is not None and running.task is not asyncio.current_task():
+        if running.task is not None:  # (never this one's own: it is not indexed by request id before it is decoded)
             await asyncio.wait([running.task])  # not its cancellation: this one is cancelled by its own cause
         same = running.request is not None and running.request.request_id == request.request_id
         answered = same and running.publishing and running.reply_to is not None
