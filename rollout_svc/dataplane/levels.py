@@ -49,7 +49,8 @@ end
 # L: {loads = the loads hash, levels = `Keys.levels`, open_at = `Keys.open_at`}. `open`: true (it said it has a free
 # slot, at `at_ms`: it joins or stays), false (it leaves), nil (it stays as it is, member or not: a change of load
 # others made). `at_ms` 0: no fresh word (a publish: its takes and load reports renew the stamp), read from Redis's
-# clock only if it joins. Returns its level (load / weight), nil if it is not open.
+# clock only if it joins. Returns its level (load / weight), nil if it is not open; the level it had before (nil if it
+# was not open); and its load in tokens (0 if it is not open).
 # close_silent(L, ttl_ms, at_ms, limit): closes up to `limit` open workers silent since before at_ms - ttl_ms (a
 # dead worker, until its reaper forgets it).
 RESTAMP_MS = 250
@@ -75,6 +76,7 @@ local function relevel(L, id, open, at_ms)
     local a, b, c, d = string.match(was, '^(%S+) (%S+) (%S+) ?(%S*)$$')
     old_load, old_w, old_kv, old_at = num(a), num(b), num(c), num(d)
   end
+  local old_level = was and old_w > 0 and old_load / old_w or nil
   local load, kv, weight = 0, 0, 0  -- its part of the sums: none unless open
   if open then
     load = num(h[1]) + num(h[2])
@@ -94,7 +96,7 @@ local function relevel(L, id, open, at_ms)
       redis.call('ZREM', L.levels, id)
       redis.call('ZREM', L.open_at, id)
     end
-    return nil
+    return nil, old_level
   end
   -- the stamp of `Keys.open_at` is renewed once per RESTAMP_MS at most: closing the silent needs no finer clock
   if at_ms == 0 then at_ms = not was and now_ms() or nil end
@@ -105,7 +107,7 @@ local function relevel(L, id, open, at_ms)
   end
   if not was or load ~= old_load or weight ~= old_w then redis.call('ZADD', L.levels, load / weight, id) end
   if stamp then redis.call('ZADD', L.open_at, at_ms, id) end
-  return load / weight
+  return load / weight, old_level, load
 end
 local function close_silent(L, ttl_ms, at_ms, limit)
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', L.open_at, '-inf', at_ms - ttl_ms - 1, 'LIMIT', 0, limit)) do

@@ -11,27 +11,33 @@ from rollout_svc.dataplane.levels import COST_LUA, LEVELS_LUA, LOADS_LUA, with_l
 from rollout_svc.keys import lua
 
 PLACE_PAGE = 4  # the open workers of the lowest level a new session's placement compares by their sessions
+# Where more than PLACE_PAGE tie at the lowest level (an idle fleet), the ones it compares: two next to each other in
+# `Keys.levels` at an offset by the session id's hash, after the power of two choices (Mitzenmacher, "The Power of Two
+# Choices in Randomized Load Balancing", IEEE TPDS 12(10), 2001: two random choices bring the most a bin holds from
+# about log W / log log W to log log W / log 2). Neighbours are not independent choices; the bound is a guide.
+PLACE_CHOICES = 2
 PLACE_WALK = 32  # the most open workers it looks at for one that is serving and converged, before the shared stream
 
 # fleet_at(kf, af): the fleet block of KEYS from index kf (`Keys.fleet`) and of ARGV from af (`Keys.worker_stems`).
 # place(f, epoch, ttl_ms, skey, sid, preferred, keep_draining): a live pin stays unless its worker sleeps, drains (kept
 # for a forward) or is stale; otherwise the preferred worker, if serving or paused, takes the session; otherwise the
-# open worker of the lowest level: of the lowest level's first PLACE_PAGE (from an offset by the session id's hash
-# where more share it, so that an idle fleet's sessions spread), the one with the fewest unexpired sessions, then the
-# lowest id (sessions counted only where two or more tie: one read of the levels and no count where one is lowest),
-# if it is serving or paused and converged (applied the current epoch); if not, the first such of the
-# open workers in level order (at most PLACE_WALK). None: false (the shared stream). queued(f, w, cost)
-# adds a request placed in w's pinned stream to its ID:pinned and level at once; unqueue(f) takes them off again (a
-# call refused for admission).
+# open worker of the lowest level: of the lowest level's first PLACE_PAGE (where more tie, PLACE_CHOICES of them from
+# an offset by the session id's hash, so that an idle fleet's sessions spread), the one with the fewest unexpired
+# sessions, then the lowest id (sessions counted only where two or more tie: one read of the levels and no count where
+# one is lowest), if it is serving or paused and converged (applied the current epoch); if not, the first such of the
+# open workers in level order (at most PLACE_WALK). None: false (the shared stream). How many tie at the lowest level
+# is counted once a script (f.low: levels only rise within one, and `queued` counts those that leave it). queued(f, w,
+# cost) adds a request placed in w's pinned stream to its ID:pinned and level at once; unqueue(f) takes them off again
+# (a call refused for admission).
 PLACE_LUA = (
     COST_LUA
     + LOADS_LUA
     + LEVELS_LUA
-    + f"local PLACE_PAGE, PLACE_WALK = {PLACE_PAGE}, {PLACE_WALK}\n"
+    + f"local PLACE_PAGE, PLACE_CHOICES, PLACE_WALK = {PLACE_PAGE}, {PLACE_CHOICES}, {PLACE_WALK}\n"
     + lua("""
 local function fleet_at(kf, af)
   return {state = KEYS[kf], loads = KEYS[kf + 1], levels = KEYS[kf + 2], open_at = KEYS[kf + 3],
-          costs = KEYS[kf + 4], hb = ARGV[af], zs = ARGV[af + 1], pinned = ARGV[af + 2], placed = {},
+          costs = KEYS[kf + 4], hb = ARGV[af], zs = ARGV[af + 1], pinned = ARGV[af + 2], placed = {}, bounds = {},
           next_key = kf + 5, next_arg = af + 3}
 end
 local function push_costs(f, costs)  -- "id cost" of entries added to the shared stream (`Keys.queued_costs`)
@@ -42,7 +48,15 @@ local function queued(f, w, cost)
   local c = clamp_cost(cost)
   f.placed[w] = (f.placed[w] or 0) + c
   redis.call('HINCRBY', f.loads, w .. '${PINNED_SUFFIX}', c)
-  relevel(f, w, nil)
+  local level, was, tokens = relevel(f, w, nil)
+  -- entries in its pinned stream: each costs at least a token, counted in ID:pinned until taken and in ID until
+  -- answered (and deleted), so its tokens bound them (the admission check reads the stream only past the limit)
+  f.bounds[f.pinned .. w] = level and tokens or nil
+  local low = f.low
+  if low and was == low.level then  -- it left the lowest level (a cost is at least 1 token)
+    low.tied = low.tied - 1
+    if low.tied <= 0 then f.low = nil end
+  end
 end
 local function unqueue(f)
   for w, c in pairs(f.placed) do
@@ -55,6 +69,32 @@ local function hash_of(text)
   local h = 0
   for i = 1, #text do h = (h * 31 + string.byte(text, i)) % 1000003 end
   return h
+end
+-- the workers of the lowest level that `place` compares: its first PLACE_PAGE, or, where more tie, PLACE_CHOICES of
+-- them from an offset by the session id's hash, read directly by the script's next placements (f.low)
+local function tied_page(f, low, offset)
+  return redis.call('ZRANGE', f.levels, low.score, low.score, 'BYSCORE', 'LIMIT', offset, PLACE_CHOICES, 'WITHSCORES')
+end
+local function lowest_page(f, sid)
+  local low = f.low
+  if low and low.tied > PLACE_PAGE then
+    local page = tied_page(f, low, hash_of(sid) % (low.tied - PLACE_CHOICES + 1))
+    if #page > 0 then return page end
+    f.low = nil  -- fewer tie than counted (a count that drifted): read afresh
+  end
+  local page = redis.call('ZRANGE', f.levels, 0, PLACE_PAGE - 1, 'WITHSCORES')
+  if #page == 2 * PLACE_PAGE and page[#page] == page[2] then  -- the whole page ties: more may, past it
+    low = f.low
+    if not (low and low.score == page[2]) then
+      low = {score = page[2], level = tonumber(page[2]), tied = redis.call('ZCOUNT', f.levels, page[2], page[2])}
+      f.low = low
+    end
+    if low.tied > PLACE_PAGE then
+      local at_offset = tied_page(f, low, hash_of(sid) % (low.tied - PLACE_CHOICES + 1))
+      if #at_offset > 0 then page = at_offset end
+    end
+  end
+  return page
 end
 local function place(f, epoch, ttl_ms, skey, sid, preferred, keep_draining)
   f.now = f.now or now_ms()  -- one clock read a script
@@ -83,15 +123,8 @@ local function place(f, epoch, ttl_ms, skey, sid, preferred, keep_draining)
     local state = redis.call('HGET', f.hb .. preferred, '${HeartbeatField.STATE}')
     if state == '${WorkerLabel.SERVING}' or state == '${WorkerLabel.PAUSED}' then return pin(preferred, true) end
   end
-  local page = redis.call('ZRANGE', f.levels, 0, PLACE_PAGE - 1, 'WITHSCORES')
+  local page = lowest_page(f, sid)
   if #page == 0 then return false end
-  if #page == 2 * PLACE_PAGE and page[#page] == page[2] then  -- the whole page ties: more may, past it
-    local tied = redis.call('ZCOUNT', f.levels, page[2], page[2])
-    if tied > PLACE_PAGE then
-      local offset = hash_of(sid) % (tied - PLACE_PAGE + 1)
-      if offset > 0 then page = redis.call('ZRANGE', f.levels, offset, offset + PLACE_PAGE - 1, 'WITHSCORES') end
-    end
-  end
   local best, best_level, best_sessions = page[1], tonumber(page[2]), nil
   for i = 3, #page, 2 do  -- of those tied at the lowest level, the one with the fewest unexpired sessions
     local id = page[i]
@@ -121,7 +154,8 @@ end
 # worker each session item went to ('' for the shared stream)}. The tokens of what goes to the shared stream are
 # added to the queued tokens (`keys.QUEUED_FIELD`), and its id and cost to the queued costs (`Keys.queued_costs`).
 # Placement happens before the admission check, so a refused chunk may still have pinned its sessions: harmless,
-# the pins expire (what it placed is taken off the workers' loads again).
+# the pins expire (what it placed is taken off the workers' loads again). The check reads a worker's pinned stream's
+# length (XLEN) only where the tokens it holds, a bound of its entries (`queued`), pass the limit.
 ENQUEUE_LUA = PLACE_LUA + lua("""
 local shared, tokens = 1, 2  -- the KEYS indices of the shared and the token requests streams
 local ttl_ms, limit, group = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
@@ -151,10 +185,12 @@ for i = 1, n do
 end
 if limit >= 0 then
   for target, c in pairs(counts) do
-    local len = redis.call('XLEN', target)
-    if len + c > limit then
-      unqueue(f)
-      return {'${ScriptReply.FULL}', target, len}
+    if not (f.bounds[target] and f.bounds[target] <= limit) then  -- a bound of its length within the limit: admitted
+      local len = redis.call('XLEN', target)
+      if len + c > limit then
+        unqueue(f)
+        return {'${ScriptReply.FULL}', target, len}
+      end
     end
   end
 end

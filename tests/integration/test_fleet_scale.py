@@ -4,7 +4,7 @@ Before `dataplane.levels` (measured with this file on 2026-11-29): 24.3 and 165.
 walked every worker's heartbeat, session set and pinned stream), and a take over 512 workers 14x the microseconds of
 one over 4 (2,058 against 147: every take read the whole loads hash and walked it in Lua). After: 17.6 and 18.9
 commands; 150 and 152 us. Placement reading its page once and counting sessions only where workers tie: 14.6 and
-17.5.
+17.5. Counting a tie once a script, and two choices where more than a page ties: 14.6 and 14.2 (14.1 over 256).
 
 Driven directly against a real redis-server with registered workers (their load reports and heartbeats, as
 `workers.liveness` sends them), not worker processes: the measure is of the scripts, not of how a fleet of processes

@@ -252,6 +252,24 @@ async def test_small_batches_share_a_script_call_and_are_still_admitted_one_by_o
     assert len({o[0].entry_id for o in shared}) == 50  # type: ignore[index]
 
 
+async def test_a_pinned_stream_is_admitted_by_its_workers_tokens_and_refused_by_its_length(plane, settings, rds):
+    """The admission check reads a worker's pinned stream's length only where the tokens the worker holds (each entry
+    costs at least one, so they bound its entries) pass the limit: 3 one-token sessions fit a limit of 3 without an
+    XLEN; a fourth reads the length and is refused, leaving nothing placed."""
+    keys, producer = settings.keys, plane.streams
+    await register(plane, "w1")
+    pinned = keys.pinned_requests("w1")
+    rds.config_resetstat()
+    for i in range(3):
+        [placed] = await producer.enqueue([request(f"r{i}", "x", f"s{i}", cost=1)], 3)
+        assert placed.stream == pinned
+    assert "cmdstat_xlen" not in rds.info("commandstats")
+    with pytest.raises(QueueFullError, match="limit 3"):
+        await producer.enqueue([request("r3", "x", "s3", cost=1)], 3)
+    assert rds.info("commandstats")["cmdstat_xlen"]["calls"] == 1
+    assert rds.xlen(pinned) == 3 and rds.hget(keys.loads, "w1:pinned") == b"3"
+
+
 async def test_orphans_behind_more_held_entries_than_one_page_are_found(plane, settings, rds):
     """After a Redis restart, entries behind the group's last-delivered id that no consumer holds are orphans (no read
     gets them). 1,200 entries held (pending) ahead of 300 orphans: a page of 1,000 holds only held ones, and the
