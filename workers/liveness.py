@@ -153,14 +153,18 @@ class Liveness:
             await idle(self.wakes.stopping, self.settings.worker.heartbeat_interval_s)
 
     async def check_redis(self) -> None:
-        """Notice a Redis that restarted or failed over (a new run_id), and reconcile with what it holds now."""
+        """Notice a Redis that restarted or failed over (a new run_id), and reconcile with what it holds now. The new
+        run_id is kept only once the reconcile is done: one cut short (a Redis still loading its append-only file
+        answers INFO but refuses the rest, or went away again) is tried again at the next check, or entries pending
+        here that the worker no longer holds would wait for good, their producers told Redis still holds them."""
         run_id = await server_run_id(self.streams.redis)
         if run_id is None or run_id == self.redis_run_id:
             return
-        known, self.redis_run_id = self.redis_run_id, run_id
+        known = self.redis_run_id
         if known is not None:
             log.warning("Redis restarted or failed over (run_id %s -> %s): reconciling", known[:8], run_id[:8])
             await self.reconcile()
+        self.redis_run_id = run_id
 
     async def reconcile(self) -> None:
         """After Redis came back, perhaps without its recent writes (a restart without persistence, a replica promoted
