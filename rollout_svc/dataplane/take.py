@@ -110,15 +110,14 @@ local function id_at_most(a, b)  -- stream ids: a <= b
 end
 local function id_of(item) return item and string.match(item, '^(%S+) ') end
 -- the costs of up to `window` entries waiting after `last`, in stream order, from the costs list once its head up
--- to `last` is dropped; nil where it does not match the `waiting` entries (an entry gone other than by a take)
+-- to `last` is dropped; nil where it does not match the `waiting` entries (an entry gone other than by a take). Fewer
+-- listed than wait: plans from hints dropped the front ones, their reads on the way; the rest is used as listed.
 local function listed_costs(window, waiting, last)
   local gone = redis.call('LLEN', L.costs) - waiting
-  if gone < 0 or (gone > 0 and not id_at_most(id_of(redis.call('LINDEX', L.costs, gone - 1)), last)) then
-    return nil
-  end
+  if gone > 0 and not id_at_most(id_of(redis.call('LINDEX', L.costs, gone - 1)), last) then return nil end
   if gone > 0 then redis.call('LTRIM', L.costs, gone, -1) end
   local head = redis.call('LRANGE', L.costs, 0, window - 1)
-  if #head > 0 and id_at_most(id_of(head[1]), last) then return nil end
+  if #head == 0 or id_at_most(id_of(head[1]), last) then return nil end  -- (waiting > 0 here)
   local costs = {}
   for i, item in ipairs(head) do costs[i] = clamp_cost(string.match(item, ' (%S+)$$')) end
   return costs

@@ -122,3 +122,23 @@ async def test_a_take_from_what_its_worker_knows_reads_no_consumer_group(plane, 
     full = await take("a", woken.entry_id, share=False)
     assert len(full.entries) == 1 and not full.short and full.drained
     assert rds.llen(keys.queued_costs) == 0 and rds.xinfo_groups(keys.requests)[0]["lag"] == 0
+
+
+async def test_an_exact_take_weighs_what_a_hinted_plan_left_listed_while_its_read_is_on_the_way(
+    plane, settings, rds
+) -> None:
+    """A plan from hints drops what it plans off the costs list before its read. An exact plan that comes between
+    counts more entries waiting than listed, and weighs the rest as listed (the front ones are on their way), without
+    reading the entries (XRANGE) or rebuilding the list; once the reads are done, the next exact plan drops what they
+    delivered."""
+    keys, worker = settings.keys, WorkerStreams(plane.streams.connection)
+    await plane.streams.enqueue([_request(i, 10) for i in range(8)], -1)
+    hinted = await worker.plan_take(TakeOptions("a", 60_000, share=False), 3, hints=TakeHints(0, b"", exact=False))
+    assert hinted.shared == 3 and rds.llen(keys.queued_costs) == 5
+    rds.config_resetstat()
+    b = await worker.take(TakeOptions("b", 60_000, share=False), 2)  # 8 wait, 5 listed
+    assert len(b.entries) == 2 and "cmdstat_xrange" not in rds.info("commandstats")
+    a = await worker.read_plan(hinted)
+    assert len(a.entries) == 3 and not a.short
+    await worker.plan_take(TakeOptions("b", 60_000, share=False), 1)
+    assert rds.llen(keys.queued_costs) == 3
