@@ -67,12 +67,14 @@ async def _new_session_commands(settings: Settings, rds: redis.Redis, workers: i
 
 async def _take_commands(settings: Settings, rds: redis.Redis, workers: int, rounds: int = 4) -> tuple[float, float]:
     """(commands, Redis microseconds) per take call: 40 requests queued in the shared stream, then takes of 2 free
-    slots by each worker in turn until the queue is empty, `rounds` times. Whatever fits (`fifo`): every take then
-    runs the same path over 4 workers as over 32 (each takes 2 and closes, where shares of 16-token requests would
-    close them over 4 and not over 32: other commands, the same O(1)); the reads of the fleet are the same."""
+    slots by each worker in turn until the queue is empty, `rounds` times: the last round's commands, and the
+    fewest microseconds of any round (a round's mean only grows when the host takes the core from Redis). Whatever
+    fits (`fifo`): every take then runs the same path over 4 workers as over 32 (each takes 2 and closes, where shares
+    of 16-token requests would close them over 4 and not over 32: other commands, the same O(1)); the reads of the
+    fleet are the same."""
     plane, side, ids, client = await _fleet(settings, workers)
     try:
-        takes = 0
+        takes, fewest_us = 0, float("inf")
         rds.config_resetstat()
         for _ in range(rounds):
             await plane.streams.enqueue([_request(i) for i in range(PER_BATCH)], -1)
@@ -86,9 +88,10 @@ async def _take_commands(settings: Settings, rds: redis.Redis, workers: int, rou
                     if left <= 0:
                         break
             stats = rds.info("commandstats")
+            fewest_us = min(fewest_us, stats.get("cmdstat_evalsha", {}).get("usec_per_call", 0.0))
         calls = sum(v["calls"] for v in stats.values()) - 1
         evalsha = stats.get("cmdstat_evalsha", {})
-        return calls / max(1, evalsha.get("calls", 1)), evalsha.get("usec_per_call", 0.0)
+        return calls / max(1, evalsha.get("calls", 1)), fewest_us
     finally:
         await client.aclose()
 
@@ -109,6 +112,8 @@ async def test_a_take_costs_redis_the_same_over_32_and_512_workers_as_over_4(set
     large_calls, _ = await _take_commands(settings, rds, 32)
     assert large_calls <= 1.2 * small_calls, (small_calls, large_calls)
     # Time, not commands: a take that read every worker's fields (one HGETALL) would run the same count of commands.
-    # Before: 14x over 512 workers. A bound of 4x: a take over 4 workers has measured anywhere from 73 to 150 us here.
-    _, huge_us = await _take_commands(settings, rds, 512, rounds=1)
+    # Before: 14x over 512 workers. A bound of 4x: a take over 4 workers has measured anywhere from 73 to 150 us here
+    # (a round's mean: one CI run beside a vLLM module measured 46 us over 4 workers and 205 over 512), so each side
+    # is the fewest of its rounds (4 and 3).
+    _, huge_us = await _take_commands(settings, rds, 512, rounds=3)
     assert huge_us <= 4 * small_us, (small_us, huge_us)
