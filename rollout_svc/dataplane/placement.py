@@ -72,13 +72,14 @@ local function hash_of(text)
 end
 -- the workers of the lowest level that `place` compares: its first PLACE_PAGE, or, where more tie, PLACE_CHOICES of
 -- them from an offset by the session id's hash, read directly by the script's next placements (f.low)
-local function tied_page(f, low, offset)
+local function tied_page(f, low, sid)
+  local offset = hash_of(sid) % (low.tied - PLACE_CHOICES + 1)
   return redis.call('ZRANGE', f.levels, low.score, low.score, 'BYSCORE', 'LIMIT', offset, PLACE_CHOICES, 'WITHSCORES')
 end
 local function lowest_page(f, sid)
   local low = f.low
   if low and low.tied > PLACE_PAGE then
-    local page = tied_page(f, low, hash_of(sid) % (low.tied - PLACE_CHOICES + 1))
+    local page = tied_page(f, low, sid)
     if #page > 0 then return page end
     f.low = nil  -- fewer tie than counted (a count that drifted): read afresh
   end
@@ -90,7 +91,7 @@ local function lowest_page(f, sid)
       f.low = low
     end
     if low.tied > PLACE_PAGE then
-      local at_offset = tied_page(f, low, hash_of(sid) % (low.tied - PLACE_CHOICES + 1))
+      local at_offset = tied_page(f, low, sid)
       if #at_offset > 0 then page = at_offset end
     end
   end
