@@ -123,7 +123,6 @@ class InFlightIndex:
         self._by_key: dict[tuple[str, bytes], InFlight] = {}
         self._by_request: dict[str, InFlight] = {}
         self._by_session: dict[str, set[InFlight]] = {}
-        self._by_stream: Counter[str] = Counter()
         self._generating = 0
         self._aborting: set[InFlight] = set()  # told the engine to abort, not yet returned
         self._deadlines: list[tuple[float, int, InFlight]] = []  # a heap; entries of finished ones go lazily
@@ -132,10 +131,7 @@ class InFlightIndex:
 
     def add(self, entry: Entry, generation: bool) -> InFlight:
         record = InFlight(entry, generation)
-        key = (entry.stream, entry.entry_id)
-        if key not in self._by_key:
-            self._by_stream[entry.stream] += 1
-        self._by_key[key] = record
+        self._by_key[(entry.stream, entry.entry_id)] = record
         self._generating += generation
         if entry.session_id:  # an entry field: known before the payload is decoded
             self._by_session.setdefault(entry.session_id, set()).add(record)
@@ -163,9 +159,6 @@ class InFlightIndex:
         if self._by_key.pop((record.entry.stream, record.entry.entry_id), None) is None:
             return
         record.removed = True
-        self._by_stream[record.entry.stream] -= 1
-        if not self._by_stream[record.entry.stream]:
-            del self._by_stream[record.entry.stream]
         self._generating -= record.generation
         self._aborting.discard(record)
         session_id = record.entry.session_id
@@ -195,10 +188,6 @@ class InFlightIndex:
 
     def records(self) -> list[InFlight]:
         return list(self._by_key.values())
-
-    def held_from(self, stream: str) -> int:
-        """How many of the requests in flight were read from `stream`."""
-        return self._by_stream[stream]
 
     def entry_keys(self) -> set[tuple[str, bytes]]:
         """(stream, entry id) of every request in flight."""

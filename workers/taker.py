@@ -13,8 +13,8 @@ from typing import TypeVar
 
 from redis.exceptions import ResponseError
 
-from rollout_svc.dataplane.streams import Entry, entry_id_key
-from rollout_svc.dataplane.worker_streams import TakeHints, TakeOptions
+from rollout_svc.dataplane.streams import Entry
+from rollout_svc.dataplane.worker_streams import TakeOptions
 from workers.inflight import InFlight, Woken
 from workers.liveness import Lease
 from workers.serve import REDIS_ERRORS, RequestServer, backoff_s, idle
@@ -24,7 +24,6 @@ log = logging.getLogger("rollout_svc.worker")
 _T = TypeVar("_T")
 TOKEN_CONCURRENCY = 256  # tokenize requests served at once
 SHARE_WAIT_S = 0.02  # a worker that left queued work to others' shares reads again after this (or a slot freed)
-EXACT_EVERY_S = 1.0  # a take plan counts what waits exactly (XINFO GROUPS) at least this often (`TakeHints`)
 
 
 class Taker:
@@ -57,9 +56,6 @@ class Taker:
         # In a take or a (blocking) read; that read returned.
         self._reading, self._read_returned = False, asyncio.Event()
         self._read_failures: dict[str, int] = {}  # loop name -> reads failed in a row
-        # What spares its take plans reading the consumer groups (`TakeHints`): the highest id it read from the
-        # shared stream, and when the last plan counted exactly (-inf: the next one does).
-        self._seen_shared, self._exact_at = b"", float("-inf")
 
     async def aclose(self) -> None:
         """Give back its own connection."""
@@ -106,7 +102,6 @@ class Taker:
         if options is None or options.worker_id != self.state.worker_id or holds != options.holds:
             ttl_ms, share = int(self.settings.heartbeat_ttl_s * 1e3), self.settings.worker.placement == "cost"
             options = self._options = TakeOptions(self.state.worker_id, ttl_ms, share, *holds)
-            self._exact_at = float("-inf")
         return options
 
     async def _take(self, free: int) -> tuple[list[Entry], bool]:
@@ -130,7 +125,6 @@ class Taker:
             block_ms, asked = self.settings.read_block_ms, min(free, 2)
             pinned = self.keys.pinned_requests(worker_id)
             woken = await self._own.wait_for_entries(worker_id, block_ms, asked, shared)
-            self._saw(woken)
             self.woken.add(woken, pinned, asked)  # counted by a take or publish
             if not woken or self.woken.drained or free <= len(woken):
                 return woken, False
@@ -149,32 +143,15 @@ class Taker:
         """One take (`plan_take`, then `read_plan`), what it read beyond or short of its plan kept in `woken` for the
         next script call. Returns the entries and whether waiting ones were left to other workers' shares."""
         idle = not (self.index.generating or self.woken.tokens)
-        now = time.monotonic()
-        exact = now - self._exact_at >= EXACT_EVERY_S
-        hints = TakeHints(self.index.held_from(self.keys.pinned_requests(options.worker_id)), self._seen_shared, exact)
         with self.woken.claimed() as carried:
-            plan = await self._own.plan_take(options, free, carried, idle=idle, hints=hints)
-        if exact:
-            self._exact_at = now
+            plan = await self._own.plan_take(options, free, carried, idle=idle)
         try:
             taken = await self._own.read_plan(plan)
         except BaseException:
             self.woken.unplanned((-plan.counted[0], -plan.counted[1]), drained=False)  # counted, not read
             raise
-        self._saw(taken.entries)
-        if taken.short:  # its plan counted entries no longer waiting: the next one counts exactly
-            self._exact_at = float("-inf")
         self.woken.unplanned(taken.unplanned, taken.drained)
         return taken.entries, taken.left
-
-    def _saw(self, entries: list[Entry]) -> None:
-        """Keep the highest id read from the shared stream (every entry before it was delivered: a `>` read takes
-        them in order)."""
-        for entry in entries:
-            if entry.stream == self.keys.requests and (
-                not self._seen_shared or entry_id_key(entry.entry_id) > entry_id_key(self._seen_shared)
-            ):
-                self._seen_shared = entry.entry_id
 
     async def token_loop(self) -> None:
         """Tokenize, detokenize and chat-template requests: served while paused or asleep too."""

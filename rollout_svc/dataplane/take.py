@@ -19,15 +19,7 @@ from rollout_svc.dataplane.levels import with_levels
 # then 0: a request that left it other than by a publish, requeued or forwarded, would otherwise count for ever),
 # [8] 1 to share (placement `cost`), 0 to take whatever fits (`fifo`), [9] the part of [6] read from its pinned
 # stream (taken off ID:pinned; the rest off the queued tokens), [10] its engine's KV cache and [11] its context, in
-# tokens (0: not known), and, from a worker that keeps them (`TakeHints`; absent: every count read exactly), [12]
-# the entries of its pinned stream it holds, [13] the highest id it read from the shared stream ('': none), [14] 1
-# to count exactly this time.
-# Counting what waits: exactly, a stream's length less its group's pending entries (XINFO GROUPS) and the queued
-# costs list's head dropped up to the group's last delivered id; from the hints, without XINFO: its pinned stream's
-# length less what it holds, and the costs list with its head dropped up to [13] (an entry read with `>` was
-# delivered after every entry before it) and, once a plan is made, by the entries it plans to read. Those counts may
-# run over (an entry another worker read since): a read then comes up short of its plan, and the worker asks for an
-# exact count next time (`workers.taker`); they never keep an entry from being read (a blocking read takes what waits).
+# tokens (0: not known).
 # 1. Its pinned entries (its sessions): those waiting (the stream's length less its group's pending entries: an
 # answered entry is deleted), up to its free slots. Their tokens (ID:pinned) move to its load; ID:pinned is set
 # right (0) when none waits.
@@ -51,8 +43,6 @@ local pinned, shared = KEYS[1], KEYS[2]
 local group, me, free = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local ttl_ms, peek = tonumber(ARGV[4]), tonumber(ARGV[5])
 local kv_me, ctx_me = tonumber(ARGV[10] or '0') or 0, tonumber(ARGV[11] or '0') or 0
-local held_pinned, seen = tonumber(ARGV[12] or ''), ARGV[13] or ''
-local exact = held_pinned == nil or ARGV[14] == '1'
 local at = now_ms()
 local left = false
 local spent, carried_pinned = tonumber(ARGV[6]), tonumber(ARGV[9])
@@ -84,11 +74,7 @@ end
 -- 1. pinned
 local pinned_count, pinned_tokens, pinned_waiting = 0, 0, 0
 if free > 0 then
-  if exact then
-    pinned_waiting = waiting_in(pinned)
-  else
-    pinned_waiting = math.max(0, redis.call('XLEN', pinned) - held_pinned)
-  end
+  pinned_waiting = waiting_in(pinned)
   pinned_count = math.min(free, pinned_waiting)
   if pinned_count == pinned_waiting then
     pinned_tokens = my_pinned
@@ -110,14 +96,15 @@ local function id_at_most(a, b)  -- stream ids: a <= b
 end
 local function id_of(item) return item and string.match(item, '^(%S+) ') end
 -- the costs of up to `window` entries waiting after `last`, in stream order, from the costs list once its head up
--- to `last` is dropped; nil where it does not match the `waiting` entries (an entry gone other than by a take). Fewer
--- listed than wait: plans from hints dropped the front ones, their reads on the way; the rest is used as listed.
+-- to `last` is dropped; nil where it does not match the `waiting` entries (an entry gone other than by a take)
 local function listed_costs(window, waiting, last)
   local gone = redis.call('LLEN', L.costs) - waiting
-  if gone > 0 and not id_at_most(id_of(redis.call('LINDEX', L.costs, gone - 1)), last) then return nil end
+  if gone < 0 or (gone > 0 and not id_at_most(id_of(redis.call('LINDEX', L.costs, gone - 1)), last)) then
+    return nil
+  end
   if gone > 0 then redis.call('LTRIM', L.costs, gone, -1) end
   local head = redis.call('LRANGE', L.costs, 0, window - 1)
-  if #head == 0 or id_at_most(id_of(head[1]), last) then return nil end  -- (waiting > 0 here)
+  if #head > 0 and id_at_most(id_of(head[1]), last) then return nil end
   local costs = {}
   for i, item in ipairs(head) do costs[i] = clamp_cost(string.match(item, ' (%S+)$$')) end
   return costs
@@ -138,36 +125,16 @@ local function read_costs(window, waiting, last)
   end
   return costs
 end
--- from the hints: the costs list, its head up to `seen` dropped; {entries it lists, the costs of up to `window`}
-local function seen_costs(window)
-  local head = redis.call('LRANGE', L.costs, 0, window - 1)
-  local drop = 0
-  if seen ~= '' then
-    while drop < #head and id_at_most(id_of(head[drop + 1]), seen) do drop = drop + 1 end
-  end
-  if drop > 0 then redis.call('LTRIM', L.costs, drop, -1) end
-  local costs = {}
-  for i = drop + 1, #head do costs[#costs + 1] = clamp_cost(string.match(head[i], ' (%S+)$$')) end
-  if drop == #head and #head == window then  -- a whole window read already: the rest is read afresh
-    head = redis.call('LRANGE', L.costs, 0, window - 1)
-    for i, item in ipairs(head) do costs[i] = clamp_cost(string.match(item, ' (%S+)$$')) end
-  end
-  return redis.call('LLEN', L.costs), costs
-end
 local shared_count, shared_tokens, waiting, looked = 0, 0, 0, free > 0
 if looked then
-  local last, costs
-  local window = math.min(free, peek)
-  if exact then
-    waiting, last = waiting_in(shared)
-  else
-    waiting, costs = seen_costs(window)
-  end
+  local last
+  waiting, last = waiting_in(shared)
   if waiting <= 0 then
     if queued > 0 then redis.call('HSET', L.loads, '${QUEUED_FIELD}', 0) end  -- nothing waits: a drifted count
-    if waiting == 0 and exact then redis.call('DEL', L.costs) end
+    if waiting == 0 then redis.call('DEL', L.costs) end
   else
-    costs = costs or listed_costs(window, waiting, last) or read_costs(window, waiting, last)
+    local window = math.min(free, peek)
+    local costs = listed_costs(window, waiting, last) or read_costs(window, waiting, last)
     close_silent(L, ttl_ms, at, 4)
     local s = redis.call('HMGET', L.loads, '${SUM_FIELD}', '${WEIGHTS_FIELD}', me .. '${IN_SUFFIX}',
       '${KV_SUM_FIELD}', '${KV_COUNT_FIELD}', '${WIDEST_FIELD}', '${NARROWEST_FIELD}')
@@ -214,7 +181,6 @@ if looked then
       redis.call('HSET', L.loads, '${QUEUED_FIELD}', math.max(0, queued - shared_tokens))
       spent = spent + shared_tokens
     end
-    if not exact and shared_count > 0 then redis.call('LTRIM', L.costs, shared_count, -1) end  -- to be read now
     free = free - shared_count
   end
 end

@@ -28,30 +28,15 @@ class TakePlan:
 
 
 @dataclass(frozen=True, slots=True)
-class TakeHints:
-    """What a worker knows that spares its take plan reading the consumer groups (XINFO GROUPS, `dataplane.take`):
-    `held_pinned`, the entries of its pinned stream it holds (read, not yet answered); `seen_shared`, the highest id
-    it read from the shared stream (b"": none); `exact`: count exactly this time all the same (its last read came up
-    short of its plan, or a while passed since it last did)."""
-
-    held_pinned: int
-    seen_shared: bytes
-    exact: bool
-
-
-@dataclass(frozen=True, slots=True)
 class Taken:
     """What one take read (`WorkerStreams.take`): its `entries`; `left`: waiting entries were left to other workers'
     shares; `drained`: nothing was left waiting for it (its next read may block); `unplanned`: (tokens, pinned
-    tokens) its reads cost beyond the plan (negative: short of it), for its next script call to count; `short`: it
-    read fewer entries of the shared stream than planned (another worker read them since, or the plan counted ones
-    no longer waiting)."""
+    tokens) its reads cost beyond the plan (negative: short of it), for its next script call to count."""
 
     entries: list[Entry]
     left: bool
     drained: bool
     unplanned: tuple[int, int]
-    short: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,13 +80,7 @@ class WorkerStreams(StreamSide):
         return await self.read_plan(await self.plan_take(options, free, carried, idle=idle))
 
     async def plan_take(
-        self,
-        options: TakeOptions,
-        free: int,
-        carried: tuple[int, int] = (0, 0),
-        *,
-        idle: bool = False,
-        hints: TakeHints | None = None,
+        self, options: TakeOptions, free: int, carried: tuple[int, int] = (0, 0), *, idle: bool = False
     ) -> TakePlan:
         """How many entries of its pinned stream and of the shared one this worker takes, of up to `free`
         (`TAKE_LUA`, one script call, which reads no entry): its pinned entries, then the share of the shared queue
@@ -109,13 +88,11 @@ class WorkerStreams(StreamSide):
         at least one entry if it is the least loaded (without `options.share`: whatever fits). The plan counts what
         it takes in `Keys.loads` at once, with `carried`: (tokens, pinned tokens) that earlier reads took and no
         script counted yet (`workers.inflight.Woken`); `idle` (it holds nothing, every result published) sets its
-        load to 0 first. With `hints` it counts what waits without reading the consumer groups (`TakeHints`)."""
+        load to 0 first."""
         worker_id = options.worker_id
         pinned = self.keys.pinned_requests(worker_id)
-        args: list[str | bytes | int] = [WORKERS_GROUP, worker_id, free, options.loads_ttl_ms, TAKE_PEEK]
-        args += [carried[0], int(idle), int(options.share), carried[1], options.kv_cache_tokens, options.max_model_len]
-        if hints is not None:
-            args += [hints.held_pinned, hints.seen_shared, int(hints.exact)]
+        args: list[str | int] = [WORKERS_GROUP, worker_id, free, options.loads_ttl_ms, TAKE_PEEK, carried[0], int(idle)]
+        args += [int(options.share), carried[1], options.kv_cache_tokens, options.max_model_len]
         reply: Any = await self.connection.script("take", [pinned, self.keys.requests, *self.keys.load_keys], args)
         pinned_count, shared_count, tokens, pinned_tokens, left, drained = (int(v) for v in reply)
         return TakePlan(worker_id, pinned_count, shared_count, (tokens, pinned_tokens), bool(left), bool(drained))
@@ -131,8 +108,7 @@ class WorkerStreams(StreamSide):
         tokens = sum(e.cost for e in entries)
         pinned_tokens = sum(e.cost for e in entries if e.stream == pinned)
         unplanned = (tokens - plan.counted[0], pinned_tokens - plan.counted[1])
-        short = sum(e.stream != pinned for e in entries) < plan.shared
-        return Taken(entries, plan.left, plan.drained, unplanned, short)
+        return Taken(entries, plan.left, plan.drained, unplanned)
 
     async def wait_for_entries(self, worker_id: str, block_ms: int, count: int = 1, shared: bool = True) -> list[Entry]:
         """Block up to `block_ms` on the worker's pinned stream and the shared one (`shared` False: its pinned one

@@ -13,8 +13,8 @@ from redis.asyncio import Redis
 from rollout_svc.config import Settings
 from rollout_svc.control.plane import ControlPlane
 from rollout_svc.dataplane.producer_streams import Sweep
-from rollout_svc.dataplane.streams import Enqueue, entry_id_key
-from rollout_svc.dataplane.worker_streams import TakeHints, Taken, TakeOptions, WorkerStreams
+from rollout_svc.dataplane.streams import Enqueue
+from rollout_svc.dataplane.worker_streams import TakeOptions, WorkerStreams
 from rollout_svc.protocol import RolloutRequest, WorkerStatus, encode
 
 
@@ -86,59 +86,3 @@ async def test_a_sweep_keeps_the_costs_list_and_a_take_rebuilds_one_that_stopped
     assert rds.lrange(keys.queued_costs, 0, -1) == rebuilt[3:]  # a's three dropped by b's plan; b's one by the next
     await worker.plan_take(TakeOptions("a", 60_000), 64)
     assert rds.llen(keys.queued_costs) == 0
-
-
-async def test_a_take_from_what_its_worker_knows_reads_no_consumer_group(plane, settings, rds) -> None:
-    """With `TakeHints` (what the worker holds of its pinned stream, the highest shared id it read) a plan counts what
-    waits without XINFO GROUPS and shares as the exact count does (the first test's shares and loads): each plan drops
-    what it plans off the costs list's head, the next one what the worker saw read before. An entry another worker's
-    blocking read took stays listed until then: a plan that counts it reads short and says so (the worker's next plan
-    counts exactly); one that saw its id drops it."""
-    keys, worker = settings.keys, WorkerStreams(plane.streams.connection)
-
-    async def take(worker_id: str, seen: bytes = b"", share: bool = True) -> Taken:
-        options = TakeOptions(worker_id, 60_000, share=share)
-        return await worker.read_plan(await worker.plan_take(options, 64, hints=TakeHints(0, seen, exact=False)))
-
-    await plane.streams.enqueue([_request(i, 300) for i in range(4)] + [_request(i, 10) for i in range(4, 16)], -1)
-    rds.config_resetstat()
-    a = await take("a")
-    assert [e.cost for e in a.entries] == [300, 300] and a.left and not a.short
-    b = await take("b")
-    assert [e.cost for e in b.entries] == [300, 300] + [10] * 6 and b.left and not b.short
-    assert rds.llen(keys.queued_costs) == 6  # each plan dropped what it read
-    seen = max((e.entry_id for e in a.entries + b.entries), key=entry_id_key)
-    a = await take("a", seen)
-    assert [e.cost for e in a.entries] == [10] * 6 and a.drained and not a.left
-    assert int(rds.hget(keys.loads, "a")) == 660 and int(rds.hget(keys.loads, "b")) == 660
-    assert "cmdstat_xinfo|groups" not in rds.info("commandstats")
-
-    await plane.streams.enqueue([_request(i, 10) for i in range(20, 24)], -1)
-    [woken] = await worker.wait_for_entries("b", 100, count=1)  # taken outside a plan: still listed
-    short = await take("a", seen, share=False)  # whatever fits: all it counts
-    assert len(short.entries) == 3 and short.short  # it planned 4
-    await plane.streams.enqueue([_request(i, 10) for i in range(30, 32)], -1)
-    [woken] = await worker.wait_for_entries("b", 100, count=1)
-    full = await take("a", woken.entry_id, share=False)
-    assert len(full.entries) == 1 and not full.short and full.drained
-    assert rds.llen(keys.queued_costs) == 0 and rds.xinfo_groups(keys.requests)[0]["lag"] == 0
-
-
-async def test_an_exact_take_weighs_what_a_hinted_plan_left_listed_while_its_read_is_on_the_way(
-    plane, settings, rds
-) -> None:
-    """A plan from hints drops what it plans off the costs list before its read. An exact plan that comes between
-    counts more entries waiting than listed, and weighs the rest as listed (the front ones are on their way), without
-    reading the entries (XRANGE) or rebuilding the list; once the reads are done, the next exact plan drops what they
-    delivered."""
-    keys, worker = settings.keys, WorkerStreams(plane.streams.connection)
-    await plane.streams.enqueue([_request(i, 10) for i in range(8)], -1)
-    hinted = await worker.plan_take(TakeOptions("a", 60_000, share=False), 3, hints=TakeHints(0, b"", exact=False))
-    assert hinted.shared == 3 and rds.llen(keys.queued_costs) == 5
-    rds.config_resetstat()
-    b = await worker.take(TakeOptions("b", 60_000, share=False), 2)  # 8 wait, 5 listed
-    assert len(b.entries) == 2 and "cmdstat_xrange" not in rds.info("commandstats")
-    a = await worker.read_plan(hinted)
-    assert len(a.entries) == 3 and not a.short
-    await worker.plan_take(TakeOptions("b", 60_000, share=False), 1)
-    assert rds.llen(keys.queued_costs) == 3
