@@ -300,6 +300,14 @@ class WorkerSettings(_Concern):
         description="cost: a take is the worker's fair share of the queued work in tokens; fifo: whatever fits its "
         "free slots, first come first served (what placement was before, kept for the step-time bench)",
     )
+    read_ahead: int = Field(
+        2,
+        ge=1,
+        description="entries a worker that found nothing takes from each stream with its blocking read, before a take "
+        "weighs its share of the rest: 2 keeps a batch of 2 x W requests over W idle workers even; more costs Redis "
+        "and the workers less per request (fewer, larger takes: BENCHMARKS.md (p)) and spreads only batches of "
+        "read_ahead x W or more evenly (a smaller one goes to the first workers woken, read_ahead each)",
+    )
     move_stragglers: bool = Field(
         False,
         description="move a generation that shares its engine with others to a worker that holds no work (cut here, "

@@ -122,7 +122,7 @@ class Taker:
             # narrower than another worker's context: no blocking read of the shared queue, which would take its next
             # entry whether it fits here or not; its take's share leaves it what only a wider worker holds
             shared = not 0 < options.max_model_len < self.state.widest_context
-            block_ms, asked = self.settings.read_block_ms, min(free, 2)
+            block_ms, asked = self.settings.read_block_ms, min(free, self.settings.worker.read_ahead)
             pinned = self.keys.pinned_requests(worker_id)
             woken = await self._own.wait_for_entries(worker_id, block_ms, asked, shared)
             self.woken.add(woken, pinned, asked)  # counted by a take or publish

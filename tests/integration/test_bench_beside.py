@@ -15,9 +15,9 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_beside_bench_tiny(tmp_path: Path) -> None:
-    plan = BesidePlan(commit="HEAD", workers=(1,), requests=300, in_flight=8, rounds=1, profiled=200)
+    plan = BesidePlan(commit="HEAD", workers=(1,), requests=300, in_flight=8, rounds=1, profiled=200, read_aheads=(4,))
     run = run_beside_bench(Console(file=io.StringIO()), tmp_path, plan, command="tiny")
-    for side in ("this", "earlier"):
+    for side in ("this", "earlier", "this@4"):
         [figures] = run.rounds[side][1]
         assert figures["requests_per_s"] > 0 and figures["redis_us"] > 0 and figures["workers_us"] > 0, figures
         assert 3 <= figures["commands"] < 100, figures  # an enqueue, a read, a publish, a result read at least
@@ -28,6 +28,7 @@ def test_beside_bench_tiny(tmp_path: Path) -> None:
     text = render_beside(run)
     assert "Command: `tiny`" in text and f"| 1 | `{run.earlier_commit}` |" in text and "| 1 | " in text
     assert "| 1 | `" in text and "| publish |" in text and "The most of it went to `" in text
+    assert "(this, read-ahead 4) |" in text and "| 1 | 4 | " in text and "| 1 | default | " in text
 
 
 def test_an_unknown_commit_is_refused_by_name() -> None:

@@ -74,6 +74,20 @@ async def test_fifo_placement_takes_whatever_fits(settings, workers):
     assert per_worker[0] > 17, per_worker  # one worker took far more than its share
 
 
+async def test_a_larger_read_ahead_takes_more_at_each_wake(settings, workers):
+    # ROLLOUT_READ_AHEAD=16: a woken worker takes 16 entries before its share is weighed. 16 requests on 4 idle
+    # workers go to the first one woken (at the default of 2 no worker takes more than 4: the test above), and a batch
+    # of 16 x 4 still spreads evenly.
+    args = ("--engine", "echo", "--max-num-seqs", "64", "--echo-token-delay-s", "0.01")
+    workers.start_ready([f"echo-{i}" for i in range(4)], *args, env={"ROLLOUT_READ_AHEAD": "16"})
+    async with RolloutClient(settings) as client:
+        trajectories = await client.generate(prompts(16), PARAMS)
+        assert max(Counter(t.worker_id for t in trajectories).values()) > 4
+        trajectories = await client.generate(prompts(64), PARAMS)
+        per_worker = sorted(Counter(t.worker_id for t in trajectories).values(), reverse=True)
+        assert len(per_worker) == 4 and per_worker[0] <= 19, per_worker  # ideal: 16
+
+
 async def test_sample_packs_each_group_on_one_worker_when_asked(settings, echo_workers):
     echo_workers(4, "--max-num-seqs", "64", "--echo-token-delay-s", "0.01")
     async with RolloutClient(settings) as client:

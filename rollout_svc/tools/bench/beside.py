@@ -2,13 +2,15 @@
 
 What a change to the data plane costs Redis and the workers is read against the code before it, measured the same
 way in the same run (these machines are shared and noisy): the earlier commit's tree is taken out of this checkout's
-git history (`git archive`) and both trees run in turn, each with its own code end to end: its `rollout-svc up`
-(W echo workers, no token delay) on a private redis-server, and one `RolloutClient` process of its own keeping K
-single-prompt `generate` calls in flight (8 prompt tokens, 16 out) for N requests after a warm-up. Per request: Redis
-CPU (`INFO cpu`, user + system), Redis commands and their microseconds (`INFO commandstats`, a script's inner calls
-included), the workers' CPU (user + system, every worker process) and the client's. Then, in a pass of its own (logging
-costs Redis time), what the commands' time goes to by script: SLOWLOG logging every command, each script call's
-time (its inner calls included), inner calls and the requests it carried.
+git history (`git archive`) and both trees run in turn, each with its own code end to end: its `rollout-svc up` (W
+echo workers, no token delay) on a private redis-server, and one `RolloutClient` process of its own keeping K
+single-prompt `generate` calls in flight (8 prompt tokens, 16 out) for N requests after a warm-up. Per request:
+Redis CPU (`INFO cpu`, user + system), Redis commands and their microseconds (`INFO commandstats`, a script's inner
+calls included), the workers' CPU (user + system, every worker process) and the client's. At the largest fleet this
+tree is measured again at larger read-aheads (`ROLLOUT_READ_AHEAD`: a woken worker takes that many entries before
+its share is weighed), so the price of spreading the requests over the workers is read in the same run. Then, in a
+pass of its own (logging costs Redis time), what the commands' time goes to by script: SLOWLOG logging every
+command, each script call's time (its inner calls included), inner calls and the requests it carried.
 
 The measuring program is version-agnostic: it uses only `RolloutClient(redis_url=...)` and `generate`, which every
 commit since the first slice has.
@@ -156,11 +158,21 @@ class BesidePlan:
     requests: int = 4000
     rounds: int = 3
     profiled: int = 1000  # requests of the SLOWLOG pass after each measure (what each script costs)
+    # This tree again at the largest fleet, at each of these read-aheads (`ROLLOUT_READ_AHEAD`: entries a woken worker
+    # takes before its share is weighed; 2 by default): what spreading the requests over the workers costs per request.
+    read_aheads: tuple[int, ...] = (16, 64)
+
+    def sides(self, workers: int) -> list[str]:
+        """The sides measured at `workers`, in a round's order: the earlier tree, this one, and this one at each
+        read-ahead (`"this@16"`) at the largest fleet."""
+        extra = [f"this@{n}" for n in self.read_aheads] if workers == max(self.workers) else []
+        return ["earlier", "this", *extra]
 
 
 @dataclass
 class BesideRun:
-    """Each tree's rounds at each fleet: {"this" or "earlier": {workers: [figures per round]}}, and what each
+    """Each side's rounds at each fleet: {"this", "earlier" or "this@N" (read-ahead N): {workers: [figures per
+    round]}}, and what each
     round's commands' time went to by script (`scripts`, the same shape)."""
 
     plan: BesidePlan
@@ -180,9 +192,9 @@ class BesideRun:
         names = sorted({name for r in rounds for name in r})
         return {name: [median(r.get(name, [0.0] * 3)[i] for r in rounds) for i in range(3)] for name in names}
 
-    def ratios(self, workers: int, figure: str) -> list[float]:
-        """This tree's figure over the earlier one's, round by round."""
-        pairs = zip(self.rounds["this"][workers], self.rounds["earlier"][workers], strict=True)
+    def ratios(self, workers: int, figure: str, side: str = "this") -> list[float]:
+        """This tree's figure (`side`) over the earlier one's, round by round."""
+        pairs = zip(self.rounds[side][workers], self.rounds["earlier"][workers], strict=True)
         return [mine[figure] / theirs[figure] for mine, theirs in pairs if theirs[figure]]
 
 
@@ -231,27 +243,33 @@ def run_beside_bench(
     changed = ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"]
     dirty = subprocess.run(changed, capture_output=True)
     this += "+" if dirty.stdout.strip() else ""  # changes not committed yet
-    run = BesideRun(plan, command, this, earlier[:7], {"this": {}, "earlier": {}}, {"this": {}, "earlier": {}})
+    sides = {side for workers in plan.workers for side in plan.sides(workers)}
+    run = BesideRun(plan, command, this, earlier[:7], {s: {} for s in sides}, {s: {} for s in sides})
     with tempfile.TemporaryDirectory(prefix="rollout-bench-beside-") as tmp:
         trees = {"this": root, "earlier": export_tree(root, earlier, Path(tmp))}
         for n in range(plan.rounds):
-            order = ("earlier", "this") if n % 2 == 0 else ("this", "earlier")
             for workers in plan.workers:
-                for side in order:
+                order = plan.sides(workers)
+                for side in order if n % 2 == 0 else order[::-1]:
+                    tree, _, read_ahead = side.partition("@")
                     title = f"bench (p) beside {run.earlier_commit}: round {n + 1}, {workers} workers, {side} tree"
                     with Progress(None, title):
-                        figures = measure(trees[side], workers, plan, log_dir / f"{side}-{workers}-{n}.log")
+                        log = log_dir / f"{side.replace('@', '-ra')}-{workers}-{n}.log"
+                        figures = measure(trees[tree], workers, plan, log, read_ahead)
                     run.scripts[side].setdefault(workers, []).append(figures.pop("by_script"))
                     run.rounds[side].setdefault(workers, []).append(figures)
     console.print(render_beside(run))
     return run
 
 
-def measure(tree: Path, workers: int, plan: BesidePlan, log: Path) -> dict[str, Any]:
-    """One measure of one tree (module docstring). `RuntimeError` with the log's path if its fleet does not come
-    up or its client fails."""
+def measure(tree: Path, workers: int, plan: BesidePlan, log: Path, read_ahead: str = "") -> dict[str, Any]:
+    """One measure of one tree (module docstring), its workers at `read_ahead` ('': their default). `RuntimeError`
+    with the log's path if its fleet does not come up or its client fails."""
     url = f"redis://127.0.0.1:{free_port()}/0"
     env = dict(os.environ, PYTHONPATH=str(tree))
+    env.pop("ROLLOUT_READ_AHEAD", None)
+    if read_ahead:
+        env["ROLLOUT_READ_AHEAD"] = read_ahead
     with _private_redis(url), _fleet(tree, url, workers, env, log) as pids:
         env["WORKER_PIDS"] = ",".join(map(str, pids))
         args = [sys.executable, "-c", CLIENT, url, str(plan.requests), str(plan.in_flight), str(plan.profiled)]
@@ -328,8 +346,8 @@ def render_beside(run: BesideRun) -> str:
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for workers in p.workers:
-        for side, name in (("earlier", f"`{run.earlier_commit}`"), ("this", f"`{run.this_commit}` (this)")):
-            m = {f: run.median_of(side, workers, f) for f in FIGURES}
+        for side in p.sides(workers):
+            name, m = side_name(run, side), {f: run.median_of(side, workers, f) for f in FIGURES}
             lines.append(
                 f"| {workers} | {name} | {m['requests_per_s']:,.0f} | {m['redis_us']:.1f} | {m['commands']:.2f} "
                 f"| {m['command_us']:.1f} | {m['scripts']:.3f} | {m['workers_us']:.0f} | {m['client_us']:.0f} |"
@@ -337,17 +355,20 @@ def render_beside(run: BesideRun) -> str:
     lines += [
         "",
         "This tree over the earlier one (the issue's goals: Redis CPU per request at most 1.0x at 4 workers, the "
-        "workers' within 1.1x):",
+        "workers' within 1.1x; at a read-ahead N a woken worker takes N entries before its share is weighed, "
+        "`ROLLOUT_READ_AHEAD`, 2 by default):",
         "",
-        "| workers | requests/s | Redis CPU per request | workers' CPU per request | client CPU per request |",
-        "|---:|---:|---:|---:|---:|",
+        "| workers | read-ahead | requests/s | Redis CPU per request | workers' CPU per request "
+        "| client CPU per request |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for workers in p.workers:
-        cells = []
-        for figure in ("requests_per_s", "redis_us", "workers_us", "client_us"):
-            ratios = run.ratios(workers, figure)
-            cells.append(f"{median(ratios):.2f} ({', '.join(f'{r:.2f}' for r in ratios)})")
-        lines.append(f"| {workers} | {' | '.join(cells)} |")
+        for side in p.sides(workers)[1:]:
+            cells = []
+            for figure in ("requests_per_s", "redis_us", "workers_us", "client_us"):
+                ratios = run.ratios(workers, figure, side)
+                cells.append(f"{median(ratios):.2f} ({', '.join(f'{r:.2f}' for r in ratios)})")
+            lines.append(f"| {workers} | {side.partition('@')[2] or 'default'} | {' | '.join(cells)} |")
     return "\n".join(lines + render_scripts(run)) + "\n"
 
 
@@ -365,8 +386,8 @@ def render_scripts(run: BesideRun) -> list[str]:
         "|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for workers in run.plan.workers:
-        for side, name in (("earlier", f"`{run.earlier_commit}`"), ("this", f"`{run.this_commit}` (this)")):
-            scripts = _called(run.scripts_of(side, workers))
+        for side in run.plan.sides(workers):
+            name, scripts = side_name(run, side), _called(run.scripts_of(side, workers))
             for what, (calls, us, inner) in sorted(scripts.items(), key=lambda kv: -kv[1][1]):
                 lines.append(
                     f"| {workers} | {name} | {what} | {calls:.3f} | {1 / calls:.1f} | {inner / calls:.1f} "
@@ -396,6 +417,14 @@ def render_scripts(run: BesideRun) -> list[str]:
                 + ".",
             ]
     return lines
+
+
+def side_name(run: BesideRun, side: str) -> str:
+    """How a side is named in the tables: the earlier commit, this one, or this one at a read-ahead."""
+    if side == "earlier":
+        return f"`{run.earlier_commit}`"
+    read_ahead = side.partition("@")[2]
+    return f"`{run.this_commit}` (this{f', read-ahead {read_ahead}' if read_ahead else ''})"
 
 
 def _called(scripts: dict[str, list[float]]) -> dict[str, list[float]]:
