@@ -240,9 +240,10 @@ def run_beside_bench(
     root = project_root()
     earlier = resolve(root, plan.commit)
     this = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout[:7]
-    changed = ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"]
-    dirty = subprocess.run(changed, capture_output=True)
-    this += "+" if dirty.stdout.strip() else ""  # changes not committed yet
+    # changes not committed yet, other than what the bench writes itself (an earlier section of the same run)
+    changed = ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", "."]
+    dirty = subprocess.run([*changed, ":!BENCHMARKS.md", ":!*.png"], capture_output=True)
+    this += "+" if dirty.stdout.strip() else ""
     sides = {side for workers in plan.workers for side in plan.sides(workers)}
     run = BesideRun(plan, command, this, earlier[:7], {s: {} for s in sides}, {s: {} for s in sides})
     with tempfile.TemporaryDirectory(prefix="rollout-bench-beside-") as tmp:
