@@ -172,8 +172,7 @@ class BesidePlan:
 @dataclass
 class BesideRun:
     """Each side's rounds at each fleet: {"this", "earlier" or "this@N" (read-ahead N): {workers: [figures per
-    round]}}, and what each
-    round's commands' time went to by script (`scripts`, the same shape)."""
+    round]}}, and what each round's commands' time went to by script (`scripts`, the same shape)."""
 
     plan: BesidePlan
     command: str
@@ -252,7 +251,7 @@ def run_beside_bench(
             for workers in plan.workers:
                 order = plan.sides(workers)
                 for side in order if n % 2 == 0 else order[::-1]:
-                    tree, _, read_ahead = side.partition("@")
+                    tree, read_ahead = side.partition("@")[0], read_ahead_of(side)
                     title = f"bench (p) beside {run.earlier_commit}: round {n + 1}, {workers} workers, {side} tree"
                     with Progress(None, title):
                         log = log_dir / f"{side.replace('@', '-ra')}-{workers}-{n}.log"
@@ -369,7 +368,7 @@ def render_beside(run: BesideRun) -> str:
             for figure in ("requests_per_s", "redis_us", "workers_us", "client_us"):
                 ratios = run.ratios(workers, figure, side)
                 cells.append(f"{median(ratios):.2f} ({', '.join(f'{r:.2f}' for r in ratios)})")
-            lines.append(f"| {workers} | {side.partition('@')[2] or 'default'} | {' | '.join(cells)} |")
+            lines.append(f"| {workers} | {read_ahead_of(side) or 'default'} | {' | '.join(cells)} |")
     return "\n".join(lines + render_scripts(run)) + "\n"
 
 
@@ -420,11 +419,16 @@ def render_scripts(run: BesideRun) -> list[str]:
     return lines
 
 
+def read_ahead_of(side: str) -> str:
+    """The read-ahead a side's workers ran at: N of "this@N", '' (their default) for "this" and "earlier"."""
+    return side.partition("@")[2]
+
+
 def side_name(run: BesideRun, side: str) -> str:
     """How a side is named in the tables: the earlier commit, this one, or this one at a read-ahead."""
     if side == "earlier":
         return f"`{run.earlier_commit}`"
-    read_ahead = side.partition("@")[2]
+    read_ahead = read_ahead_of(side)
     return f"`{run.this_commit}` (this{f', read-ahead {read_ahead}' if read_ahead else ''})"
 
 
