@@ -70,6 +70,7 @@ class Converger:
                 await self._one_shot(command)
         self._seen_epoch = max([desired.epoch, *(c.epoch for c in commands)])
         done = await self._apply(desired)
+        self.state.passed(self._seen_epoch)
         self._awaiting = {r for r in self._awaiting if r in self.index}
         if not done or self._awaiting:
             return False

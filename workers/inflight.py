@@ -166,10 +166,15 @@ class InFlightIndex:
             records.discard(record)
             if not records:
                 del self._by_session[session_id]
+        self.forget_request(record)
+        self.changed.set()
+
+    def forget_request(self, record: InFlight) -> None:
+        """Stop finding `record` by its request ids (`running`): it no longer runs its request (put back in the
+        queue), so a copy of it taken here is served, not taken for a second delivery."""
         for request_id in record.request_ids:
             if self._by_request.get(request_id) is record:
                 del self._by_request[request_id]
-        self.changed.set()
 
     def expired(self, now: float) -> list[InFlight]:
         """In-flight rollout requests whose deadline (unix s) is <= `now`, each returned once."""

@@ -135,6 +135,8 @@ class RequestServer:
             return  # unanswered, the entry stays pending: requeued when the worker exits
         if record.move_to is not None and isinstance(result, Trajectory) and await self._hand_over(record, result):
             return
+        if isinstance(result, Trajectory) and await self._put_back(record, request, result):
+            return
         self._answer(record, request, result)
 
     async def _second_delivery(self, record: InFlight, request: Request, running: InFlight) -> None:
@@ -175,6 +177,32 @@ class RequestServer:
         if self.metrics is not None:
             self.metrics.moves.inc()
         record.reply_to = None  # acknowledged without an answer: the continuation answers
+        self._publish(record)
+        return True
+
+    async def _put_back(self, record: InFlight, request: Request, result: Trajectory) -> bool:
+        """Put a rollout request that a pause (or a sleep) cut before it made a token back in the queue, as if it had
+        not been taken, and acknowledge its entry here without an answer. Such a request was taken just as the pause
+        landed here: typically the retry of a request the same pause cut on another worker, which this worker's read
+        delivered before its own pause did. Answered, it would reach its producer as a second interruption with
+        nothing made, and be retried. The copy keeps the payload, session, epoch and cost, and is not counted as a
+        delivery. Like a move, it is delivered at least once: a worker dying in between leaves both copies, and the
+        producer keeps the first answer. False (answer it) if it made tokens, was cut for another cause, or Redis
+        refused the copy."""
+        if not isinstance(request, RolloutRequest) or result.finish_reason != "abort" or result.abort_cause != "pause":
+            return False
+        prior = request.continuation
+        if len(result.completion_token_ids) > (len(prior.token_ids) if prior else 0):
+            return False
+        entry = record.entry
+        copy = Enqueue(entry.payload, entry.session_id, max(entry.deliveries - 1, 0), entry.epoch, cost=entry.cost)
+        self.index.forget_request(record)  # the copy, taken here before this entry is acknowledged, runs
+        try:
+            await self.recovery.requeue([copy], [])
+        except REDIS_ERRORS as exc:
+            log.warning("putting %s back in the queue failed (%s): its producer retries it", request.request_id, exc)
+            return False
+        record.reply_to = None  # acknowledged without an answer (its cost off this worker's load): the copy answers
         self._publish(record)
         return True
 
@@ -249,6 +277,10 @@ class RequestServer:
             params = params.model_copy(
                 update={"max_tokens": params.max_tokens - kept, "min_tokens": max(0, params.min_tokens - kept)}
             )
+        # Enqueued after a control command this worker has not applied yet (a pause that cut it elsewhere): applied
+        # first, bounded by two heartbeat intervals (the converger's own poll)
+        if not await self.state.control_applied(record.entry.epoch, 2 * self.settings.worker.heartbeat_interval_s):
+            log.warning("%s waited for control epoch %d in vain: served", request.request_id, record.entry.epoch)
         if record.abort_cause is None and self._too_stale(request, record):
             record.abort_cause = "staleness"
         if record.abort_cause is not None:  # stopped before it reached the engine: it never will

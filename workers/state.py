@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -69,6 +70,10 @@ class WorkerState:
     # waits on its pinned stream only, and takes shared work by its take's share, which leaves it what it cannot hold
     widest_context: int = 0
     resumed: asyncio.Event = field(default_factory=asyncio.Event)  # set while it takes rollout requests
+    # the newest control epoch the converger applied (a pass over it: a pause cuts what it holds then); None: no
+    # converger runs here, and requests do not wait for one (`control_applied`)
+    passed_epoch: int | None = None
+    _epoch_passed: asyncio.Event = field(default_factory=asyncio.Event)  # replaced at each pass, the old one set
     adapters: AdapterTable = field(default_factory=AdapterTable)  # the LoRA adapters its engine holds
 
     @property
@@ -127,6 +132,26 @@ class WorkerState:
             kv_cache_tokens=engine.kv_cache_tokens,
             engine_config=engine.engine_config,
         )
+
+    def passed(self, epoch: int) -> None:
+        """The converger applied the control state up to `epoch` (one pass over it): wake what waits for it."""
+        self.passed_epoch = epoch
+        event, self._epoch_passed = self._epoch_passed, asyncio.Event()
+        event.set()
+
+    async def control_applied(self, epoch: int, timeout_s: float) -> bool:
+        """Wait until the converger applied the control state up to `epoch`, for at most `timeout_s`; True at once
+        where no converger runs. A request enqueued after a control command (its entry's epoch) that this worker has
+        not applied yet waits so before it runs: a pause that cut the request on another worker then cuts its retry
+        here before it starts, and a weight version committed before it was enqueued is known here."""
+        deadline = time.monotonic() + timeout_s
+        while self.passed_epoch is not None and self.passed_epoch < epoch:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._epoch_passed.wait(), left)
+        return True
 
     def fail(self, epoch: int, message: str) -> None:
         self.error_epoch, self.error = epoch, message

@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 
 from rollout_svc import ControlTimeoutError, RolloutClient
 from rollout_svc.dataplane.reaper import Reaper
-from rollout_svc.keys import PAYLOAD_FIELD
+from rollout_svc.keys import PAYLOAD_FIELD, WORKERS_GROUP
 from rollout_svc.protocol import RolloutRequest, encode
 from tests.support import ROOT, Results, Streaming, async_wait_until, pending, queued, wait_until
 
@@ -110,6 +110,44 @@ async def test_abort_pause_cuts_in_flight_requests_which_come_back_whole(setting
     assert all(whole(t, p) for t, p in zip(trajectories, batch, strict=True))  # the cut, then the continuation
     assert all(t.interruptions == 1 and t.abort_cause is None for t in trajectories)
     assert len({t.request_id for t in trajectories}) == 20  # under the ids the caller submitted
+
+
+@pytest.mark.heartbeat_ttl(5)
+async def test_a_retry_taken_as_an_abort_pause_lands_goes_back_to_the_queue_not_cut_twice(settings, workers, rds):
+    # Found in CI (26 retries for 20 cuts): the pause cut echo-0's requests, their retries were enqueued at once, and
+    # echo-1's read delivered some of them before echo-1 applied the pause, which then cut them with nothing made: a
+    # second interruption each. Stopping echo-1 with a long blocking read open at Redis makes that order certain.
+    slow = {"ROLLOUT_READ_BLOCK_MS": "5000"}
+    workers.start_ready(
+        ["echo-0", "echo-1"], "--engine", "echo", "--max-num-seqs", "16", "--echo-token-delay-s", "0.1", env=slow
+    )
+    batch = prompts(20, salt=3)
+    stream = settings.keys.requests
+
+    def pending_on(worker_id: str) -> int:
+        consumers = rds.xpending(stream, WORKERS_GROUP)["consumers"]
+        return sum(c["pending"] for c in consumers if c["name"] in (worker_id, worker_id.encode()))
+
+    async with RolloutClient(settings) as client:
+        run = Streaming(client, batch, PARAMS)
+        await run.streamed(2, 5)
+        held = pending_on("echo-1")
+        assert 0 < held < 20, "both workers run some of the batch"
+        workers.kill("echo-1", signal.SIGSTOP)
+        try:
+            pause = asyncio.create_task(client.pause("abort"))
+            # echo-0's requests come back cut and are retried; echo-1's open read takes the first retries
+            await async_wait_until(lambda: pending_on("echo-1") > held, 10, "echo-1's open read to take a retry")
+        finally:
+            workers.kill("echo-1", signal.SIGCONT)
+        await pause
+        assert await in_flight(client) == 0 and pending(rds, stream) == 0
+        await async_wait_until(lambda: queued(rds, stream) == 20, 5, "20 requests queued")  # the taken retries too
+        await client.resume()
+        trajectories = await run.task
+        assert client.stats.retries == 20  # one a request: a retry taken as the pause landed went back unanswered
+    assert all(whole(t, p) for t, p in zip(trajectories, batch, strict=True))
+    assert all(t.interruptions == 1 for t in trajectories)
 
 
 async def test_wait_pause_returns_once_in_flight_requests_finished(settings, echo_workers, rds):
