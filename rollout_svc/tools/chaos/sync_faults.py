@@ -33,6 +33,8 @@ from rollout_svc.connections.urls import redis_async
 from rollout_svc.keys import LOADED, RECEIVED
 from rollout_svc.protocol import WeightSyncOrder, decode
 from rollout_svc.tools.chaos.fleet import ChaosFleet, Journal, Slot, exited
+from rollout_svc.tools.chaos.http_pauses import HTTP_PAUSE_LEASE_S
+from rollout_svc.tools.chaos.http_pauses import KIND as HTTP_PAUSE_KILL
 from rollout_svc.tools.chaos.ledger import Ledger
 from rollout_svc.tools.chaos.service import fleet_state, fresh_labels
 from rollout_svc.tools.chaos.syncs import SYNC_LEASE_S, Syncer
@@ -193,14 +195,21 @@ class SyncFaults:
     async def check_lapse(self, killed_at: float) -> None:
         """After `kill_sender`: when the dead trainer's lease is over (at most `SYNC_LEASE_S` after the kill) plus two
         heartbeat intervals (a worker reads the state, then beats, once an interval each) and half a second, no
-        worker beating now says it is paused, unless someone holds a pause then (a killed or stalled worker's last
-        heartbeat, not yet expired, is left out)."""
+        worker beating now says it is paused, unless someone holds a pause then, or held one that lapsed less than
+        that long ago: an HTTP trainer killed within its lease and that much (found by seed 31: an HTTP pause that
+        lapsed at the check's very moment still showed in two heartbeats). A killed or stalled worker's last
+        heartbeat, not yet expired, is left out."""
         interval = self.fleet.settings.worker.heartbeat_interval_s
         await asyncio.sleep(SYNC_LEASE_S + 2 * interval + 0.5)
         with contextlib.suppress(*REDIS_AWAY):
             state = await fleet_state(self.redis, self.keys)
-            if state.holders or any(f.kind == "redis_restart" and f.at >= killed_at for f in self.ledger.faults):
-                self.counts["lapse_checks_excused"] += 1  # another pause, or a Redis restart (no heartbeats)
+            lapsing = time.time() - (HTTP_PAUSE_LEASE_S + 2 * interval + 0.5)
+            if (
+                state.holders
+                or any(f.kind == "redis_restart" and f.at >= killed_at for f in self.ledger.faults)
+                or any(f.kind == HTTP_PAUSE_KILL and f.at >= lapsing for f in self.ledger.faults)
+            ):  # another pause, lapsing yet in the heartbeats, or a Redis restart (no heartbeats)
+                self.counts["lapse_checks_excused"] += 1
                 return
             # Stopped since the kill (SIGSTOP or SIGKILL): its last heartbeat was written before the lapse's deadline
             # (one stalled 0.2 s before this check was judged on a heartbeat written while the lease still ran).
