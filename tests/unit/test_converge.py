@@ -4,6 +4,7 @@ epoch), converges, and checks what the engine was told, the worker's state, and 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -213,6 +214,22 @@ async def test_abort_pause_cuts_generations_and_acks_once_they_returned(worker: 
     assert len(worker.engine.calls) == 3  # neither aborted nor paused twice
     late = worker.take("r-3")  # taken just as the pause landed: cut at the next pass
     assert await worker.converge() is False and late.abort_cause == "pause"
+
+
+async def test_a_request_enqueued_after_a_command_waits_until_a_pass_applied_it(worker: Worker):
+    applied = worker.state.passed_epoch
+    assert applied is not None and await worker.state.control_applied(applied, 0.0) is True  # applied: no wait
+    epoch = worker.control.pause("abort")
+    assert await worker.state.control_applied(epoch, 0.05) is False  # no pass over it yet: waited in vain
+    retry = worker.take("r-9", epoch=epoch)  # a retry of a request the pause cut on another worker, not started yet
+    retry.in_engine = False
+    waiting = asyncio.ensure_future(worker.state.control_applied(epoch, 5.0))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    assert await worker.converge() is False  # the pass cuts it before it reaches the engine
+    assert await waiting is True and retry.abort_cause == "pause"
+    assert ("abort", "r-9") not in worker.engine.calls
+    assert await WorkerState("no-converger").control_applied(epoch, 0.0) is True  # no converger: nothing to wait for
 
 
 async def test_wait_pause_acknowledges_only_after_in_flight_requests_finished(worker: Worker):
