@@ -181,18 +181,18 @@ class RequestServer:
         return True
 
     async def _put_back(self, record: InFlight, request: Request, result: Trajectory) -> bool:
-        """Put a rollout request that a pause (or a sleep) cut before it made a token back in the queue, as if it had
-        not been taken, and acknowledge its entry here without an answer. Such a request was taken just as the pause
-        landed here: typically the retry of a request the same pause cut on another worker, which this worker's read
-        delivered before its own pause did. Answered, it would reach its producer as a second interruption with
-        nothing made, and be retried. The copy keeps the payload, session, epoch and cost, and is not counted as a
-        delivery. Like a move, it is delivered at least once: a worker dying in between leaves both copies, and the
-        producer keeps the first answer. False (answer it) if it made tokens, was cut for another cause, or Redis
-        refused the copy."""
+        """Put a rollout request that a pause (or a sleep) cut before it entered the engine back in the queue, as if
+        it had not been taken, and acknowledge its entry here without an answer. Such a request was taken just as the
+        pause landed here: typically the retry of a request the same pause cut on another worker, which this worker's
+        read delivered before its own pause did (it waited for the pause, `WorkerState.control_applied`). Answered,
+        it would reach its producer as a second interruption with nothing made, and be retried. One that was in the
+        engine when the pause came, generating or waiting there, is cut and answered as vLLM's abort answers it.
+        The copy keeps the payload, session, epoch and cost, and is not counted as a delivery. Like a move, it is
+        delivered at least once: a worker dying in between leaves both copies, and the producer keeps the first
+        answer. False (answer it) if it entered the engine, was cut for another cause, or Redis refused the copy."""
         if not isinstance(request, RolloutRequest) or result.finish_reason != "abort" or result.abort_cause != "pause":
             return False
-        prior = request.continuation
-        if len(result.completion_token_ids) > (len(prior.token_ids) if prior else 0):
+        if record.entered_at:  # in the engine when the pause came: an interruption, answered
             return False
         entry = record.entry
         copy = Enqueue(entry.payload, entry.session_id, max(entry.deliveries - 1, 0), entry.epoch, cost=entry.cost)
