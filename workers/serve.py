@@ -278,9 +278,8 @@ class RequestServer:
                 update={"max_tokens": params.max_tokens - kept, "min_tokens": max(0, params.min_tokens - kept)}
             )
         # Enqueued after a control command this worker has not applied yet (a pause that cut it elsewhere): applied
-        # first, bounded by two heartbeat intervals (the converger's own poll)
-        if not await self.state.control_applied(record.entry.epoch, 2 * self.settings.worker.heartbeat_interval_s):
-            log.warning("%s waited for control epoch %d in vain: served", request.request_id, record.entry.epoch)
+        # first, bounded by two heartbeat intervals (the converger's own poll); served if still not
+        await self.state.control_applied(record.entry.epoch, 2 * self.settings.worker.heartbeat_interval_s)
         if record.abort_cause is None and self._too_stale(request, record):
             record.abort_cause = "staleness"
         if record.abort_cause is not None:  # stopped before it reached the engine: it never will

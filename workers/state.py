@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import time
@@ -15,6 +16,8 @@ from rollout_svc.keys import WorkerLabel
 from rollout_svc.protocol import PauseMode, WorkerStatus
 from workers.lora_table import AdapterTable
 from workers.totals import ServedTotals
+
+log = logging.getLogger("rollout_svc.worker")
 
 if TYPE_CHECKING:
     from workers.engine import Engine
@@ -74,6 +77,7 @@ class WorkerState:
     # converger runs here, and requests do not wait for one (`control_applied`)
     passed_epoch: int | None = None
     _epoch_passed: asyncio.Event = field(default_factory=asyncio.Event)  # replaced at each pass, the old one set
+    _waited_in_vain: int = -1  # the last epoch a request waited for in vain (`control_applied` logs it once)
     adapters: AdapterTable = field(default_factory=AdapterTable)  # the LoRA adapters its engine holds
 
     @property
@@ -143,11 +147,22 @@ class WorkerState:
         """Wait until the converger applied the control state up to `epoch`, for at most `timeout_s`; True at once
         where no converger runs. A request enqueued after a control command (its entry's epoch) that this worker has
         not applied yet waits so before it runs: a pause that cut the request on another worker then cuts its retry
-        here before it starts, and a weight version committed before it was enqueued is known here."""
+        here before it starts, and a weight version committed before it was enqueued is known here. A wait in vain
+        is logged once an epoch: every request taken meanwhile waits alike."""
         deadline = time.monotonic() + timeout_s
         while self.passed_epoch is not None and self.passed_epoch < epoch:
             left = deadline - time.monotonic()
             if left <= 0:
+                if epoch != self._waited_in_vain:
+                    self._waited_in_vain = epoch
+                    log.warning(
+                        "a request waited %.1f s for worker %s to apply control epoch %d (applied: %d); served so "
+                        "until it does",
+                        timeout_s,
+                        self.worker_id,
+                        epoch,
+                        self.passed_epoch,
+                    )
                 return False
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._epoch_passed.wait(), left)

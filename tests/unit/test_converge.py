@@ -216,11 +216,16 @@ async def test_abort_pause_cuts_generations_and_acks_once_they_returned(worker: 
     assert await worker.converge() is False and late.abort_cause == "pause"
 
 
-async def test_a_request_enqueued_after_a_command_waits_until_a_pass_applied_it(worker: Worker):
+async def test_a_request_enqueued_after_a_command_waits_until_a_pass_applied_it(
+    worker: Worker, caplog: pytest.LogCaptureFixture
+):
     applied = worker.state.passed_epoch
     assert applied is not None and await worker.state.control_applied(applied, 0.0) is True  # applied: no wait
     epoch = worker.control.pause("abort")
     assert await worker.state.control_applied(epoch, 0.05) is False  # no pass over it yet: waited in vain
+    assert await worker.state.control_applied(epoch, 0.0) is False
+    vain = [r for r in caplog.records if "to apply control epoch" in r.getMessage()]
+    assert len(vain) == 1 and f"epoch {epoch} (applied: {applied})" in vain[0].getMessage()  # once an epoch
     retry = worker.take("r-9", epoch=epoch)  # a retry of a request the pause cut on another worker, not started yet
     retry.in_engine = False
     waiting = asyncio.ensure_future(worker.state.control_applied(epoch, 5.0))
