@@ -14,6 +14,8 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+BLOCKING_READS = ("XREADGROUP", "XREAD", b"XREADGROUP", b"XREAD")  # what `DirectConnection.execute` times longer
+
 
 class DirectConnection:
     """A connection out of `client`'s pool, held by one sequential user (a worker's take loop or its publisher, a
@@ -41,9 +43,10 @@ class DirectConnection:
         in order. A command that Redis answered with an error has the `ResponseError` as its reply (as redis-py's
         pipeline with `raise_on_error=False`): one failed command does not lose the others' replies.
 
-        The whole call (a blocking command's block included) gets the client's socket timeout, once: redis-py
-        arms one per write and per reply. Raises redis-py's `ConnectionError`, or its `TimeoutError` past that
-        timeout, if Redis is away."""
+        The whole call gets the client's socket timeout, once (redis-py arms one per write and per reply), plus
+        the longest block of its blocking stream reads (`XREAD` / `XREADGROUP ... BLOCK ms`), as
+        `connections.urls.SOCKET_TIMEOUT_S` says: a read may block longer than the socket timeout. Raises redis-py's
+        `ConnectionError`, or its `TimeoutError` past that timeout, if Redis is away."""
         connection = self._connection
         if connection is not None and _transport_closed(connection):
             await self.aclose()  # its socket died while it was idle: a fresh connection (and CLIENT ID) instead
@@ -51,6 +54,8 @@ class DirectConnection:
         if connection is None:
             connection = self._connection = await self.client.connection_pool.get_connection()
         timeout_s = connection.socket_timeout
+        if timeout_s is not None:
+            timeout_s += _block_s(commands)
         try:
             async with asyncio.timeout(timeout_s):
                 await self._send(connection, _packed(commands))
@@ -132,6 +137,17 @@ def _transport_closed(connection: Any) -> bool:
     keepalive), which redis-py notices only on its next read (`connections.urls.reconnecting` says why it matters)."""
     writer = getattr(connection, "_writer", None)
     return writer is not None and writer.transport.is_closing()
+
+
+def _block_s(commands: Sequence[Sequence[Any]]) -> float:
+    """The longest block, in seconds, of the blocking stream reads among `commands`; 0 if none blocks."""
+    longest = 0.0
+    for command in commands:
+        if command[0] in BLOCKING_READS:
+            for at, arg in enumerate(command[:-1]):
+                if arg in (b"BLOCK", "BLOCK"):
+                    longest = max(longest, int(command[at + 1]) / 1000)
+    return longest
 
 
 def _packed(commands: Sequence[Sequence[Any]]) -> bytes:

@@ -88,6 +88,27 @@ def test_a_call_cut_short_gives_up_its_connection_and_the_next_uses_a_fresh_one(
     assert len({before, after, again}) == 3, (before, after, again)
 
 
+def test_a_blocking_read_may_block_longer_than_the_socket_timeout(redis_url: str, rds: redis.Redis) -> None:
+    # Found with ROLLOUT_READ_BLOCK_MS=10000: every worker read failed "no reply from Redis within 10.0 s".
+    rds.xgroup_create("s", WORKERS_GROUP, id="0", mkstream=True)
+
+    async def main() -> list[Any]:
+        client = redis_async(redis_url, decode_responses=False, socket_timeout=0.3)
+        direct = DirectConnection(client)
+        try:
+            read = ("XREADGROUP", "GROUP", WORKERS_GROUP, "w", "COUNT", 1, "BLOCK", 600, "STREAMS", "s", ">")
+            replies = await direct.execute(read)  # blocks 0.6 s, twice the socket timeout: answered empty
+            with pytest.raises(redis.exceptions.TimeoutError, match=r"within 0\.3 s"):
+                await direct.execute(("BLPOP", "never", 1))  # not a stream read: the socket timeout holds
+            return replies
+        finally:
+            await direct.aclose()
+            await client.aclose()
+
+    replies = asyncio.run(main())
+    assert replies in ([None], [{}], [[]]), replies
+
+
 @pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
 def test_the_next_command_after_a_socket_died_goes_out_on_a_fresh_connection(
     redis_url: str, rds: redis.Redis, run: Callable[[Any], Any]
