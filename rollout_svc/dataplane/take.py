@@ -23,15 +23,16 @@ from rollout_svc.dataplane.levels import with_levels
 # 1. Its pinned entries (its sessions): those waiting (the stream's length less its group's pending entries: an
 # answered entry is deleted), up to its free slots. Their tokens (ID:pinned) move to its load; ID:pinned is set
 # right (0) when none waits.
-# 2. If entries wait in the shared stream, the share that brings its load to the level the open workers' loads
-# would reach if the queued tokens (`keys.QUEUED_FIELD`) were spread over them in proportion to their weights (water
-# level: queued tokens plus the open workers' loads, over their weights: the sums `dataplane.levels` keeps), each
-# entry weighed at its cost from `Keys.queued_costs` ("id cost", in stream order: its head, up to the group's last
-# delivered id, is dropped first; where it does not match the entries waiting, the entries are read instead and it
-# is rebuilt once they all fit the window). It stops at an entry costing more than its context that a wider context
-# holds (the widest said, `WIDEST_FIELD`; one that fits nowhere is taken as before), and past its share takes only
-# what no other context holds (`NARROWEST_FIELD`); at least one entry if it is the least loaded open worker (the
-# first of `Keys.levels`), so nothing waits while it has room. Their tokens move from the queued ones to its load.
+# 2. If entries wait in the shared stream, the share that brings its load to the level the open workers' loads would
+# reach if the queued tokens (`keys.QUEUED_FIELD`) were spread over them in proportion to their weights (water level:
+# queued tokens plus the open workers' loads, over their weights: the sums `dataplane.levels` keeps), each entry weighed
+# at its cost from `Keys.queued_costs` ("id cost", in stream order: its head, up to the group's last delivered id, is
+# dropped first; where it does not match the entries waiting, the entries are read instead and it is rebuilt once they
+# all fit the window; the list is read as far as its share goes, O(share) not O(queue)). It stops at an entry costing
+# more than its context that a wider context holds (the widest said, `WIDEST_FIELD`; one that fits nowhere is taken as
+# before), and past its share takes only what no other context holds (`NARROWEST_FIELD`); at least one entry if it is
+# the least loaded open worker (the first of `Keys.levels`), so nothing waits while it has room. Their tokens move from
+# the queued ones to its load.
 # 3. Its load, free slots and level. Every step is O(log W) in the open workers.
 # Returns {pinned entries to read, shared entries to read, their tokens, the pinned ones' tokens, 1 if it left
 # waiting entries to other workers' shares (the caller then waits for a slot of its own, not for new entries), 1 if
@@ -109,6 +110,12 @@ local function listed_costs(window, waiting, last)
   for i, item in ipairs(head) do costs[i] = clamp_cost(string.match(item, ' (%S+)$$')) end
   return costs
 end
+-- the list's next costs after the `#costs` read, up to `n` of them, appended to `costs`; false if none were left
+local function more_costs(costs, n)
+  local items = redis.call('LRANGE', L.costs, #costs, #costs + n - 1)
+  for _, item in ipairs(items) do costs[#costs + 1] = clamp_cost(string.match(item, ' (%S+)$$')) end
+  return #items > 0
+end
 -- the same read from the entries, the list rebuilt from them where they are all that wait
 local function read_costs(window, waiting, last)
   local costs, items = {}, {}
@@ -134,7 +141,6 @@ if looked then
     if waiting == 0 then redis.call('DEL', L.costs) end
   else
     local window = math.min(free, peek)
-    local costs = listed_costs(window, waiting, last) or read_costs(window, waiting, last)
     close_silent(L, ttl_ms, at, 4)
     local s = redis.call('HMGET', L.loads, '${SUM_FIELD}', '${WEIGHTS_FIELD}', me .. '${IN_SUFFIX}',
       '${KV_SUM_FIELD}', '${KV_COUNT_FIELD}', '${WIDEST_FIELD}', '${NARROWEST_FIELD}')
@@ -159,14 +165,30 @@ if looked then
     local function fits(c)  -- false: a wider context holds it and mine does not: left to it
       return ctx_me == 0 or c <= ctx_me or c > widest
     end
+    local budget = (queued + level_sum) * w_me / weight_sum - mine
+    -- a share's costs are read from the list as it goes: first about twice what its budget buys at the queue's mean
+    -- cost, so a take costs Redis its share's entries, not the queue's
+    local first = window
+    if ARGV[8] ~= '0' then
+      first = math.min(window, math.max(16, 2 * math.ceil(budget * waiting / math.max(queued, 1))))
+    end
+    local costs = listed_costs(first, waiting, last)
+    local listed = costs ~= nil
+    costs = costs or read_costs(window, waiting, last)
+    local function next_cost(i)  -- the i-th waiting entry's cost (nil past the last weighed), read on when listed
+      if i > #costs and listed and #costs < math.min(window, waiting) then
+        more_costs(costs, math.min(2 * #costs, window - #costs))
+      end
+      return costs[i]
+    end
     if ARGV[8] == '0' then
       for i, c in ipairs(costs) do
         if not fits(c) then left = true break end
         shared_count, shared_tokens = i, shared_tokens + c
       end
     else
-      local budget = (queued + level_sum) * w_me / weight_sum - mine
-      for _, c in ipairs(costs) do
+      local i, c = 1, next_cost(1)
+      while c do
         -- past its share what no other context holds: over the widest said (none holds it), or, for a worker of
         -- the widest context, over the narrowest (a narrower one leaves it); where none said one, nothing is so
         local only_mine = widest > 0 and (ctx_me == 0 or c <= ctx_me)
@@ -174,8 +196,10 @@ if looked then
         local over_share = budget < c / 2 and not (shared_count == 0 and least) and not only_mine
         if shared_count >= free or not fits(c) or over_share then break end
         shared_count, shared_tokens, budget = shared_count + 1, shared_tokens + c, budget - c
+        i = i + 1
+        c = next_cost(i)
       end
-      left = shared_count < #costs
+      left = c ~= nil  -- it stopped at a waiting entry
     end
     if shared_tokens > 0 then
       redis.call('HSET', L.loads, '${QUEUED_FIELD}', math.max(0, queued - shared_tokens))

@@ -86,3 +86,23 @@ async def test_a_sweep_keeps_the_costs_list_and_a_take_rebuilds_one_that_stopped
     assert rds.lrange(keys.queued_costs, 0, -1) == rebuilt[3:]  # a's three dropped by b's plan; b's one by the next
     await worker.plan_take(TakeOptions("a", 60_000), 64)
     assert rds.llen(keys.queued_costs) == 0
+
+
+async def test_a_take_reads_the_costs_list_as_far_as_its_share_goes(plane, settings, rds) -> None:
+    """Three open workers, 200 entries of 1 token queued before one of 20,000: a's share is a third of the 20,200
+    tokens, about 67 entries at the mean cost. Its first read of the costs list is twice that, short of the 201
+    waiting, so it reads on as its share goes: the 200 cheap ones, stopping at the dear one (left to the others'
+    shares). The plan is the one a read of the whole list gave."""
+    keys, worker = settings.keys, WorkerStreams(plane.streams.connection)
+    await worker.report_load("c", 64)
+    await plane.registry.heartbeat(WorkerStatus(worker_id="c", state="serving"))
+    await plane.streams.enqueue([_request(i, 1) for i in range(200)] + [_request(200, 20_000)], -1)
+    assert rds.llen(keys.queued_costs) == 201
+    rds.config_resetstat()
+    plan = await worker.plan_take(TakeOptions("a", 60_000), 4096)
+    assert (plan.shared, plan.counted, plan.left, plan.drained) == (200, (200, 0), True, False)
+    assert int(rds.info("commandstats")["cmdstat_lrange"]["calls"]) == 2  # a first read, then one on
+    taken = await worker.read_plan(plan)
+    assert len(taken.entries) == 200 and taken.unplanned == (0, 0)
+    b = await worker.take(TakeOptions("b", 60_000), 4096)  # the least loaded: at least the one entry
+    assert [e.cost for e in b.entries] == [20_000] and b.drained and not b.left
