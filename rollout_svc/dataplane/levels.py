@@ -31,12 +31,20 @@ end
 """)
 
 # add_to_load: add `tokens` (negative: take off) to a field of the loads hash (`Keys.loads`: a worker's load, its
-# ID:pinned, or the queued tokens), never leaving it below 0. now_ms: Redis's clock, which every stamp is taken by (a
-# worker host's clock may be off).
+# ID:pinned, or the queued tokens), never leaving it below 0. set_loads(loads, changes): for a script that read the
+# fields it changes already, each {field, new value, value read} whose value changed, in one HSET. now_ms: Redis's
+# clock, which every stamp is taken by (a worker host's clock may be off).
 LOADS_LUA = lua("""
 local function add_to_load(loads, field, tokens)
   if tokens == 0 then return end
   if redis.call('HINCRBY', loads, field, tokens) < 0 then redis.call('HSET', loads, field, 0) end
+end
+local function set_loads(loads, changes)
+  local pairs_ = {}
+  for _, c in ipairs(changes) do
+    if c[2] ~= tonumber(c[3] or '0') then pairs_[#pairs_ + 1], pairs_[#pairs_ + 2] = c[1], c[2] end
+  end
+  if #pairs_ > 0 then redis.call('HSET', loads, unpack(pairs_)) end
 end
 local function now_ms()
   local t = redis.call('TIME')
@@ -45,14 +53,15 @@ end
 """)
 
 # weight_of(kv, kv_sum, kv_count): a worker's weight.
-# relevel(L, id, open, at_ms): worker `id`'s level and its part of the sums, from its load fields as they are now.
-# L: {loads = the loads hash, levels = `Keys.levels`, open_at = `Keys.open_at`}. `open`: true (it said it has a free
-# slot, at `at_ms`: it joins or stays), false (it leaves), nil (it stays as it is, member or not: a change of load
-# others made). `at_ms` 0: no fresh word (a publish: its takes and load reports renew the stamp), read from Redis's
-# clock only if it joins. Returns its level (load / weight), nil if it is not open; the level it had before (nil if it
-# was not open); and its load in tokens (0 if it is not open).
+# relevel(L, id, open, at_ms, known): worker `id`'s level and its part of the sums, from its load fields as they are
+# now (`known`: the caller read them already, {load, pinned tokens, holds, ID:in, KV sum, KV count}, as the hash holds
+# them). L: {loads = the loads hash, levels = `Keys.levels`, open_at = `Keys.open_at`}. `open`: true (it said it has a
+# free slot, at `at_ms`: it joins or stays), false (it leaves), nil (it stays as it is, member or not: a change of
+# load others made). `at_ms` 0: no fresh word (a publish: its takes and load reports renew the stamp), read from
+# Redis's clock only if it joins. Returns its level (load / weight), nil if it is not open; the level it had before
+# (nil if it was not open); and its load in tokens (0 if it is not open).
 # close_silent(L, ttl_ms, at_ms, limit): closes up to `limit` open workers silent since before at_ms - ttl_ms (a
-# dead worker, until its reaper forgets it).
+# dead worker, until its reaper forgets it). Returns how many it closed.
 RESTAMP_MS = 250
 LEVELS_LUA = lua(f"local RESTAMP_MS = {RESTAMP_MS}\n") + lua("""
 local function num(v)
@@ -66,9 +75,9 @@ local function weight_of(kv, kv_sum, kv_count)
   if kv > 0 then return kv end
   return kv_count > 0 and math.max(1, math.floor(kv_sum / kv_count)) or 1
 end
-local function relevel(L, id, open, at_ms)
-  local h = redis.call('HMGET', L.loads, id, id .. '${PINNED_SUFFIX}', id .. '${HOLDS_SUFFIX}', id .. '${IN_SUFFIX}',
-    '${KV_SUM_FIELD}', '${KV_COUNT_FIELD}')
+local function relevel(L, id, open, at_ms, known)
+  local h = known or redis.call('HMGET', L.loads, id, id .. '${PINNED_SUFFIX}', id .. '${HOLDS_SUFFIX}',
+    id .. '${IN_SUFFIX}', '${KV_SUM_FIELD}', '${KV_COUNT_FIELD}')
   local was = h[4]
   if open == nil then open = was and true or false end
   local old_load, old_w, old_kv, old_at = 0, 0, 0, 0
@@ -110,9 +119,9 @@ local function relevel(L, id, open, at_ms)
   return load / weight, old_level, load
 end
 local function close_silent(L, ttl_ms, at_ms, limit)
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', L.open_at, '-inf', at_ms - ttl_ms - 1, 'LIMIT', 0, limit)) do
-    relevel(L, id, false)
-  end
+  local silent = redis.call('ZRANGEBYSCORE', L.open_at, '-inf', at_ms - ttl_ms - 1, 'LIMIT', 0, limit)
+  for _, id in ipairs(silent) do relevel(L, id, false) end
+  return #silent
 end
 """)
 

@@ -47,17 +47,22 @@ local kv_me, ctx_me = tonumber(ARGV[10] or '0') or 0, tonumber(ARGV[11] or '0') 
 local at = now_ms()
 local left = false
 local spent, carried_pinned = tonumber(ARGV[6]), tonumber(ARGV[9])
-local h = redis.call('HMGET', L.loads, me, me .. '${PINNED_SUFFIX}', '${QUEUED_FIELD}')
+-- every field of the loads hash it reads, in one read; what it changes is written once, at the end (step 3)
+local function read_loads()
+  return redis.call('HMGET', L.loads, me, me .. '${PINNED_SUFFIX}', '${QUEUED_FIELD}', me .. '${HOLDS_SUFFIX}',
+    me .. '${IN_SUFFIX}', '${KV_SUM_FIELD}', '${KV_COUNT_FIELD}', '${SUM_FIELD}', '${WEIGHTS_FIELD}',
+    '${WIDEST_FIELD}', '${NARROWEST_FIELD}')
+end
+local h = read_loads()
+-- the silent are closed as often as its stamp is renewed (`RESTAMP_MS`), the sums read again if it closed any
+local stamped_at = num(string.match(h[5] or '', '^%S+ %S+ %S+ (%d+)$$'))
+if at - stamped_at >= RESTAMP_MS and close_silent(L, ttl_ms, at, 4) > 0 then h = read_loads() end
 local held, my_pinned, queued = num(h[1]), num(h[2]), num(h[3])
 if carried_pinned ~= 0 then my_pinned = math.max(0, my_pinned - carried_pinned) end
 if spent ~= carried_pinned then  -- what its reads took from the shared stream beyond (or short of) a plan
   queued = math.max(0, queued - (spent - carried_pinned))
-  redis.call('HSET', L.loads, '${QUEUED_FIELD}', queued)
 end
-if ARGV[7] == '1' and held > 0 then
-  held = 0
-  redis.call('HSET', L.loads, me, 0)
-end
+if ARGV[7] == '1' then held = 0 end
 local function waiting_in(stream)  -- {entries waiting (not delivered), the group's last delivered id}
   local length = redis.call('XLEN', stream)
   if length == 0 then return 0, '${StreamSyntax.FIRST_ID}' end
@@ -86,7 +91,6 @@ if free > 0 then
   free = free - pinned_count
   spent = spent + pinned_tokens
 end
-if my_pinned ~= num(h[2]) then redis.call('HSET', L.loads, me .. '${PINNED_SUFFIX}', my_pinned) end
 -- 2. shared
 local function id_at_most(a, b)  -- stream ids: a <= b
   local am, as = string.match(a or '', '^(%d+)-(%d+)$$')
@@ -137,13 +141,11 @@ if looked then
   local last
   waiting, last = waiting_in(shared)
   if waiting <= 0 then
-    if queued > 0 then redis.call('HSET', L.loads, '${QUEUED_FIELD}', 0) end  -- nothing waits: a drifted count
+    queued = 0  -- nothing waits: a drifted count is set right
     if waiting == 0 then redis.call('DEL', L.costs) end
   else
     local window = math.min(free, peek)
-    close_silent(L, ttl_ms, at, 4)
-    local s = redis.call('HMGET', L.loads, '${SUM_FIELD}', '${WEIGHTS_FIELD}', me .. '${IN_SUFFIX}',
-      '${KV_SUM_FIELD}', '${KV_COUNT_FIELD}', '${WIDEST_FIELD}', '${NARROWEST_FIELD}')
+    local s = {h[8], h[9], h[5], h[6], h[7], h[10], h[11]}
     local in_load, in_w = 0, 0
     if s[3] then
       local a, b = string.match(s[3], '^(%S+) (%S+) ')
@@ -202,15 +204,16 @@ if looked then
       left = c ~= nil  -- it stopped at a waiting entry
     end
     if shared_tokens > 0 then
-      redis.call('HSET', L.loads, '${QUEUED_FIELD}', math.max(0, queued - shared_tokens))
+      queued = math.max(0, queued - shared_tokens)
       spent = spent + shared_tokens
     end
     free = free - shared_count
   end
 end
--- 3. its load, free slots and level
-if spent ~= 0 then add_to_load(L.loads, me, spent) end
-relevel(L, me, free > 0, at)
+-- 3. its load, free slots and level: the fields it changed in one write, then its level from them
+local load = math.max(0, held + spent)
+set_loads(L.loads, {{me, load, h[1]}, {me .. '${PINNED_SUFFIX}', my_pinned, h[2]}, {'${QUEUED_FIELD}', queued, h[3]}})
+relevel(L, me, free > 0, at, {load, my_pinned, h[4], h[5], h[6], h[7]})
 local drained = looked and pinned_count == pinned_waiting and shared_count >= waiting
 return {pinned_count, shared_count, pinned_tokens + shared_tokens, pinned_tokens, left and 1 or 0, drained and 1 or 0}
 """,

@@ -4,6 +4,7 @@ against a real redis-server."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest_asyncio
@@ -15,6 +16,7 @@ from rollout_svc.control.plane import ControlPlane
 from rollout_svc.dataplane.producer_streams import Sweep
 from rollout_svc.dataplane.streams import Enqueue
 from rollout_svc.dataplane.worker_streams import TakeOptions, WorkerStreams
+from rollout_svc.keys import IN_SUFFIX, WEIGHTS_FIELD
 from rollout_svc.protocol import RolloutRequest, WorkerStatus, encode
 
 
@@ -106,3 +108,17 @@ async def test_a_take_reads_the_costs_list_as_far_as_its_share_goes(plane, setti
     assert len(taken.entries) == 200 and taken.unplanned == (0, 0)
     b = await worker.take(TakeOptions("b", 60_000), 4096)  # the least loaded: at least the one entry
     assert [e.cost for e in b.entries] == [20_000] and b.drained and not b.left
+
+
+async def test_a_take_closes_workers_silent_past_the_ttl_once_per_renewal_of_its_stamp(plane, settings, rds) -> None:
+    """a and b said they had free slots; 0.3 s later a takes with a TTL of 0.2 s: b, silent since, is closed (out of
+    `Keys.levels` and the sums), a stays. A take right after does not look again (its stamp is not due)."""
+    keys, worker = settings.keys, WorkerStreams(plane.streams.connection)
+    await asyncio.sleep(0.3)
+    rds.config_resetstat()
+    await worker.plan_take(TakeOptions("a", 200), 64)
+    assert rds.zscore(keys.levels, "b") is None and rds.zscore(keys.open_at, "b") is None
+    assert rds.zscore(keys.levels, "a") is not None and rds.hget(keys.loads, "b" + IN_SUFFIX) is None
+    assert int(rds.hget(keys.loads, WEIGHTS_FIELD)) == 1  # a's alone (neither said its KV cache)
+    await worker.plan_take(TakeOptions("a", 200), 64)
+    assert int(rds.info("commandstats")["cmdstat_zrangebyscore"]["calls"]) == 1
