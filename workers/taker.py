@@ -24,6 +24,7 @@ log = logging.getLogger("rollout_svc.worker")
 _T = TypeVar("_T")
 TOKEN_CONCURRENCY = 256  # tokenize requests served at once
 SHARE_WAIT_S = 0.02  # a worker that left queued work to others' shares reads again after this (or a slot freed)
+IDLE_TAKE_S = 1.0  # a worker that holds nothing takes (which sets its load to 0) at least this often, looks or not
 
 
 class Taker:
@@ -56,6 +57,8 @@ class Taker:
         # In a take or a (blocking) read; that read returned.
         self._reading, self._read_returned = False, asyncio.Event()
         self._read_failures: dict[str, int] = {}  # loop name -> reads failed in a row
+        self._left = False  # its last take left queued entries to other workers' shares
+        self._idle_take_at = 0.0  # monotonic time of its last take made while it held nothing
 
     async def aclose(self) -> None:
         """Give back its own connection."""
@@ -66,6 +69,7 @@ class Taker:
         block_s = self.settings.read_block_ms / 1000
         while not self.wakes.stopping.is_set():
             if not self.state.resumed.is_set() or not self.lease.serving.is_set():
+                self._left = False  # its first take once it serves again reopens it (`dataplane.levels`)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._resumed_and_announced(), block_s)
                 continue
@@ -82,6 +86,7 @@ class Taker:
             if (taken := await self._read("take", self._take(free))) is None:
                 continue
             entries, left = taken
+            self._left = left
             self._start(entries, generation=True)
             if entries:
                 await asyncio.sleep(0)  # start the new requests before sending the next read
@@ -114,7 +119,10 @@ class Taker:
         self._reading = True
         try:
             options = self._take_options()
-            if not self.woken.drained:  # else its last read found nothing more queued: to the next read at once
+            # A take first, unless its last read found nothing more queued (to the next read at once), or it left
+            # entries to other workers' shares and a look (plain commands) finds they took them all (it blocks; one
+            # that holds nothing still takes every IDLE_TAKE_S, which sets its load right)
+            if not self.woken.drained and not (self._may_look() and await self._own.shared_waiting() == 0):
                 entries, left = await self._planned(options, free)
                 if entries or left or free <= 0:
                     return entries, left
@@ -142,7 +150,9 @@ class Taker:
     async def _planned(self, options: TakeOptions, free: int) -> tuple[list[Entry], bool]:
         """One take (`plan_take`, then `read_plan`), what it read beyond or short of its plan kept in `woken` for the
         next script call. Returns the entries and whether waiting ones were left to other workers' shares."""
-        idle = not (self.index.generating or self.woken.tokens)
+        idle = self._idle()
+        if idle:
+            self._idle_take_at = time.monotonic()
         with self.woken.claimed() as carried:
             plan = await self._own.plan_take(options, free, carried, idle=idle)
         try:
@@ -152,6 +162,14 @@ class Taker:
             raise
         self.woken.unplanned(taken.unplanned, taken.drained)
         return taken.entries, taken.left
+
+    def _idle(self) -> bool:
+        """It holds nothing: no generation in flight, no read's cost waiting to be counted."""
+        return not (self.index.generating or self.woken.tokens)
+
+    def _may_look(self) -> bool:
+        """Its last take left entries to other workers' shares, and it need not take to set its load right."""
+        return self._left and not (self._idle() and time.monotonic() - self._idle_take_at >= IDLE_TAKE_S)
 
     async def token_loop(self) -> None:
         """Tokenize, detokenize and chat-template requests: served while paused or asleep too."""

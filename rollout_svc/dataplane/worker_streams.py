@@ -6,6 +6,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from rollout_svc.dataplane.direct import stream_records
 from rollout_svc.dataplane.streams import Enqueue, Entry, StreamSide, parse_entry
 from rollout_svc.keys import COST_FIELD, EPOCH_FIELD, PAYLOAD_FIELD, WORKERS_GROUP
@@ -109,6 +111,23 @@ class WorkerStreams(StreamSide):
         pinned_tokens = sum(e.cost for e in entries if e.stream == pinned)
         unplanned = (tokens - plan.counted[0], pinned_tokens - plan.counted[1])
         return Taken(entries, plan.left, plan.drained, unplanned)
+
+    async def shared_waiting(self) -> int | None:
+        """Entries of the shared stream delivered to no worker yet: its length less the `workers` group's pending
+        entries (an answered entry is deleted), from two plain commands in one round trip (XLEN, XINFO GROUPS). What a
+        worker that left queued entries to other workers' shares looks at before it takes again: most such takes
+        found the others had taken them, and a take script costs Redis several times as much (BENCHMARKS.md (p)).
+        None where it cannot tell (the stream or its group is missing: Redis lost them): take, which recreates them."""
+        stream = self.keys.requests
+        try:
+            length, groups = await self.connection.execute(("XLEN", stream), ("XINFO", "GROUPS", stream))
+        except ResponseError:
+            return None
+        for group in groups:
+            info = group if isinstance(group, dict) else dict(zip(group[::2], group[1::2], strict=False))
+            if info.get(b"name") == WORKERS_GROUP.encode():
+                return int(length) - int(info.get(b"pending") or 0)
+        return None
 
     async def wait_for_entries(self, worker_id: str, block_ms: int, count: int = 1, shared: bool = True) -> list[Entry]:
         """Block up to `block_ms` on the worker's pinned stream and the shared one (`shared` False: its pinned one

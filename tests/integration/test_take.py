@@ -122,3 +122,18 @@ async def test_a_take_closes_workers_silent_past_the_ttl_once_per_renewal_of_its
     assert int(rds.hget(keys.loads, WEIGHTS_FIELD)) == 1  # a's alone (neither said its KV cache)
     await worker.plan_take(TakeOptions("a", 200), 64)
     assert int(rds.info("commandstats")["cmdstat_zrangebyscore"]["calls"]) == 1
+
+
+async def test_a_look_counts_the_shared_entries_no_worker_has_taken(plane, settings, rds) -> None:
+    """What a worker that left entries to others' shares looks at before it takes again: the shared stream's length
+    less the group's pending entries, by plain commands; None where Redis lost the stream (the take recreates it)."""
+    keys, worker = settings.keys, WorkerStreams(plane.streams.connection)
+    assert await worker.shared_waiting() == 0
+    await plane.streams.enqueue([_request(i, 10) for i in range(5)], -1)
+    assert await worker.shared_waiting() == 5
+    taken = await worker.take(TakeOptions("a", 60_000), 2)
+    assert len(taken.entries) == 2 and await worker.shared_waiting() == 3
+    assert await worker.publish([(taken.entries[0], None)], 60) == []  # acked and deleted: not waiting either
+    assert rds.xlen(keys.requests) == 4 and await worker.shared_waiting() == 3
+    rds.delete(keys.requests)
+    assert await worker.shared_waiting() is None
