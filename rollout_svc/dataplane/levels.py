@@ -31,20 +31,12 @@ end
 """)
 
 # add_to_load: add `tokens` (negative: take off) to a field of the loads hash (`Keys.loads`: a worker's load, its
-# ID:pinned, or the queued tokens), never leaving it below 0. set_loads(loads, changes): for a script that read the
-# fields it changes already, each {field, new value, value read} whose value changed, in one HSET. now_ms: Redis's
-# clock, which every stamp is taken by (a worker host's clock may be off).
+# ID:pinned, or the queued tokens), never leaving it below 0. now_ms: Redis's clock, which every stamp is taken by (a
+# worker host's clock may be off).
 LOADS_LUA = lua("""
 local function add_to_load(loads, field, tokens)
   if tokens == 0 then return end
   if redis.call('HINCRBY', loads, field, tokens) < 0 then redis.call('HSET', loads, field, 0) end
-end
-local function set_loads(loads, changes)
-  local pairs_ = {}
-  for _, c in ipairs(changes) do
-    if c[2] ~= tonumber(c[3] or '0') then pairs_[#pairs_ + 1], pairs_[#pairs_ + 2] = c[1], c[2] end
-  end
-  if #pairs_ > 0 then redis.call('HSET', loads, unpack(pairs_)) end
 end
 local function now_ms()
   local t = redis.call('TIME')
@@ -52,7 +44,12 @@ local function now_ms()
 end
 """)
 
-# weight_of(kv, kv_sum, kv_count): a worker's weight.
+# weight_of(kv, kv_sum, kv_count): a worker's weight. in_of(v): the four numbers of a worker's ID:in (load, weight, KV
+# cache, said-at ms; 0 each where it is absent: not open). own_loads(L, id, ...): one HMGET of its fields as `settle`
+# takes them ({load, ID:pinned, the queued tokens, ID:holds, ID:in, KV sum, KV count}), then the further fields named.
+# settle(L, id, h, load, pinned, queued, open, at_ms): for a script that read `h` (own_loads) and computed the
+# worker's load, ID:pinned and the queued tokens from it: those that changed written in one HSET, then `relevel` from
+# them, without reading them again.
 # relevel(L, id, open, at_ms, known): worker `id`'s level and its part of the sums, from its load fields as they are
 # now (`known`: the caller read them already, {load, pinned tokens, holds, ID:in, KV sum, KV count}, as the hash holds
 # them). L: {loads = the loads hash, levels = `Keys.levels`, open_at = `Keys.open_at`}. `open`: true (it said it has a
@@ -75,16 +72,18 @@ local function weight_of(kv, kv_sum, kv_count)
   if kv > 0 then return kv end
   return kv_count > 0 and math.max(1, math.floor(kv_sum / kv_count)) or 1
 end
+local function in_of(v)
+  if not v then return 0, 0, 0, 0 end
+  local a, b, c, d = string.match(v, '^(%S+) (%S+) (%S+) ?(%S*)$$')
+  return num(a), num(b), num(c), num(d)
+end
 local function relevel(L, id, open, at_ms, known)
   local h = known or redis.call('HMGET', L.loads, id, id .. '${PINNED_SUFFIX}', id .. '${HOLDS_SUFFIX}',
     id .. '${IN_SUFFIX}', '${KV_SUM_FIELD}', '${KV_COUNT_FIELD}')
   local was = h[4]
   if open == nil then open = was and true or false end
   local old_load, old_w, old_kv, old_at = 0, 0, 0, 0
-  if was then
-    local a, b, c, d = string.match(was, '^(%S+) (%S+) (%S+) ?(%S*)$$')
-    old_load, old_w, old_kv, old_at = num(a), num(b), num(c), num(d)
-  end
+  if was then old_load, old_w, old_kv, old_at = in_of(was) end
   local old_level = was and old_w > 0 and old_load / old_w or nil
   local load, kv, weight = 0, 0, 0  -- its part of the sums: none unless open
   if open then
@@ -117,6 +116,18 @@ local function relevel(L, id, open, at_ms, known)
   if not was or load ~= old_load or weight ~= old_w then redis.call('ZADD', L.levels, load / weight, id) end
   if stamp then redis.call('ZADD', L.open_at, at_ms, id) end
   return load / weight, old_level, load
+end
+local function own_loads(L, id, ...)
+  return redis.call('HMGET', L.loads, id, id .. '${PINNED_SUFFIX}', '${QUEUED_FIELD}', id .. '${HOLDS_SUFFIX}',
+    id .. '${IN_SUFFIX}', '${KV_SUM_FIELD}', '${KV_COUNT_FIELD}', ...)
+end
+local function settle(L, id, h, load, pinned, queued, open, at_ms)
+  local changed = {}
+  for _, c in ipairs({{id, load, h[1]}, {id .. '${PINNED_SUFFIX}', pinned, h[2]}, {'${QUEUED_FIELD}', queued, h[3]}}) do
+    if c[2] ~= tonumber(c[3] or '0') then changed[#changed + 1], changed[#changed + 2] = c[1], c[2] end
+  end
+  if #changed > 0 then redis.call('HSET', L.loads, unpack(changed)) end
+  return relevel(L, id, open, at_ms, {load, pinned, h[4], h[5], h[6], h[7]})
 end
 local function close_silent(L, ttl_ms, at_ms, limit)
   local silent = redis.call('ZRANGEBYSCORE', L.open_at, '-inf', at_ms - ttl_ms - 1, 'LIMIT', 0, limit)

@@ -39,16 +39,12 @@ for stream, ids in pairs(acked) do  -- deleted once answered: one XDEL a stream
   for i = 1, #ids, 1000 do redis.call('XDEL', stream, unpack(ids, i, math.min(i + 999, #ids))) end
 end
 for key in pairs(touched) do redis.call('EXPIRE', key, results_ttl_s) end
-if free ~= '' then  -- its fields read once and written once (`set_loads`), its level from them
+if free ~= '' then  -- its fields read once and written once (`own_loads`, `settle`), its level from them
   local woken, woken_pinned = tonumber(ARGV[5]), tonumber(ARGV[6])
-  local h = redis.call('HMGET', L.loads, worker, worker .. '${PINNED_SUFFIX}', '${QUEUED_FIELD}',
-    worker .. '${HOLDS_SUFFIX}', worker .. '${IN_SUFFIX}', '${KV_SUM_FIELD}', '${KV_COUNT_FIELD}')
+  local h = own_loads(L, worker)
   local load, pinned = math.max(0, num(h[1]) + woken - done), math.max(0, num(h[2]) - woken_pinned)
   local queued = math.max(0, num(h[3]) + woken_pinned - woken)
-  local fields = {{worker, load, h[1]}, {worker .. '${PINNED_SUFFIX}', pinned, h[2]}, {'${QUEUED_FIELD}', queued, h[3]}}
-  set_loads(L.loads, fields)
-  -- no clock read unless it joins: its takes and reports stamp it
-  relevel(L, worker, tonumber(free) > 0, 0, {load, pinned, h[4], h[5], h[6], h[7]})
+  settle(L, worker, h, load, pinned, queued, tonumber(free) > 0, 0)  -- no clock read unless it joins: takes stamp it
 end
 return fenced
 """)

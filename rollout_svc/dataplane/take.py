@@ -47,15 +47,14 @@ local kv_me, ctx_me = tonumber(ARGV[10] or '0') or 0, tonumber(ARGV[11] or '0') 
 local at = now_ms()
 local left = false
 local spent, carried_pinned = tonumber(ARGV[6]), tonumber(ARGV[9])
--- every field of the loads hash it reads, in one read; what it changes is written once, at the end (step 3)
+-- every field of the loads hash it reads, in one read (its own, then [8..11] the sums and contexts); what it changes
+-- is written once, at the end (step 3)
 local function read_loads()
-  return redis.call('HMGET', L.loads, me, me .. '${PINNED_SUFFIX}', '${QUEUED_FIELD}', me .. '${HOLDS_SUFFIX}',
-    me .. '${IN_SUFFIX}', '${KV_SUM_FIELD}', '${KV_COUNT_FIELD}', '${SUM_FIELD}', '${WEIGHTS_FIELD}',
-    '${WIDEST_FIELD}', '${NARROWEST_FIELD}')
+  return own_loads(L, me, '${SUM_FIELD}', '${WEIGHTS_FIELD}', '${WIDEST_FIELD}', '${NARROWEST_FIELD}')
 end
 local h = read_loads()
 -- the silent are closed as often as its stamp is renewed (`RESTAMP_MS`), the sums read again if it closed any
-local stamped_at = num(string.match(h[5] or '', '^%S+ %S+ %S+ (%d+)$$'))
+local _, _, _, stamped_at = in_of(h[5])
 if at - stamped_at >= RESTAMP_MS and close_silent(L, ttl_ms, at, 4) > 0 then h = read_loads() end
 local held, my_pinned, queued = num(h[1]), num(h[2]), num(h[3])
 if carried_pinned ~= 0 then my_pinned = math.max(0, my_pinned - carried_pinned) end
@@ -145,16 +144,11 @@ if looked then
     if waiting == 0 then redis.call('DEL', L.costs) end
   else
     local window = math.min(free, peek)
-    local s = {h[8], h[9], h[5], h[6], h[7], h[10], h[11]}
-    local in_load, in_w = 0, 0
-    if s[3] then
-      local a, b = string.match(s[3], '^(%S+) (%S+) ')
-      in_load, in_w = num(a), num(b)
-    end
-    local widest, narrowest = num(s[6]), num(s[7])
-    local w_me = weight_of(kv_me, num(s[4]), num(s[5]))
+    local in_load, in_w = in_of(h[5])
+    local widest, narrowest = num(h[10]), num(h[11])
+    local w_me = weight_of(kv_me, num(h[6]), num(h[7]))
     local mine = held + spent + my_pinned
-    local level_sum, weight_sum = num(s[1]) - in_load + mine, num(s[2]) - in_w + w_me
+    local level_sum, weight_sum = num(h[8]) - in_load + mine, num(h[9]) - in_w + w_me
     local least = true
     local lowest = redis.call('ZRANGE', L.levels, 0, 1, 'WITHSCORES')
     for i = 1, #lowest, 2 do
@@ -211,9 +205,7 @@ if looked then
   end
 end
 -- 3. its load, free slots and level: the fields it changed in one write, then its level from them
-local load = math.max(0, held + spent)
-set_loads(L.loads, {{me, load, h[1]}, {me .. '${PINNED_SUFFIX}', my_pinned, h[2]}, {'${QUEUED_FIELD}', queued, h[3]}})
-relevel(L, me, free > 0, at, {load, my_pinned, h[4], h[5], h[6], h[7]})
+settle(L, me, h, math.max(0, held + spent), my_pinned, queued, free > 0, at)
 local drained = looked and pinned_count == pinned_waiting and shared_count >= waiting
 return {pinned_count, shared_count, pinned_tokens + shared_tokens, pinned_tokens, left and 1 or 0, drained and 1 or 0}
 """,
