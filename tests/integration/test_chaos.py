@@ -51,3 +51,46 @@ def test_a_short_chaos_run_injects_every_kind_of_fault_and_leaves_a_clean_ledger
     assert summary["step_restarts"]["steps_restarted"] >= 1, story
     assert summary["step_restarts"]["trajectories_collected"] >= STEP_REQUESTS, story
     assert "SIGKILL" in story or "SIGSTOP" in story, story
+
+
+@pytest.mark.parametrize("held", [True, False])
+async def test_a_late_worker_is_excused_for_the_time_the_fleet_was_held_paused_only(
+    held, settings, rds, tmp_path, monkeypatch
+):
+    """A late worker timed from live to serving the committed version: the time the fleet was held paused (by anyone:
+    a sync whose receiver was killed just before it went live keeps its own pause until its transfer fails) is not
+    held against it; the same wait with nobody holding a pause is a violation. A 2-minute run of seed 1234 counted
+    two late workers so, each behind a sync that lost a receiver 1-3 s before they went live (10 s to fail)."""
+    import asyncio
+    import time
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from rollout_svc.keys import StateField
+    from rollout_svc.tools.chaos import sync_faults
+    from rollout_svc.tools.chaos.fleet import Slot
+    from rollout_svc.tools.chaos.ledger import Ledger
+
+    keys, late = settings.keys, "late-1"
+    fleet = SimpleNamespace(log_dir=tmp_path, settings=settings, redis_url=settings.redis_url)
+    syncer = SimpleNamespace(counts=Counter())
+    faults = sync_faults.SyncFaults(fleet, Ledger(time.time()), lambda *_: None, syncer)  # type: ignore[arg-type]
+    state = {StateField.WEIGHT_VERSION: "3"} | ({StateField.HOLDER_PREFIX + "sync-1": "keep"} if held else {})
+    rds.hset(keys.state, mapping=state)
+    rds.hset(keys.worker(late), mapping={"state": "paused" if held else "starting", "weight_version": "3"})
+    wait_s = 0.6  # over the bound the test sets: 0.3 s
+
+    async def released() -> None:
+        await asyncio.sleep(wait_s)
+        rds.hdel(keys.state, StateField.HOLDER_PREFIX + "sync-1")
+        rds.hset(keys.worker(late), "state", "serving")
+
+    monkeypatch.setattr(sync_faults, "LATE_WORKER_S", 0.3)
+    try:
+        await asyncio.gather(faults._time_late(Slot(late, late)), released())
+    finally:
+        await faults.close()
+    if held:
+        assert faults.violations == [] and faults.counts["late_workers_excused"] == 1
+    else:
+        assert [v["check"] for v in faults.violations] == ["late_worker"], faults.violations
