@@ -71,18 +71,18 @@ async def test_a_late_worker_is_excused_for_the_time_the_fleet_was_held_paused_o
     from rollout_svc.tools.chaos.fleet import Slot
     from rollout_svc.tools.chaos.ledger import Ledger
 
-    keys, late = settings.keys, "late-1"
+    keys, late, holder = settings.keys, "late-1", StateField.holder("sync-1")
     fleet = SimpleNamespace(log_dir=tmp_path, settings=settings, redis_url=settings.redis_url)
     syncer = SimpleNamespace(counts=Counter())
     faults = sync_faults.SyncFaults(fleet, Ledger(time.time()), lambda *_: None, syncer)  # type: ignore[arg-type]
-    state = {StateField.WEIGHT_VERSION: "3"} | ({StateField.HOLDER_PREFIX + "sync-1": "keep"} if held else {})
+    state = {StateField.WEIGHT_VERSION: "3"} | ({holder: "keep"} if held else {})
     rds.hset(keys.state, mapping=state)
     rds.hset(keys.worker(late), mapping={"state": "paused" if held else "starting", "weight_version": "3"})
     wait_s = 0.6  # over the bound the test sets: 0.3 s
 
     async def released() -> None:
         await asyncio.sleep(wait_s)
-        rds.hdel(keys.state, StateField.HOLDER_PREFIX + "sync-1")
+        rds.hdel(keys.state, holder)
         rds.hset(keys.worker(late), "state", "serving")
 
     monkeypatch.setattr(sync_faults, "LATE_WORKER_S", 0.3)

@@ -128,8 +128,8 @@ class SyncFaults:
         paused_s, paused_since = 0.0, None  # how long the fleet was held paused while it waited (a sync's pause too)
 
         async def serving() -> bool | None:
-            state, version = await self._heartbeat_fields(slot.worker_id, b"state", b"weight_version")
             nonlocal paused_s, paused_since
+            state, version = await self._heartbeat_fields(slot.worker_id, b"state", b"weight_version")
             fleet, now = await fleet_state(self.redis, self.keys), time.time()
             if paused_since is not None:
                 paused_s += now - paused_since
