@@ -8,9 +8,11 @@ single-prompt `generate` calls in flight (8 prompt tokens, 16 out) for N request
 Redis CPU (`INFO cpu`, user + system), Redis commands and their microseconds (`INFO commandstats`, a script's inner
 calls included), the workers' CPU (user + system, every worker process) and the client's. At the largest fleet this
 tree is measured again at larger read-aheads (`ROLLOUT_READ_AHEAD`: a woken worker takes that many entries before
-its share is weighed), so the price of spreading the requests over the workers is read in the same run. Then, in a
-pass of its own (logging costs Redis time), what the commands' time goes to by script: SLOWLOG logging every
-command, each script call's time (its inner calls included), inner calls and the requests it carried.
+its share is weighed), so the price of spreading the requests over the workers is read in the same run; and the
+earlier tree again with each worker's capacity at K / W (`--max-num-seqs`, "split"): every worker then holds its
+share of what is in flight, as a balanced placement spreads it, which is what the split alone costs the earlier
+code. Then, in a pass of its own (logging costs Redis time), what the commands' time goes to by script: SLOWLOG
+logging every command, each script call's time (its inner calls included), inner calls and the requests it carried.
 
 The measuring program is version-agnostic: it uses only `RolloutClient(redis_url=...)` and `generate`, which every
 commit since the first slice has.
@@ -43,6 +45,7 @@ from rollout_svc.tools.progress import Progress
 HEADING = "## (p) The hop's cost beside an earlier commit"
 DEFAULT_COMMIT = "ed982d0"  # the code before placement by cost (issue 43's measure)
 LEAST_CALLS = 0.002  # calls a request: a script called less (twice in 1,000 requests) is left out of (p)'s table
+SPLIT = "earlier/split"  # the earlier tree, each worker's capacity at in_flight / W (`BesidePlan.split`)
 FIGURES = ("requests_per_s", "redis_us", "commands", "command_us", "scripts", "workers_us", "client_us")
 
 # Run in each tree's own interpreter path: argv url, requests, in flight; env WORKER_PIDS. Prints one JSON line.
@@ -161,12 +164,21 @@ class BesidePlan:
     # This tree again at the largest fleet, at each of these read-aheads (`ROLLOUT_READ_AHEAD`: entries a woken worker
     # takes before its share is weighed; 2 by default): what spreading the requests over the workers costs per request.
     read_aheads: tuple[int, ...] = (16, 64)
+    # The earlier tree again at the largest fleet, each worker's capacity at in_flight / W (`--max-num-seqs`): every
+    # worker holds its share of what is in flight, as a balanced placement spreads it ("earlier/split").
+    split: bool = True
 
     def sides(self, workers: int) -> list[str]:
-        """The sides measured at `workers`, in a round's order: the earlier tree, this one, and this one at each
-        read-ahead (`"this@16"`) at the largest fleet."""
-        extra = [f"this@{n}" for n in self.read_aheads] if workers == max(self.workers) else []
+        """The sides measured at `workers`, in a round's order: the earlier tree, this one, and at the largest fleet
+        this one at each read-ahead (`"this@16"`) and the earlier one split (`"earlier/split"`)."""
+        largest = workers == max(self.workers)
+        extra = [f"this@{n}" for n in self.read_aheads] if largest else []
+        extra += [SPLIT] if largest and self.split else []
         return ["earlier", "this", *extra]
+
+    def capacity(self, side: str, workers: int) -> int:
+        """Each worker's capacity on `side` at `workers`: in_flight / W (rounded up) split, else 0 (its default)."""
+        return -(-self.in_flight // workers) if side == SPLIT else 0
 
 
 @dataclass
@@ -191,9 +203,9 @@ class BesideRun:
         names = sorted({name for r in rounds for name in r})
         return {name: [median(r.get(name, [0.0] * 3)[i] for r in rounds) for i in range(3)] for name in names}
 
-    def ratios(self, workers: int, figure: str, side: str = "this") -> list[float]:
-        """This tree's figure (`side`) over the earlier one's, round by round."""
-        pairs = zip(self.rounds[side][workers], self.rounds["earlier"][workers], strict=True)
+    def ratios(self, workers: int, figure: str, side: str = "this", against: str = "earlier") -> list[float]:
+        """`side`'s figure over `against`'s (the earlier tree's, by default), round by round."""
+        pairs = zip(self.rounds[side][workers], self.rounds[against][workers], strict=True)
         return [mine[figure] / theirs[figure] for mine, theirs in pairs if theirs[figure]]
 
 
@@ -251,26 +263,30 @@ def run_beside_bench(
             for workers in plan.workers:
                 order = plan.sides(workers)
                 for side in order if n % 2 == 0 else order[::-1]:
-                    tree, read_ahead = side.partition("@")[0], read_ahead_of(side)
+                    tree, read_ahead = tree_of(side), read_ahead_of(side)
                     title = f"bench (p) beside {run.earlier_commit}: round {n + 1}, {workers} workers, {side} tree"
                     with Progress(None, title):
-                        log = log_dir / f"{side.replace('@', '-ra')}-{workers}-{n}.log"
-                        figures = measure(trees[tree], workers, plan, log, read_ahead)
+                        log = log_dir / f"{side.replace('@', '-ra').replace('/', '-')}-{workers}-{n}.log"
+                        capacity = plan.capacity(side, workers)
+                        figures = measure(trees[tree], workers, plan, log, read_ahead, capacity)
                     run.scripts[side].setdefault(workers, []).append(figures.pop("by_script"))
                     run.rounds[side].setdefault(workers, []).append(figures)
     console.print(render_beside(run))
     return run
 
 
-def measure(tree: Path, workers: int, plan: BesidePlan, log: Path, read_ahead: str = "") -> dict[str, Any]:
-    """One measure of one tree (module docstring), its workers at `read_ahead` ('': their default). `RuntimeError`
-    with the log's path if its fleet does not come up or its client fails."""
+def measure(
+    tree: Path, workers: int, plan: BesidePlan, log: Path, read_ahead: str = "", capacity: int = 0
+) -> dict[str, Any]:
+    """One measure of one tree (module docstring), its workers at `read_ahead` ('': their default) and `capacity`
+    (`--max-num-seqs`; 0: their default). `RuntimeError` with the log's path if its fleet does not come up or its
+    client fails."""
     url = f"redis://127.0.0.1:{free_port()}/0"
     env = dict(os.environ, PYTHONPATH=str(tree))
     env.pop("ROLLOUT_READ_AHEAD", None)
     if read_ahead:
         env["ROLLOUT_READ_AHEAD"] = read_ahead
-    with _private_redis(url), _fleet(tree, url, workers, env, log) as pids:
+    with _private_redis(url), _fleet(tree, url, workers, env, log, capacity) as pids:
         env["WORKER_PIDS"] = ",".join(map(str, pids))
         args = [sys.executable, "-c", CLIENT, url, str(plan.requests), str(plan.in_flight), str(plan.profiled)]
         done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, cwd=tree)
@@ -290,11 +306,13 @@ def _private_redis(url: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _fleet(tree: Path, url: str, workers: int, env: dict[str, str], log: Path) -> Iterator[list[int]]:
-    """`rollout-svc up` of `tree` with `workers` echo workers; yields the worker processes' ids once each serves
-    (its status lists them all, then a warm-up by the client)."""
+def _fleet(
+    tree: Path, url: str, workers: int, env: dict[str, str], log: Path, capacity: int = 0
+) -> Iterator[list[int]]:
+    """`rollout-svc up` of `tree` with `workers` echo workers (each of `capacity`, 0: the default); yields the worker
+    processes' ids once each serves (its status lists them all, then a warm-up by the client)."""
     args = [sys.executable, "-m", "rollout_svc", "up", "--redis-url", url, "--workers", str(workers)]
-    args += ["--engine", "echo"]
+    args += ["--engine", "echo", *(["--max-num-seqs", str(capacity)] if capacity else [])]
     with log.open("wb") as out:
         up = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=tree)
     try:
@@ -347,29 +365,43 @@ def render_beside(run: BesideRun) -> str:
     ]
     for workers in p.workers:
         for side in p.sides(workers):
-            name, m = side_name(run, side), {f: run.median_of(side, workers, f) for f in FIGURES}
+            name, m = side_name(run, side, workers), {f: run.median_of(side, workers, f) for f in FIGURES}
             lines.append(
                 f"| {workers} | {name} | {m['requests_per_s']:,.0f} | {m['redis_us']:.1f} | {m['commands']:.2f} "
                 f"| {m['command_us']:.1f} | {m['scripts']:.3f} | {m['workers_us']:.0f} | {m['client_us']:.0f} |"
             )
     lines += [
         "",
-        "This tree over the earlier one (the issue's goals: Redis CPU per request at most 1.0x at 4 workers, the "
-        "workers' within 1.1x; at a read-ahead N a woken worker takes N entries before its share is weighed, "
-        "`ROLLOUT_READ_AHEAD`, 2 by default):",
+        "Each tree over another (the issue's goals: this tree's Redis CPU per request at most 1.0x the earlier one's "
+        "at 4 workers, the workers' within 1.1x; at a read-ahead N a woken worker takes N entries before its share is "
+        "weighed, `ROLLOUT_READ_AHEAD`, 2 by default; split: the earlier tree with each worker's capacity at "
+        f"{p.in_flight} / W, so that every worker holds its share of what is in flight, as a balanced placement "
+        "spreads it):",
         "",
-        "| workers | read-ahead | requests/s | Redis CPU per request | workers' CPU per request "
+        "| workers | tree | over | requests/s | Redis CPU per request | workers' CPU per request "
         "| client CPU per request |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---|---:|---:|---:|---:|",
     ]
     for workers in p.workers:
-        for side in p.sides(workers)[1:]:
+        sides = p.sides(workers)
+        pairs = [(side, "earlier") for side in sides[1:]] + ([("this", SPLIT)] if SPLIT in sides else [])
+        for side, against in pairs:
             cells = []
             for figure in ("requests_per_s", "redis_us", "workers_us", "client_us"):
-                ratios = run.ratios(workers, figure, side)
+                ratios = run.ratios(workers, figure, side, against)
                 cells.append(f"{median(ratios):.2f} ({', '.join(f'{r:.2f}' for r in ratios)})")
-            lines.append(f"| {workers} | {read_ahead_of(side) or 'default'} | {' | '.join(cells)} |")
+            mine, theirs = _ratio_name(run, side, workers), _ratio_name(run, against, workers)
+            lines.append(f"| {workers} | {mine} | {theirs} | {' | '.join(cells)} |")
     return "\n".join(lines + render_scripts(run)) + "\n"
+
+
+def _ratio_name(run: BesideRun, side: str, workers: int) -> str:
+    """A side as the ratio table names it: "this" (at a read-ahead), the earlier commit, or it split."""
+    if side == SPLIT:
+        return f"`{run.earlier_commit}` split ({run.plan.capacity(side, workers)} a worker)"
+    if side == "earlier":
+        return f"`{run.earlier_commit}`"
+    return f"this, read-ahead {read_ahead_of(side)}" if read_ahead_of(side) else "this"
 
 
 def render_scripts(run: BesideRun) -> list[str]:
@@ -387,7 +419,7 @@ def render_scripts(run: BesideRun) -> list[str]:
     ]
     for workers in run.plan.workers:
         for side in run.plan.sides(workers):
-            name, scripts = side_name(run, side), _called(run.scripts_of(side, workers))
+            name, scripts = side_name(run, side, workers), _called(run.scripts_of(side, workers))
             for what, (calls, us, inner) in sorted(scripts.items(), key=lambda kv: -kv[1][1]):
                 lines.append(
                     f"| {workers} | {name} | {what} | {calls:.3f} | {1 / calls:.1f} | {inner / calls:.1f} "
@@ -420,14 +452,22 @@ def render_scripts(run: BesideRun) -> list[str]:
 
 
 def read_ahead_of(side: str) -> str:
-    """The read-ahead a side's workers ran at: N of "this@N", '' (their default) for "this" and "earlier"."""
+    """The read-ahead a side's workers ran at: N of "this@N", '' (their default) for the others."""
     return side.partition("@")[2]
 
 
-def side_name(run: BesideRun, side: str) -> str:
-    """How a side is named in the tables: the earlier commit, this one, or this one at a read-ahead."""
+def tree_of(side: str) -> str:
+    """The tree a side runs: "this" or "earlier"."""
+    return side.partition("@")[0].partition("/")[0]
+
+
+def side_name(run: BesideRun, side: str, workers: int = 0) -> str:
+    """How a side is named in the tables: the earlier commit (split: with each worker's capacity at `workers`),
+    this one, or this one at a read-ahead."""
     if side == "earlier":
         return f"`{run.earlier_commit}`"
+    if side == SPLIT:
+        return f"`{run.earlier_commit}` (split: capacity {run.plan.capacity(side, workers)} a worker)"
     read_ahead = read_ahead_of(side)
     return f"`{run.this_commit}` (this{f', read-ahead {read_ahead}' if read_ahead else ''})"
 
