@@ -461,7 +461,7 @@ def tree_of(side: str) -> str:
     return side.partition("@")[0].partition("/")[0]
 
 
-def side_name(run: BesideRun, side: str, workers: int = 0) -> str:
+def side_name(run: BesideRun, side: str, workers: int) -> str:
     """How a side is named in the tables: the earlier commit (split: with each worker's capacity at `workers`),
     this one, or this one at a read-ahead."""
     if side == "earlier":
