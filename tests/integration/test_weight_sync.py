@@ -703,9 +703,7 @@ async def test_a_stale_worker_hands_the_requests_pinned_to_it_to_a_worker_that_s
     chaos soak past its 30 s timeout)."""
     procs.start("w0", "--engine", "echo", *SYNC_ECHO_ARGS, "--echo-load-delay-s", "20")
     start(procs, "w1")
-    # both serving (open to placement), not just live: sessions placed while w0 still starts all go to w1 (seen in CI)
-    for worker_id in ("w0", "w1"):
-        await wait_serving(rds, ws_settings, worker_id, 30, f"{worker_id} serving")
+    procs.wait_ready("w0", "w1")  # not just live: sessions placed while w0 still starts all go to w1 (seen in CI)
     sender_settings = ws_settings.copy_with(weight_sync_timeout_s=4.0)
     async with WeightSender(settings=sender_settings) as sender, RolloutClient(ws_settings) as client:
         sessions = [f"s{i}" for i in range(8)]
