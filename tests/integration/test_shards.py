@@ -27,6 +27,7 @@ from rollout_svc.config import Settings
 from rollout_svc.connections.topology import close_router, redis_router, shard_url
 from rollout_svc.deploy.redis_cluster import RedisClusterServers, free_cluster_ports
 from rollout_svc.fleet import Fleet
+from rollout_svc.keys import WORKERS_GROUP
 from tests.support import SYNC_ECHO_ARGS, SYNC_HEARTBEAT_TTL_S, WorkerProcs, async_wait_until
 
 PROMPT = list(range(1, 21))
@@ -142,20 +143,45 @@ async def test_order_and_sessions_stay_on_one_worker_and_spread_over_every_shard
         assert sum(d["length"] for d in status["streams"].values()) == 0, "something left queued"
 
 
+# 30 tokens x 0.1 s: 3 s a request, so the victim is found holding some. At 0.02 s (0.6 s a request) a CI run's victim,
+# busy at its last heartbeat, had answered all it held before the kill, and the batch ended inside its heartbeat TTL.
+@pytest.mark.parametrize("echo_args", [("--echo-token-delay-s", "0.1")])
 async def test_a_worker_killed_with_requests_in_flight_loses_none(shard_settings, fleet_procs):
     siblings = {w for w, shard in fleet_procs.items() if list(fleet_procs.values()).count(shard) > 1}
     async with RolloutClient(shard_settings) as client:
         prompts = [[i % 50 + 1] * 30 for i in range(300)]
         calls = asyncio.ensure_future(client.generate(prompts, {"max_tokens": 30}, timeout_s=60))
 
-        async def busy_sibling() -> str | None:  # a worker whose shard has another worker, to take its requests over
-            return next((w.worker_id for w in await client.workers() if w.worker_id in siblings and w.in_flight), None)
+        async def stopped_holding_requests() -> str | None:
+            """A worker whose shard has another worker (to take its requests over), stopped (SIGSTOP) while it
+            holds requests it has not answered; None (every one running again) if none does yet."""
+            for status in await client.workers():
+                if status.worker_id not in siblings or not status.in_flight:
+                    continue
+                fleet_procs.procs.kill(status.worker_id, signal.SIGSTOP)
+                await asyncio.sleep(0.1)  # an answer it sent before it stopped reaches Redis
+                if _holds(shard_settings, fleet_procs[status.worker_id], status.worker_id):
+                    return status.worker_id
+                fleet_procs.procs.kill(status.worker_id, signal.SIGCONT)
+            return None
 
-        victim = await async_wait_until(busy_sibling, 20, "a worker holding requests")
-        fleet_procs.procs.kill(victim)
+        victim = await async_wait_until(stopped_holding_requests, 20, "a worker holding requests")
+        fleet_procs.procs.kill(victim)  # SIGKILL: what it holds is reclaimed once its heartbeat expires
         trajectories = await asyncio.wait_for(calls, 60)
         assert [t.completion_token_ids for t in trajectories] == [p[:30] for p in prompts]
         assert victim not in {w.worker_id for w in await client.workers()}
+
+
+def _holds(settings: Settings, shard: str, worker_id: str) -> bool:
+    """Whether `worker_id` of `shard` holds a request it took and has not answered (an entry in the pending entries
+    list of the shard's shared, pinned or token request stream)."""
+    keys = settings.copy_with(shard=shard).keys
+    with redis.Redis.from_url(shard_url(settings.redis_url, shard)) as rds:
+        for stream in (keys.requests, keys.pinned_requests(worker_id), keys.token_requests):
+            with contextlib.suppress(redis.ResponseError):  # no such stream or group yet: it holds none there
+                if rds.xpending_range(stream, WORKERS_GROUP, "-", "+", 1, consumername=worker_id):
+                    return True
+    return False
 
 
 async def test_pause_resume_and_abort_reach_every_shard(shard_settings, fleet_procs):
@@ -258,8 +284,10 @@ def test_the_cluster_client_replaces_node_connections_whose_socket_died(redis_cl
     assert died >= 3 and values == [str(i).encode() for i in range(12)], (died, values)
 
 
-# Last in this module: it kills a primary of the module's cluster.
+# Last in this module: it kills a primary of the module's cluster. 20 tokens x 0.1 s: 2 s a request, so g1's workers
+# still hold theirs at the kill (at 0.02 s they were done in 0.4 s, near the age of a heartbeat saying they were busy).
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("echo_args", [("--echo-token-delay-s", "0.1")])
 async def test_killing_one_shards_primary_fails_only_its_requests(shard_settings, fleet_procs, where, request):
     if where[0] != "cluster":
         pytest.skip("one Redis is one shard: killing it is tests/integration/test_redis_restart.py")
