@@ -25,9 +25,10 @@ from rollout_svc.client.status import fleet_status
 from rollout_svc.client.weight_sender import WeightSender
 from rollout_svc.config import Settings
 from rollout_svc.connections.topology import close_router, redis_router, shard_url
+from rollout_svc.connections.urls import redis_async
+from rollout_svc.dataplane.reaper import Reaper
 from rollout_svc.deploy.redis_cluster import RedisClusterServers, free_cluster_ports
 from rollout_svc.fleet import Fleet
-from rollout_svc.keys import WORKERS_GROUP
 from tests.support import SYNC_ECHO_ARGS, SYNC_HEARTBEAT_TTL_S, WorkerProcs, async_wait_until
 
 PROMPT = list(range(1, 21))
@@ -160,7 +161,7 @@ async def test_a_worker_killed_with_requests_in_flight_loses_none(shard_settings
                     continue
                 fleet_procs.procs.kill(status.worker_id, signal.SIGSTOP)
                 await asyncio.sleep(0.1)  # an answer it sent before it stopped reaches Redis
-                if _holds(shard_settings, fleet_procs[status.worker_id], status.worker_id):
+                if await _holds(shard_settings, fleet_procs[status.worker_id], status.worker_id):
                     return status.worker_id
                 fleet_procs.procs.kill(status.worker_id, signal.SIGCONT)
             return None
@@ -172,16 +173,17 @@ async def test_a_worker_killed_with_requests_in_flight_loses_none(shard_settings
         assert victim not in {w.worker_id for w in await client.workers()}
 
 
-def _holds(settings: Settings, shard: str, worker_id: str) -> bool:
+async def _holds(settings: Settings, shard: str, worker_id: str) -> bool:
     """Whether `worker_id` of `shard` holds a request it took and has not answered (an entry in the pending entries
-    list of the shard's shared, pinned or token request stream)."""
-    keys = settings.copy_with(shard=shard).keys
-    with redis.Redis.from_url(shard_url(settings.redis_url, shard)) as rds:
-        for stream in (keys.requests, keys.pinned_requests(worker_id), keys.token_requests):
-            with contextlib.suppress(redis.ResponseError):  # no such stream or group yet: it holds none there
-                if rds.xpending_range(stream, WORKERS_GROUP, "-", "+", 1, consumername=worker_id):
-                    return True
-    return False
+    list of the shard's shared, pinned or token request stream), as its reaper would find it."""
+    shard_settings = settings.copy_with(shard=shard)
+    keys = shard_settings.keys
+    client = redis_async(shard_url(settings.redis_url, shard), decode_responses=False)
+    try:
+        streams = (keys.requests, keys.pinned_requests(worker_id), keys.token_requests)
+        return bool(await Reaper(client, shard_settings).pending_keys(worker_id, streams, 1))
+    finally:
+        await client.aclose()
 
 
 async def test_pause_resume_and_abort_reach_every_shard(shard_settings, fleet_procs):
