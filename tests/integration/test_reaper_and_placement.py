@@ -290,6 +290,9 @@ async def test_orphans_behind_more_held_entries_than_one_page_are_found(plane, s
     assert await plane.recovery.orphans(stream) == []
 
 
+# The registered w-back must stay live through the last 1 s wait: at the 2 s default, a stall of CI's loaded host
+# (2026-11-30) let its one heartbeat expire first, and its lock was rightly taken over.
+@pytest.mark.heartbeat_ttl(30.0)
 async def test_a_restart_takes_over_a_reap_lock_its_gone_predecessor_left_but_waits_for_a_reaper(plane, settings, rds):
     """A Redis SIGKILLed just after a worker released its start lock may come back without the release (its
     append-only file syncs every second): the lock, held by a process that is gone, would hold the next process
